@@ -1,0 +1,25 @@
+"""Errors that carry their own exit code, so the CLI can map them without tracebacks.
+
+`BadInputError` means the user gave something we cannot use (exit 2); `CheckFailedError` means a
+rewrite or an export did not pass its numerical check and nothing was written (exit 1).
+"""
+
+from __future__ import annotations
+
+
+class NormswapError(Exception):
+    """Base of every error normswap raises on purpose."""
+
+    exit_code = 2
+
+
+class BadInputError(NormswapError):
+    """A model file, factory, input file or option that cannot be used as given."""
+
+    exit_code = 2
+
+
+class CheckFailedError(NormswapError):
+    """A numerical check failed; the command wrote nothing."""
+
+    exit_code = 1

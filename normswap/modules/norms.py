@@ -1,0 +1,103 @@
+"""Reference norm modules: the modules normswap puts into a model when it swaps a norm.
+
+Their state_dict keys are ``weight`` and ``bias`` like torch.nn's, so a checkpoint of a swapped model
+loads back into the same architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from normswap.modules.functional import CASTING_MODES, layer_norm_reference, rms_norm_reference
+
+
+def _as_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    return tuple(int(d) for d in normalized_shape)
+
+
+class _AffineNorm(nn.Module):
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float,
+        elementwise_affine: bool,
+        bias: bool,
+        casting: str,
+        weight_offset: float,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        if casting not in CASTING_MODES:
+            raise ValueError(f"casting must be one of {CASTING_MODES}, got {casting!r}")
+        self.normalized_shape = _as_shape(normalized_shape)
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        self.casting = casting
+        self.weight_offset = float(weight_offset)
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            # With an offset the neutral weight is 0 (Gemma stores w with y = x * (1 + w)).
+            init = 1.0 - self.weight_offset
+            self.weight = nn.Parameter(torch.full(self.normalized_shape, init, **factory))
+        else:
+            self.register_parameter("weight", None)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.normalized_shape, **factory))
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"bias={self.bias is not None}, casting={self.casting!r}, weight_offset={self.weight_offset}"
+        )
+
+
+class RMSNorm(_AffineNorm):
+    """RMSNorm with optional bias, explicit casting mode and weight offset (Gemma's ``1 + w``)."""
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-6,
+        elementwise_affine: bool = True,
+        bias: bool = False,
+        casting: str = "none",
+        weight_offset: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, casting, weight_offset, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_reference(
+            x, len(self.normalized_shape), self.weight, self.bias, self.eps, self.casting, self.weight_offset
+        )
+
+
+class LayerNorm(_AffineNorm):
+    """LayerNorm with the same knobs as :class:`RMSNorm` (casting mode, weight offset)."""
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        casting: str = "none",
+        weight_offset: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, casting, weight_offset, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm_reference(
+            x, len(self.normalized_shape), self.weight, self.bias, self.eps, self.casting, self.weight_offset
+        )

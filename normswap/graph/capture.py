@@ -1,0 +1,103 @@
+"""Capture a graph of a model for analysis: torch.export (non-strict) first, fx tracing as fallback.
+
+The graph is only read, never run: every edit is applied to the user's module (DESIGN.md, "Analyze on a
+graph, edit the module"). Nodes of both capture methods carry ``nn_module_stack``, which maps each op
+back to the module path that ran it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+
+@dataclass
+class CapturedGraph:
+    """A graph of the model, or the reasons none could be captured."""
+
+    graph: fx.Graph | None
+    method: str | None  # "export" or "fx"
+    errors: list[str] = field(default_factory=list)
+    # Placeholder name -> qualified name of the parameter/buffer it stands for (export lifts them).
+    param_names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.graph is not None
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.errors) if self.errors else ""
+
+
+def _short_error(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+@contextlib.contextmanager
+def _eval_copy_guard(model: nn.Module):
+    # Export may record buffer mutations of BN in train mode; capture never changes user state, so we
+    # remember every module's training flag and restore it.
+    modes = {m: m.training for m in model.modules()}
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def capture_graph(
+    model: nn.Module,
+    example_args: tuple | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    leaf_modules: tuple[type[nn.Module], ...] = (),
+) -> CapturedGraph:
+    """Capture an analysis graph of ``model``; never raises for an uncapturable model.
+
+    torch.export needs example inputs; fx symbolic tracing does not, but fails on data-dependent
+    control flow. ``leaf_modules`` are kept opaque by the fx fallback.
+    """
+    errors: list[str] = []
+    if example_args is not None or example_kwargs:
+        try:
+            with _eval_copy_guard(model), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                exported = torch.export.export(
+                    model, tuple(example_args or ()), kwargs=dict(example_kwargs or {}), strict=False
+                )
+            param_names = {}
+            sig = exported.graph_signature
+            param_names.update(sig.inputs_to_parameters)
+            param_names.update(sig.inputs_to_buffers)
+            param_names.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+            return CapturedGraph(exported.graph, "export", errors, param_names)
+        except Exception as exc:  # export failures come in many types; we only report them
+            errors.append(f"torch.export failed: {_short_error(exc)}")
+    else:
+        errors.append("torch.export skipped: no example inputs")
+
+    try:
+        tracer = _LeafTracer(leaf_modules)
+        graph = tracer.trace(model)
+        return CapturedGraph(graph, "fx", errors)
+    except Exception as exc:
+        errors.append(f"fx tracing failed: {_short_error(exc)}")
+    return CapturedGraph(None, None, errors)
+
+
+class _LeafTracer(fx.Tracer):
+    def __init__(self, leaf_modules: tuple[type[nn.Module], ...]) -> None:
+        super().__init__()
+        self._extra_leaves = leaf_modules
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if self._extra_leaves and isinstance(m, self._extra_leaves):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from torch import fx
 
 from normswap.graph.capture import CapturedGraph
-from normswap.graph.ops import CHECK_OPS, op_name
+from normswap.graph.ops import CAST_OPS, CHECK_OPS, op_name, strip_casts
 
 
 @dataclass
@@ -45,6 +45,9 @@ class ModuleCall:
             n
             for n in self.nodes
             if any(u not in inside and op_name(u) not in CHECK_OPS for u in n.users)
+            # a cast of the call's own input is the input itself when the dtype already matches, and
+            # export then routes other readers of the input through it: not an output of the call
+            and not (op_name(n) in CAST_OPS and strip_casts(n) not in inside)
         ]
 
     def consumers(self) -> list[fx.Node]:
@@ -57,8 +60,8 @@ class ModuleCall:
         return found
 
 
-def _path(entry: tuple) -> str:
-    path = entry[0]
+def normalize_module_path(path: str) -> str:
+    """Module path as ``named_modules`` spells it, from an ``nn_module_stack`` entry's path."""
     # export records the root module as "" and children as "L['self'].layer1" in some versions
     for prefix in ("L['self'].", "L__self__."):
         if path.startswith(prefix):
@@ -79,7 +82,7 @@ class GraphView:
         for n in self.nodes:
             stack = n.meta.get("nn_module_stack") or {}
             for key, entry in stack.items():
-                path = _path(entry)
+                path = normalize_module_path(entry[0])
                 if not path:
                     continue
                 call = by_key.get((path, key))
@@ -107,7 +110,7 @@ class GraphView:
             return str(node.target)
         if not stack:
             return ""
-        return _path(list(stack.values())[-1])
+        return normalize_module_path(list(stack.values())[-1][0])
 
     def call_count(self, path: str) -> int:
         return len(self.calls.get(path, ()))

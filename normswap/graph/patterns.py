@@ -136,9 +136,12 @@ def _follow_affine(view: GraphView, node: fx.Node, nodes: list[fx.Node]) -> tupl
     cast_before_weight = False
     current = node
 
+    home = view.innermost_path(node)
+
     def single_user(n: fx.Node) -> fx.Node | None:
+        # the norm ends where its module ends: a cast in the caller belongs to the caller
         users = real_users(n)
-        return users[0] if len(users) == 1 else None
+        return users[0] if len(users) == 1 and view.innermost_path(users[0]) == home else None
 
     while (nxt := single_user(current)) is not None and op_name(nxt) in CAST_OPS:
         nodes.append(nxt)

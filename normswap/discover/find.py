@@ -1,0 +1,347 @@
+"""find_norms: every normalization in a model, with where its input comes from and where it goes.
+
+Module classes with known semantics are read directly (:mod:`normswap.discover.classify`). Everything
+else is found on the captured graph: functional norm calls (``F.layer_norm`` inside a block's forward),
+and norms written out as elementary ops (:mod:`normswap.graph.patterns`). A module whose whole forward
+is such a pattern (HF ``LlamaRMSNorm``, a hand-written LayerNorm class) becomes a ``structural`` module
+site and can be swapped like a torch.nn norm; a pattern inside a larger forward stays a ``pattern``
+site. Without a graph, candidate modules are probed one by one on a synthetic input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from normswap.discover.classify import classify_module, is_norm_candidate
+from normswap.discover.site import NormSite
+from normswap.graph.analysis import GraphView, ModuleCall, normalize_module_path
+from normswap.graph.capture import CapturedGraph, capture_graph
+from normswap.graph.ops import CAST_OPS, CHECK_OPS, arg, op_name, rank, tensor_meta
+from normswap.graph.patterns import NormMatch, find_norm_patterns
+
+FUNCTIONAL_NORM_OPS = {
+    "layer_norm": "layer",
+    "batch_norm": "batch",
+    "group_norm": "group",
+    "instance_norm": "instance",
+    "rms_norm": "rms",
+}
+
+
+@dataclass
+class NormInventory:
+    """The norm sites of a model and how the graph behind them was captured."""
+
+    sites: list[NormSite]
+    capture: CapturedGraph = field(repr=False)
+
+    def __iter__(self) -> Iterator[NormSite]:
+        return iter(self.sites)
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def __getitem__(self, index: int) -> NormSite:
+        return self.sites[index]
+
+    @property
+    def graph_method(self) -> str | None:
+        return self.capture.method
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for site in self.sites:
+            out[site.kind] = out.get(site.kind, 0) + 1
+        return out
+
+    def by_path(self, path: str) -> NormSite:
+        for site in self.sites:
+            if site.path == path:
+                return site
+        raise KeyError(path)
+
+
+def find_norms(
+    model: nn.Module,
+    example_args: tuple | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    captured: CapturedGraph | None = None,
+) -> NormInventory:
+    """Find every normalization site in ``model``.
+
+    With example inputs the graph comes from torch.export, otherwise from fx tracing; if neither works
+    the module-level findings are returned and ``inventory.capture.reason`` says why the graph is missing.
+    """
+    if captured is None:
+        captured = capture_graph(model, example_args, example_kwargs)
+    modules = dict(model.named_modules())
+    sites: dict[str, NormSite] = {}
+    for path, module in modules.items():
+        if not path:
+            continue
+        site = classify_module(path, module)
+        if site is not None and not _inside_known_norm(path, sites):
+            sites[path] = site
+
+    if captured.ok:
+        view = GraphView(captured)
+        order = {n: i for i, n in enumerate(view.nodes)}
+        _add_graph_sites(view, modules, sites, order)
+        for site in sites.values():
+            if site.source in ("module", "structural"):
+                _annotate_module_site(view, site, modules, order)
+    else:
+        _probe_candidates(modules, sites)
+
+    ordered = sorted(sites.values(), key=lambda s: s.order)
+    return NormInventory(ordered, captured)
+
+
+def _inside_known_norm(path: str, sites: dict[str, NormSite]) -> bool:
+    return any(path.startswith(p + ".") for p in sites)
+
+
+def _owner_path(view: GraphView, nodes: list[fx.Node]) -> str:
+    """The deepest module path that every node of ``nodes`` ran inside."""
+    common: list[str] | None = None
+    for n in nodes:
+        if view.is_param(n):
+            continue
+        stack = [e[0] for e in (n.meta.get("nn_module_stack") or {}).values()]
+        paths = [normalize_module_path(p) for p in stack]
+        if common is None:
+            common = paths
+        else:
+            k = 0
+            while k < min(len(common), len(paths)) and common[k] == paths[k]:
+                k += 1
+            common = common[:k]
+    return common[-1] if common else ""
+
+
+def _module_is_exactly(view: GraphView, call: ModuleCall, nodes: set[fx.Node]) -> bool:
+    """True when every op of the module call belongs to the matched norm (casts and checks aside)."""
+    for n in call.nodes:
+        name = op_name(n)
+        if n in nodes or name in CAST_OPS or name in CHECK_OPS or view.is_param(n) or n.op == "get_attr":
+            continue
+        return False
+    return True
+
+
+def _site_from_match(match: NormMatch, view: GraphView, model: nn.Module) -> dict[str, Any]:
+    meta = tensor_meta(match.input)
+    weight_shape = None
+    if match.weight is not None:
+        wmeta = tensor_meta(match.weight)
+        weight_shape = wmeta[0] if wmeta else _param_shape(model, view.param_name(match.weight))
+    shape = weight_shape
+    if shape is None and meta is not None and match.dims:
+        shape = tuple(meta[0][d] for d in match.dims)
+    return {
+        "kind": match.kind,
+        "normalized_dims": match.dims,
+        "normalized_shape": shape,
+        "eps": match.eps,
+        "affine": match.weight is not None,
+        "bias": match.bias is not None,
+        "running_stats": match.kind == "batch",
+        "casting": match.casting,
+        "weight_offset": match.weight_offset,
+        "dtype": str(meta[1]).replace("torch.", "") if meta else None,
+    }
+
+
+def _param_shape(model: nn.Module, name: str | None) -> tuple[int, ...] | None:
+    if name is None:
+        return None
+    try:
+        return tuple(model.get_parameter(name).shape)
+    except AttributeError:
+        try:
+            return tuple(model.get_buffer(name).shape)
+        except AttributeError:
+            return None
+
+
+def _add_graph_sites(
+    view: GraphView, modules: dict[str, nn.Module], sites: dict[str, NormSite], order: dict[fx.Node, int]
+) -> None:
+    known_calls: set[fx.Node] = set()
+    for path in sites:
+        for call in view.calls.get(path, ()):
+            known_calls.update(call.nodes)
+
+    for match in find_norm_patterns(view):
+        if match.output in known_calls or (match.input in known_calls and match.output in known_calls):
+            continue
+        if any(n in known_calls for n in match.nodes):
+            continue
+        owner = _owner_path(view, match.nodes)
+        calls = view.calls.get(owner, [])
+        module = modules.get(owner)
+        fields = _site_from_match(match, view, modules[""])
+        if (
+            owner
+            and module is not None
+            and calls
+            and owner not in sites
+            and all(_module_is_exactly(view, c, set(match.nodes)) for c in calls[:1])
+        ):
+            cls = type(module)
+            sites[owner] = NormSite(
+                path=owner,
+                source="structural",
+                class_name=f"{cls.__module__}.{cls.__qualname__}",
+                module=module,
+                training=module.training,
+                **fields,
+            )
+            for c in calls:
+                known_calls.update(c.nodes)
+            continue
+        path = f"{owner or '<root>'}::{match.output.name}"
+        sites[path] = NormSite(
+            path=path,
+            source="pattern",
+            producer=view.describe(match.input, modules),
+            consumers=[view.describe(u, modules) for u in _users_of(match.output)],
+            call_count=1,
+            order=order[match.output],
+            **fields,
+        )
+        known_calls.update(match.nodes)
+
+    for n in view.nodes:
+        kind = FUNCTIONAL_NORM_OPS.get(op_name(n) or "")
+        if kind is None or n in known_calls:
+            continue
+        owner = view.innermost_path(n)
+        path = f"{owner or '<root>'}::{n.name}"
+        sites[path] = _functional_site(view, n, kind, path, modules, order)
+
+
+def _users_of(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if op_name(u) not in CHECK_OPS]
+
+
+def _functional_site(
+    view: GraphView, n: fx.Node, kind: str, path: str, modules: dict[str, nn.Module], order: dict[fx.Node, int]
+) -> NormSite:
+    x = n.args[0] if n.args else None
+    meta = tensor_meta(x) if isinstance(x, fx.Node) else None
+    site = NormSite(path=path, kind=kind, source="functional", order=order[n], call_count=1)
+    site.dtype = str(meta[1]).replace("torch.", "") if meta else None
+    name = op_name(n)
+    if name in ("layer_norm", "rms_norm"):
+        shape = tuple(arg(n, 1, "normalized_shape") or ())
+        site.normalized_shape = shape
+        site.normalized_dims = tuple(range(-len(shape), 0))
+        site.affine = arg(n, 2, "weight") is not None
+        site.bias = name == "layer_norm" and arg(n, 3, "bias") is not None
+        eps = arg(n, 4 if name == "layer_norm" else 3, "eps")
+        site.eps = float(eps) if isinstance(eps, (int, float)) else None
+    elif name == "batch_norm":
+        site.normalized_dims = (1,)
+        site.affine = arg(n, 1, "weight") is not None
+        site.bias = arg(n, 2, "bias") is not None
+        site.running_stats = arg(n, 3, "running_mean") is not None
+        eps = arg(n, 7, "eps")
+        site.eps = float(eps) if isinstance(eps, (int, float)) else None
+        site.momentum = arg(n, 6, "momentum")
+        if meta:
+            site.normalized_shape = (meta[0][1],)
+    elif name == "group_norm":
+        site.num_groups = arg(n, 1, "num_groups")
+        site.affine = arg(n, 2, "weight") is not None
+        site.bias = arg(n, 3, "bias") is not None
+        eps = arg(n, 4, "eps")
+        site.eps = float(eps) if isinstance(eps, (int, float)) else None
+        if meta:
+            site.normalized_shape = (meta[0][1],)
+    site.producer = view.describe(x, modules) if isinstance(x, fx.Node) else None
+    site.consumers = [view.describe(u, modules) for u in _users_of(n)]
+    return site
+
+
+def _annotate_module_site(
+    view: GraphView, site: NormSite, modules: dict[str, nn.Module], order: dict[fx.Node, int]
+) -> None:
+    calls = view.calls.get(site.path, [])
+    site.call_count = len(calls)
+    if not calls:
+        return
+    call = calls[0]
+    site.order = min(order[n] for n in call.nodes)
+    inputs = call.inputs(view)
+    if inputs:
+        site.producer = view.describe(inputs[0], modules)
+    site.consumers = [view.describe(u, modules) for u in call.consumers()]
+    if site.kind == "layer" and site.source == "module":
+        _effective_layer_norm_dims(site, call, inputs)
+    if site.kind == "instance" and inputs:
+        r = rank(inputs[0])
+        if r is not None:
+            site.normalized_dims = tuple(range(2 - r, 0))
+
+
+def _effective_layer_norm_dims(site: NormSite, call: ModuleCall, inputs: list[fx.Node]) -> None:
+    """LayerNorm subclasses that permute around the op (timm LayerNorm2d) normalize another dim."""
+    for n in call.nodes:
+        if op_name(n) != "layer_norm":
+            continue
+        x = n.args[0]
+        if not isinstance(x, fx.Node) or op_name(x) != "permute" or x.args[0] not in inputs:
+            return
+        perm = list(x.args[1])
+        r = len(perm)
+        k = len(site.normalized_shape or ())
+        site.normalized_dims = tuple(sorted(perm[d] - r for d in range(r - k, r)))
+        return
+
+
+def _probe_candidates(modules: dict[str, nn.Module], sites: dict[str, NormSite]) -> None:
+    """Without a whole-model graph, run each candidate module alone to see if it is a norm."""
+    for i, (path, module) in enumerate(modules.items()):
+        if not path or path in sites or _inside_known_norm(path, sites) or not is_norm_candidate(module):
+            continue
+        site = probe_module(path, module)
+        if site is not None:
+            site.order = i
+            sites[path] = site
+
+
+def probe_module(path: str, module: nn.Module) -> NormSite | None:
+    """Trace ``module`` alone on a synthetic input and recognize it if its forward is one norm."""
+    weight = getattr(module, "weight", None)
+    width = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.ndim >= 1 else 8
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+    device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+    for shape in ((2, 3, width), (2, width, 3, 3)):
+        x = torch.randn(shape, dtype=dtype, device=device)
+        captured = capture_graph(module, (x,))
+        if not captured.ok:
+            continue
+        view = GraphView(captured)
+        matches = find_norm_patterns(view)
+        if len(matches) != 1:
+            continue
+        ops = [n for n in view.nodes if n.op in ("call_function", "call_method", "call_module")]
+        covered = set(matches[0].nodes)
+        if all(n in covered or op_name(n) in CAST_OPS or op_name(n) in CHECK_OPS for n in ops):
+            cls = type(module)
+            return NormSite(
+                path=path,
+                source="structural",
+                class_name=f"{cls.__module__}.{cls.__qualname__}",
+                module=module,
+                training=module.training,
+                **_site_from_match(matches[0], view, module),
+            )
+    return None

@@ -1,0 +1,166 @@
+"""Example inputs: the tensors normswap feeds a model to trace it and to compare outputs before/after.
+
+They come, in order of preference, from ``--inputs FILE``, from ``--input-shape`` specs, or from the model
+source itself (a factory's second return value, a torch.export archive's stored examples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.errors import BadInputError
+from normswap.load.model_file import LoadedModel, read_tensor_file
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+    "int64": torch.int64,
+    "long": torch.int64,
+    "int32": torch.int32,
+    "int": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+# Token ids for a model without an embedding table: small enough to be valid for most index uses.
+_DEFAULT_INT_HIGH = 100
+
+_NEED_INPUTS = (
+    "this command needs example inputs: pass --inputs FILE (a tuple or dict of tensors saved with "
+    "torch.save) or --input-shape 1,3,224,224 (repeatable; prefix int64: for token ids)"
+)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """Shape and dtype of one positional input to synthesize."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def parse_input_shape(text: str) -> InputSpec:
+    """Parse ``[dtype:]d0,d1,...`` such as ``1,3,224,224`` or ``int64:1,16`` (dtype defaults to float32)."""
+    expected = (
+        f"bad --input-shape {text!r}: expected comma-separated positive sizes like 1,3,224,224, "
+        f"optionally prefixed by a dtype like int64:1,16 (dtypes: {', '.join(sorted(set(_DTYPES)))})"
+    )
+    dtype_name, sep, dims = text.strip().rpartition(":")
+    if sep:
+        dtype = _DTYPES.get(dtype_name.strip().lower())
+        if dtype is None:
+            raise BadInputError(expected)
+    else:
+        dtype = torch.float32
+    try:
+        shape = tuple(int(d) for d in dims.split(","))
+    except ValueError:
+        raise BadInputError(expected) from None
+    if not shape or any(d < 1 for d in shape):
+        raise BadInputError(expected)
+    return InputSpec(shape=shape, dtype=dtype)
+
+
+def _index_high(model: nn.Module | None) -> int:
+    """Exclusive upper bound for synthesized integer inputs, so token ids index every embedding table."""
+    if model is None:
+        return _DEFAULT_INT_HIGH
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    return min(sizes) if sizes else _DEFAULT_INT_HIGH
+
+
+def make_inputs(
+    specs: list[InputSpec], model: nn.Module | None = None, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Synthesize one tensor per spec: normal floats, integers valid as embedding ids, random bools.
+
+    Seeded so that two runs of a command compare the same numbers.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    high = _index_high(model)
+    tensors = []
+    for spec in specs:
+        if spec.dtype == torch.bool:
+            tensors.append(torch.randint(0, 2, spec.shape, generator=generator).bool())
+        elif spec.dtype.is_floating_point:
+            # Draw in float32 and cast, so a float16 input holds the same values as its float32 twin.
+            tensors.append(torch.randn(spec.shape, generator=generator).to(spec.dtype))
+        else:
+            bound = min(high, torch.iinfo(spec.dtype).max + 1)
+            tensors.append(torch.randint(0, bound, spec.shape, generator=generator, dtype=spec.dtype))
+    return tuple(tensors)
+
+
+def _is_args_kwargs_pair(value: Any) -> bool:
+    # The layout of ExportedProgram.example_inputs: (args_tuple, kwargs_dict).
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], (tuple, list))
+        and isinstance(value[1], Mapping)
+        and all(isinstance(k, str) for k in value[1])
+    )
+
+
+def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
+    """Read ``--inputs``: a tensor, a tuple/list (positional args), a dict (kwargs) or an (args, kwargs) pair."""
+    payload = read_tensor_file(path, what="inputs file")
+    if isinstance(payload, torch.Tensor):
+        return (payload,), {}
+    if _is_args_kwargs_pair(payload):
+        return tuple(payload[0]), dict(payload[1])
+    if isinstance(payload, (tuple, list)):
+        return tuple(payload), {}
+    if isinstance(payload, Mapping) and all(isinstance(k, str) for k in payload):
+        return (), dict(payload)
+    raise BadInputError(
+        f"inputs file {path} holds a {type(payload).__name__}: expected a tensor, a tuple/list of positional "
+        "inputs or a dict of keyword inputs saved with torch.save"
+    )
+
+
+def resolve_inputs(
+    loaded: LoadedModel,
+    *,
+    inputs_file: str | Path | None = None,
+    input_shapes: list[str] | None = None,
+) -> tuple[tuple, dict] | None:
+    """Pick the example inputs: an explicit file, then shape specs, then what the model source carried."""
+    if inputs_file is not None:
+        return load_inputs_file(inputs_file)
+    if input_shapes:
+        specs = [parse_input_shape(text) for text in input_shapes]
+        return make_inputs(specs, loaded.model), {}
+    if loaded.example_args is not None or loaded.example_kwargs is not None:
+        return tuple(loaded.example_args or ()), dict(loaded.example_kwargs or {})
+    return None
+
+
+def require_inputs(
+    loaded: LoadedModel,
+    *,
+    inputs_file: str | Path | None = None,
+    input_shapes: list[str] | None = None,
+) -> tuple[tuple, dict]:
+    """Like ``resolve_inputs`` for commands that cannot run without inputs; says how to give them."""
+    resolved = resolve_inputs(loaded, inputs_file=inputs_file, input_shapes=input_shapes)
+    if resolved is None:
+        raise BadInputError(_NEED_INPUTS)
+    return resolved

@@ -1,0 +1,136 @@
+"""Write a rewritten model so that a failed command leaves nothing behind and never touches its input.
+
+Every output goes to a temp file next to the destination and is renamed over it only once complete;
+``os.replace`` within one directory is atomic, so readers see the old file or the new one, never half.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from normswap.errors import BadInputError
+from normswap.load.model_file import _describe
+
+# Output suffix -> short label of what gets written there.
+SAVE_FORMATS: dict[str, str] = {".pt2": "pt2", ".pt": "pickle", ".pth": "pickle", ".onnx": "onnx"}
+
+
+def _reserve_temp_path(path: Path) -> Path:
+    # The temp file keeps the final suffix: torch.export.save and ONNX writers act on it. Created with
+    # O_EXCL and mode 0o666 so the umask applies, as it would to a file written directly.
+    for _ in range(100):
+        candidate = path.with_name(f".{path.stem}.tmp-{secrets.token_hex(4)}{path.suffix}")
+        try:
+            fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return candidate
+    raise BadInputError(f"cannot create a temporary file next to {path}")
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(temp_path)`` and move the result to ``path``; on any error remove the temp file."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        raise BadInputError(f"output directory does not exist: {parent}")
+    if path.is_dir():
+        raise BadInputError(f"output path is a directory: {path}")
+    try:
+        temp = _reserve_temp_path(path)
+    except PermissionError:
+        raise BadInputError(f"cannot write to output directory {parent}: permission denied") from None
+    try:
+        write(temp)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path) -> None:
+    try:
+        ep = torch.export.export(model, tuple(example_args), example_kwargs or None, strict=False)
+    except Exception as exc:
+        raise BadInputError(
+            f"torch.export could not trace the model for .pt2 output ({_describe(exc)}); save as .pt instead"
+        ) from None
+    torch.export.save(ep, temp)
+
+
+def _write_pickle(model: nn.Module, temp: Path) -> None:
+    try:
+        torch.save(model, temp)
+    except (TypeError, AttributeError, RuntimeError) as exc:
+        # e.g. a lambda or a local class inside the model: pickle cannot name it.
+        raise BadInputError(
+            f"cannot pickle the model for .pt output ({_describe(exc)}); save as .pt2 instead"
+        ) from None
+
+
+def _write_onnx(model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path) -> None:
+    try:
+        program = torch.onnx.export(model, tuple(example_args), kwargs=example_kwargs or None, dynamo=True)
+    except Exception as exc:
+        raise BadInputError(f"ONNX export of the model failed: {_describe(exc)}") from None
+    if program is None:
+        raise BadInputError("ONNX export of the model produced no program")
+    # Initializers must stay inside the file: an external data file would be named after the temp file,
+    # and the reference to it would break on rename. The writer still goes external above 2 GB.
+    program.save(str(temp), external_data=False)
+    side_file = temp.with_name(temp.name + ".data")
+    if side_file.exists():
+        side_file.unlink()
+        raise BadInputError(
+            "the model's weights exceed the 2 GB limit of a single .onnx file; save as .pt2 instead"
+        )
+
+
+def save_model(
+    model: nn.Module,
+    path: Path,
+    example_args: tuple,
+    example_kwargs: dict | None = None,
+    *,
+    refuse_path: Path | None = None,
+) -> str:
+    """Save ``model`` in the format its suffix names (.pt2, .pt/.pth, .onnx) and return that format's label.
+
+    ``refuse_path`` is the input model file: writing over it would destroy the only copy of the original.
+    """
+    path = Path(path)
+    label = SAVE_FORMATS.get(path.suffix.lower())
+    if label is None:
+        accepted = ", ".join(SAVE_FORMATS)
+        raise BadInputError(f"cannot save to {path}: unknown suffix {path.suffix!r} (accepted: {accepted})")
+    if refuse_path is not None and _same_file(path, Path(refuse_path)):
+        raise BadInputError(
+            f"refusing to overwrite the input model {refuse_path}: choose another output path"
+        )
+
+    def write(temp: Path) -> None:
+        if label == "pt2":
+            _write_pt2(model, example_args, example_kwargs, temp)
+        elif label == "onnx":
+            _write_onnx(model, example_args, example_kwargs, temp)
+        else:
+            _write_pickle(model, temp)
+
+    atomic_write(path, write)
+    return label

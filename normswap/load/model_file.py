@@ -165,6 +165,10 @@ def _probe(path: Path, what: str) -> _Probe:
         if _is_safetensors(path):
             return _Probe(ModelFormat.SAFETENSORS, None)
         with path.open("rb") as f:
+            if f.read(4) == b"PK\x03\x04":
+                # Starts like a zip but has no readable central directory: cut off while copying.
+                raise _unreadable(path, "a truncated or corrupt zip archive", what)
+            f.seek(0)
             if not _is_pickle_stream(f):
                 raise _unreadable(
                     path, "neither a torch.save/torch.export archive, a pickle nor a safetensors file", what

@@ -1,0 +1,376 @@
+"""Triton kernels for RMSNorm / LayerNorm, with and without a fused residual add.
+
+Never import this module directly: :func:`normswap.kernels._launch.kernel_module` loads it, because
+``@triton.jit`` decides between compiled and interpreted kernels when it runs (at import), and the
+launcher has to pick per launch (see that function).
+
+Math, over one row of N elements (x is the row, or h = x + residual rounded to x's dtype):
+
+    RMSNorm:   rstd = 1 / sqrt(mean(x^2) + eps),             n = x * rstd
+    LayerNorm: mean = mean(x), rstd = 1 / sqrt(var(x) + eps), n = (x - mean) * rstd   (biased var)
+    y = affine(n): see ``_affine`` for the casting modes.
+
+Backward, with g = dy * w_eff (or dy without a weight) and means taken over the row:
+
+    RMSNorm:   dx = rstd * (g - n * mean(g * n))
+    LayerNorm: dx = rstd * (g - mean(g) - n * mean(g * n))
+    dw = sum over rows of dy * n_w,  db = sum over rows of dy
+
+where n_w is n rounded to the input dtype in llama mode (the value the weight multiplied).
+
+Every kernel loads, converts to fp32 at once and converts back only at the store: the reductions run in
+fp32 and the Triton interpreter (the CPU test path) cannot do bf16 arithmetic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _effective_weight(w, weight_offset, W_DTYPE: tl.constexpr, LLAMA: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    # The reference computes (w + offset) in the weight's own dtype in llama mode (it is a plain torch
+    # add on the parameter) and in fp32 otherwise (w.float() + offset).
+    if HAS_OFFSET:
+        w = w + weight_offset
+        if LLAMA:
+            w = w.to(W_DTYPE).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _affine(
+    n,
+    w,
+    b,
+    X_DTYPE: tl.constexpr,
+    PROD_DTYPE: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    LLAMA: tl.constexpr,
+):
+    # llama: n is rounded to the input dtype before the weight multiply, and the product is rounded to
+    # promote(x, w) before the bias add, exactly the roundings the eager reference performs. The fp32
+    # product of two values of at most 11 significant bits is exact, so rounding it once equals the
+    # rounded half-precision product torch computes.
+    if LLAMA:
+        y = n.to(X_DTYPE).to(tl.float32)
+        if HAS_W:
+            y = y * w
+            if HAS_B:
+                y = y.to(PROD_DTYPE).to(tl.float32)
+    else:
+        y = n
+        if HAS_W:
+            y = y * w
+    if HAS_B:
+        y = y + b
+    return y
+
+
+@triton.jit
+def norm_fwd_tile_kernel(
+    X,
+    R,
+    H,
+    Y,
+    W,
+    B,
+    Mean,
+    Rstd,
+    stride_x,
+    stride_r,
+    M,
+    N,
+    eps,
+    weight_offset,
+    IS_RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    LLAMA: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    PROD_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """BLOCK_M whole rows per program (BLOCK_N >= N); Y and H are contiguous [M, N]."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    # int64 row offsets: M * N passes 2**31 at e.g. 65536 x 32768.
+    rows64 = rows.to(tl.int64)
+
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(H.dtype.element_ty)
+        tl.store(H + rows64[:, None] * N + cols[None, :], h, mask=mask)
+        # The reference normalizes the rounded sum, so must we.
+        x = h.to(tl.float32)
+
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        tl.store(Mean + rows, mean, mask=row_mask)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    tl.store(Rstd + rows, rstd, mask=row_mask)
+    n = xc * rstd[:, None]
+
+    w = 0.0
+    b = 0.0
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET)[None, :]
+    if HAS_B:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y = _affine(n, w, b, X.dtype.element_ty, PROD_DTYPE, HAS_W, HAS_B, LLAMA)
+    tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_fwd_chunked_kernel(
+    X,
+    R,
+    H,
+    Y,
+    W,
+    B,
+    Mean,
+    Rstd,
+    stride_x,
+    stride_r,
+    N,
+    eps,
+    weight_offset,
+    IS_RMS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    LLAMA: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    PROD_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One row per program, walked in BLOCK_N chunks twice: statistics, then output.
+
+    For rows too long to sit in registers. The second walk re-reads the row, which the first one just
+    brought into L2. LayerNorm merges per-chunk (mean, M2) pairs (Chan et al.) instead of summing x and
+    x^2, which would cancel catastrophically for rows with a large mean.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    r_row = R + row * stride_r
+    h_row = H + row * N
+    y_row = Y + row * N
+    cols0 = tl.arange(0, BLOCK_N)
+
+    sum_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    mean = tl.zeros((), dtype=tl.float32)
+    m2 = tl.zeros((), dtype=tl.float32)
+    count = tl.zeros((), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+            h = (x + r).to(H.dtype.element_ty)
+            tl.store(h_row + cols, h, mask=mask)
+            x = h.to(tl.float32)
+        if IS_RMS:
+            sum_sq += x * x
+        else:
+            chunk_count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
+            chunk_mean = tl.sum(x, axis=0) / chunk_count
+            d = tl.where(mask, x - chunk_mean, 0.0)
+            chunk_m2 = tl.sum(d * d, axis=0)
+            new_count = count + chunk_count
+            delta = chunk_mean - mean
+            mean = mean + delta * (chunk_count / new_count)
+            m2 = m2 + chunk_m2 + delta * delta * (count * chunk_count / new_count)
+            count = new_count
+    if IS_RMS:
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / N + eps)
+    else:
+        rstd = tl.rsqrt(m2 / N + eps)
+        tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            # Recompute h rather than reload it: no store-then-load ordering to reason about, and x and r
+            # are as likely to be in L2 as h is.
+            r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (x + r).to(H.dtype.element_ty).to(tl.float32)
+        if IS_RMS:
+            n = x * rstd
+        else:
+            n = (x - mean) * rstd
+        w = 0.0
+        b = 0.0
+        if HAS_W:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET)
+        if HAS_B:
+            b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _affine(n, w, b, X.dtype.element_ty, PROD_DTYPE, HAS_W, HAS_B, LLAMA)
+        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def norm_bwd_row_dots_kernel(
+    DY,
+    X,
+    W,
+    Mean,
+    Rstd,
+    C1,
+    C2,
+    stride_dy,
+    stride_x,
+    N,
+    weight_offset,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    LLAMA: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Per-row mean(g * n) -> C1 and mean(g) -> C2 (LayerNorm), for rows too long for one tile.
+
+    With these precomputed, the backward splits a long row across programs by columns, so the dw/db
+    partial sums of one program fit in registers; see ``norm_bwd_tile_kernel`` with DOTS_GIVEN.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols0 = tl.arange(0, BLOCK_N)
+    rstd = tl.load(Rstd + row)
+    mean = 0.0
+    if not IS_RMS:
+        mean = tl.load(Mean + row)
+    acc_gn = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + cols0
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_W:
+            w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            g = g * _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET)
+        if IS_RMS:
+            n = x * rstd
+        else:
+            n = tl.where(mask, (x - mean) * rstd, 0.0)
+        acc_gn += g * n
+        acc_g += g
+    tl.store(C1 + row, tl.sum(acc_gn, axis=0) / N)
+    if not IS_RMS:
+        tl.store(C2 + row, tl.sum(acc_g, axis=0) / N)
+
+
+@triton.jit
+def norm_bwd_tile_kernel(
+    DY,
+    DH,
+    X,
+    W,
+    Mean,
+    Rstd,
+    C1,
+    C2,
+    DX,
+    DW_partial,
+    DB_partial,
+    stride_dy,
+    stride_dh,
+    stride_x,
+    M,
+    N,
+    weight_offset,
+    IS_RMS: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    LLAMA: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    DOTS_GIVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dx for [BLOCK_M, BLOCK_N] tiles, and this program's partial sums of dw and db.
+
+    Grid (G, C): program (p, c) handles column block c of row tiles p, p + G, p + 2G, ... and writes its
+    fp32 sums of dy * n_w and dy to row p of the [G, N] partial buffers; the host sums those G rows. No
+    atomics, so dw is deterministic. With DOTS_GIVEN=False a tile spans the whole row (C == 1) and the
+    row reductions happen here; with DOTS_GIVEN=True they come from ``norm_bwd_row_dots_kernel``.
+    DH is the gradient flowing into the residual-add output h from its other reader: it is added to dx.
+    DX is contiguous [M, N].
+    """
+    pid_m = tl.program_id(0)
+    num_pid_m = tl.num_programs(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+
+    w = 0.0
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET)[None, :]
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+
+    num_tiles = tl.cdiv(M, BLOCK_M)
+    for tile in range(pid_m, num_tiles, num_pid_m):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(Rstd + rows, mask=row_mask, other=0.0)
+        if IS_RMS:
+            n = x * rstd[:, None]
+        else:
+            mean = tl.load(Mean + rows, mask=row_mask, other=0.0)
+            n = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+
+        if HAS_W:
+            g = dy * w
+            if LLAMA:
+                dw_acc += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            else:
+                dw_acc += tl.sum(dy * n, axis=0)
+        else:
+            g = dy
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
+
+        if DOTS_GIVEN:
+            c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
+        else:
+            c1 = tl.sum(g * n, axis=1) / N
+        if IS_RMS:
+            dx = (g - n * c1[:, None]) * rstd[:, None]
+        else:
+            if DOTS_GIVEN:
+                c2 = tl.load(C2 + rows, mask=row_mask, other=0.0)
+            else:
+                c2 = tl.sum(g, axis=1) / N
+            dx = (g - c2[:, None] - n * c1[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+    if HAS_W:
+        tl.store(DW_partial + pid_m.to(tl.int64) * N + cols, dw_acc, mask=col_mask)
+    if HAS_B:
+        tl.store(DB_partial + pid_m.to(tl.int64) * N + cols, db_acc, mask=col_mask)

@@ -1,0 +1,86 @@
+"""Compose passes, checking each one's effect on the outputs as it goes.
+
+Each pass is validated on its own (outputs right before it vs right after it), so an exact pass in a
+pipeline that also holds an architectural one is still held to the exact tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from normswap.passes.base import Pass, PassReport, RewriteKind
+from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
+
+
+@dataclass
+class PipelineReport:
+    passes: list[PassReport] = field(default_factory=list)
+    # Whole-model comparison of the final model against the input model.
+    overall: ModelComparison | None = None
+    # Exact passes whose outputs moved beyond the tolerance: a bug, and a reason not to write anything.
+    exact_failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.exact_failures
+
+    @property
+    def changed(self) -> bool:
+        return any(p.changes for p in self.passes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "exact_failures": self.exact_failures,
+            "passes": [p.to_dict() for p in self.passes],
+            "overall": self.overall.to_dict() if self.overall else None,
+        }
+
+
+class ExactOnlyError(ValueError):
+    """A pipeline restricted to exact rewrites was given a pass that is not exact."""
+
+
+class Pipeline:
+    def __init__(self, passes: list[Pass], *, validate: bool = True, exact_only: bool = False) -> None:
+        if exact_only:
+            for p in passes:
+                if p.kind is not RewriteKind.EXACT:
+                    raise ExactOnlyError(f"{p.name} is {p.kind.value}, not exact")
+        self.passes = passes
+        self.validate = validate
+
+    def __call__(
+        self,
+        model: nn.Module,
+        example_args: tuple | None = None,
+        example_kwargs: dict[str, Any] | None = None,
+        *,
+        inplace: bool = False,
+    ) -> tuple[nn.Module, PipelineReport]:
+        has_inputs = example_args is not None or bool(example_kwargs)
+        check = self.validate and has_inputs
+        original = model if inplace or not check else copy.deepcopy(model)
+        current = model if inplace else copy.deepcopy(model)
+        report = PipelineReport()
+        for p in self.passes:
+            before = run_model(current, copy.deepcopy(example_args), copy.deepcopy(example_kwargs)) if check else None
+            current, pass_report = p(current, example_args, example_kwargs, inplace=True)
+            if check and pass_report.changes:
+                after = run_model(current, copy.deepcopy(example_args), copy.deepcopy(example_kwargs))
+                comparison = compare_outputs(before, after)
+                pass_report.validation = comparison.to_dict()
+                if p.kind is RewriteKind.EXACT and not comparison.within_tolerance:
+                    worst = max(comparison.outputs, key=lambda o: o.max_rel)
+                    report.exact_failures.append(
+                        f"{p.name}: {worst.name} moved by {worst.max_abs:.3g} "
+                        f"({worst.max_rel:.3g} x max|ref|, tolerance {worst.tolerance:g})"
+                    )
+            report.passes.append(pass_report)
+        if check and not inplace:
+            report.overall = compare_models(original, current, example_args, example_kwargs)
+        return current, report

@@ -1,0 +1,65 @@
+"""Compare two models on the same inputs: the check behind ``convert`` and the pipeline."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.validate.metrics import TensorComparison, compare_tensors, flatten_outputs
+
+
+@dataclass
+class ModelComparison:
+    outputs: list[TensorComparison] = field(default_factory=list)
+
+    @property
+    def within_tolerance(self) -> bool:
+        return all(o.within_tolerance for o in self.outputs)
+
+    @property
+    def worst_sqnr_db(self) -> float:
+        return min((o.sqnr_db for o in self.outputs), default=float("inf"))
+
+    @property
+    def worst_rel(self) -> float:
+        return max((o.max_rel for o in self.outputs), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "within_tolerance": self.within_tolerance,
+            "worst_sqnr_db": self.worst_sqnr_db,
+            "outputs": [asdict(o) for o in self.outputs],
+        }
+
+
+def run_model(model: nn.Module, args: tuple | None, kwargs: dict | None) -> Any:
+    """Run ``model`` without changing it: a model in training mode runs on a copy, since BatchNorm
+    would otherwise update its running statistics."""
+    if any(m.training for m in model.modules()):
+        model = copy.deepcopy(model)
+    with torch.no_grad():
+        return model(*(args or ()), **(kwargs or {}))
+
+
+def compare_outputs(reference: Any, output: Any) -> ModelComparison:
+    ref_items = flatten_outputs(reference)
+    out_items = dict(flatten_outputs(output))
+    result = ModelComparison()
+    for name, ref in ref_items:
+        if name not in out_items:
+            raise ValueError(f"converted model has no output {name!r}")
+        result.outputs.append(compare_tensors(name, ref, out_items[name]))
+    return result
+
+
+def compare_models(
+    original: nn.Module, converted: nn.Module, args: tuple | None, kwargs: dict | None = None
+) -> ModelComparison:
+    """Run both models on the same (copied) inputs and compare every floating-point output."""
+    ref = run_model(original, copy.deepcopy(args), copy.deepcopy(kwargs))
+    out = run_model(converted, copy.deepcopy(args), copy.deepcopy(kwargs))
+    return compare_outputs(ref, out)

@@ -1,0 +1,119 @@
+"""Numbers that say how far one tensor is from another, and the tolerance table of exact rewrites.
+
+Exact rewrites are judged by max abs error relative to the reference's scale (DESIGN.md: fp32 within
+1e-5 x max|reference|); architectural ones by signal-to-noise ratio, ``20 log10(||ref|| / ||ref - out||)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+# Relative max-abs tolerance of exact rewrites by output dtype: |out - ref|max <= tol * |ref|max.
+EXACT_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+
+def exact_tolerance(dtype: torch.dtype) -> float:
+    return EXACT_TOLERANCE.get(dtype, 1e-5)
+
+
+def sqnr_db(reference: torch.Tensor, output: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB; ``inf`` when the two are identical."""
+    ref = reference.detach().double()
+    noise = (ref - output.detach().double()).norm()
+    if noise == 0:
+        return math.inf
+    signal = ref.norm()
+    if signal == 0:
+        return -math.inf
+    return float(20 * torch.log10(signal / noise))
+
+
+@dataclass
+class TensorComparison:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    max_abs: float
+    max_ref: float
+    max_rel: float  # max_abs / max|ref|
+    sqnr_db: float
+    cosine: float
+    tolerance: float
+    within_tolerance: bool
+    top1_agreement: float | None = None
+
+
+def compare_tensors(name: str, reference: torch.Tensor, output: torch.Tensor) -> TensorComparison:
+    """Every figure of ``output`` against ``reference`` (same shape)."""
+    ref = reference.detach().double().cpu()
+    out = output.detach().double().cpu()
+    if ref.shape != out.shape:
+        raise ValueError(f"output {name!r} changed shape: {tuple(ref.shape)} -> {tuple(out.shape)}")
+    diff = (ref - out).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    max_ref = float(ref.abs().max()) if ref.numel() else 0.0
+    tol = exact_tolerance(reference.dtype)
+    flat_r, flat_o = ref.flatten(), out.flatten()
+    denom = flat_r.norm() * flat_o.norm()
+    cosine = float(flat_r @ flat_o / denom) if denom > 0 else (1.0 if max_abs == 0 else 0.0)
+    top1 = None
+    if ref.ndim >= 2 and ref.shape[-1] > 1 and reference.is_floating_point():
+        top1 = float((ref.argmax(-1) == out.argmax(-1)).double().mean())
+    return TensorComparison(
+        name=name,
+        shape=tuple(ref.shape),
+        dtype=str(reference.dtype).replace("torch.", ""),
+        max_abs=max_abs,
+        max_ref=max_ref,
+        max_rel=max_abs / max_ref if max_ref > 0 else (0.0 if max_abs == 0 else math.inf),
+        sqnr_db=sqnr_db(ref, out),
+        cosine=cosine,
+        tolerance=tol,
+        within_tolerance=max_abs <= tol * max(max_ref, 1e-30) or max_abs == 0,
+        top1_agreement=top1,
+    )
+
+
+def flatten_outputs(value: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
+    """Floating-point tensors of a model output (tensor, tuple, dict, HF ModelOutput), with names."""
+    if isinstance(value, torch.Tensor):
+        return [(prefix, value)] if value.is_floating_point() else []
+    found: list[tuple[str, torch.Tensor]] = []
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found += flatten_outputs(item, f"{prefix}.{key}")
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        for i, item in enumerate(value):
+            found += flatten_outputs(item, f"{prefix}[{i}]")
+    return found
+
+
+def record_module_inputs(
+    model: nn.Module, modules: list[nn.Module], args: tuple | None, kwargs: dict | None
+) -> dict[int, torch.Tensor]:
+    """First positional input each of ``modules`` receives in one forward pass, keyed by ``id``."""
+    seen: dict[int, torch.Tensor] = {}
+
+    def hook(module: nn.Module, inputs: tuple) -> None:
+        if id(module) not in seen and inputs and isinstance(inputs[0], torch.Tensor):
+            seen[id(module)] = inputs[0].detach()
+
+    handles = [m.register_forward_pre_hook(hook) for m in modules]
+    try:
+        with torch.no_grad():
+            model(*(args or ()), **(kwargs or {}))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen

@@ -44,8 +44,14 @@ def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
 
 def classify_module(path: str, module: nn.Module) -> NormSite | None:
     """A site for a module whose norm semantics are known from its type or buffers, else None."""
-    base = {"path": path, "source": "module", "class_name": _class_name(module), "module": module,
-            "dtype": _dtype(module), "training": module.training}
+    base = {
+        "path": path,
+        "source": "module",
+        "class_name": _class_name(module),
+        "module": module,
+        "dtype": _dtype(module),
+        "training": module.training,
+    }
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return NormSite(
             kind="batch",
@@ -141,6 +147,8 @@ def is_norm_candidate(module: nn.Module) -> bool:
     if module_eps(module) is not None:
         return True
     weight = getattr(module, "weight", None)
-    return isinstance(weight, torch.Tensor) and weight.ndim == 1 and not isinstance(
-        module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.ndim == 1
+        and not isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd))
     )

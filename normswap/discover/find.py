@@ -232,7 +232,12 @@ def _users_of(node: fx.Node) -> list[fx.Node]:
 
 
 def _functional_site(
-    view: GraphView, n: fx.Node, kind: str, path: str, modules: dict[str, nn.Module], order: dict[fx.Node, int]
+    view: GraphView,
+    n: fx.Node,
+    kind: str,
+    path: str,
+    modules: dict[str, nn.Module],
+    order: dict[fx.Node, int],
 ) -> NormSite:
     x = n.args[0] if n.args else None
     meta = tensor_meta(x) if isinstance(x, fx.Node) else None

@@ -69,7 +69,12 @@ def _square_base(node: fx.Node) -> fx.Node | None:
         return node.args[0]
     if name == "square" and isinstance(node.args[0], fx.Node):
         return node.args[0]
-    if name == "mul" and len(node.args) == 2 and node.args[0] is node.args[1] and isinstance(node.args[0], fx.Node):
+    if (
+        name == "mul"
+        and len(node.args) == 2
+        and node.args[0] is node.args[1]
+        and isinstance(node.args[0], fx.Node)
+    ):
         return node.args[0]
     return None
 
@@ -233,7 +238,11 @@ def _match_one(
     elif view.is_param(stat):
         # eval-mode BatchNorm written out with its running statistics as buffers
         num = strip_casts(numerator)
-        if not isinstance(num, fx.Node) or op_name(num) != "sub" or not view.is_param(strip_casts(num.args[1])):
+        if (
+            not isinstance(num, fx.Node)
+            or op_name(num) != "sub"
+            or not view.is_param(strip_casts(num.args[1]))
+        ):
             return None
         x, dims, kind_hint = num.args[0], (0,), "batch"
         nodes.append(num)

@@ -73,7 +73,9 @@ class RMSNorm(_AffineNorm):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, casting, weight_offset, device, dtype)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, bias, casting, weight_offset, device, dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_reference(
@@ -95,7 +97,9 @@ class LayerNorm(_AffineNorm):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, casting, weight_offset, device, dtype)
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, bias, casting, weight_offset, device, dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm_reference(

@@ -96,7 +96,9 @@ class Pass(ABC):
     ) -> tuple[nn.Module, PassReport]:
         target = model if inplace else copy.deepcopy(model)
         ctx = build_context(target, example_args, example_kwargs)
-        report = PassReport(self.name, self.kind, graph_method=ctx.captured.method, graph_error=ctx.captured.reason)
+        report = PassReport(
+            self.name, self.kind, graph_method=ctx.captured.method, graph_error=ctx.captured.reason
+        )
         for site in self.candidates(ctx):
             reason = self.check(site, ctx)
             if reason is not None:
@@ -124,7 +126,9 @@ def build_context(
     captured = capture_graph(model, example_args, example_kwargs)
     inventory = find_norms(model, example_args, example_kwargs, captured=captured)
     view = GraphView(captured) if captured.ok else None
-    return PassContext(model, inventory, captured, view, dict(model.named_modules()), example_args, example_kwargs)
+    return PassContext(
+        model, inventory, captured, view, dict(model.named_modules()), example_args, example_kwargs
+    )
 
 
 def replace_submodule(model: nn.Module, path: str, new: nn.Module) -> None:

@@ -41,7 +41,9 @@ class FoldBatchNorm(Pass):
 
     def check(self, site: NormSite, ctx: PassContext) -> str | None:
         if not site.is_module:
-            return f"{site.source} batch_norm inside a forward, not a module: folding it needs a graph rewrite"
+            return (
+                f"{site.source} batch_norm inside a forward, not a module: folding it needs a graph rewrite"
+            )
         bn = site.module
         assert bn is not None
         if isinstance(bn, nn.modules.batchnorm._BatchNorm):
@@ -67,11 +69,17 @@ class FoldBatchNorm(Pass):
         layer_path = ctx.view.innermost_path(producer)
         layer = ctx.modules.get(layer_path)
         if layer is None or not layer_path or not isinstance(layer, FOLDABLE_LAYERS):
-            what = f"{layer_path} ({_class(layer)})" if layer is not None and layer_path else ctx.view.describe(producer)
+            what = (
+                f"{layer_path} ({_class(layer)})"
+                if layer is not None and layer_path
+                else ctx.view.describe(producer)
+            )
             return f"input comes from {what}, not a Conv1d/2d/3d or Linear"
         base = next(cls for cls in FOLDABLE_LAYERS if isinstance(layer, cls))
         if not _uses_base_forward(layer, base):
-            return f"{layer_path} ({_class(layer)}) overrides forward; its output is not a plain {base.__name__}"
+            return (
+                f"{layer_path} ({_class(layer)}) overrides forward; its output is not a plain {base.__name__}"
+            )
         layer_calls = ctx.view.calls.get(layer_path, [])
         if len(layer_calls) != 1:
             return f"{layer_path} is called at {len(layer_calls)} sites; folding would change the others"
@@ -85,9 +93,7 @@ class FoldBatchNorm(Pass):
             meta = producer.meta.get("val")
             if meta is None or meta.ndim != 2:
                 ndim = "an unknown rank" if meta is None else f"a {meta.ndim}-D"
-                return (
-                    f"BatchNorm normalizes dim 1 of {ndim} input while {layer_path} (Linear) acts on the last dim"
-                )
+                return f"BatchNorm normalizes dim 1 of {ndim} input while {layer_path} (Linear) acts on the last dim"
         channels = site.normalized_shape[0] if site.normalized_shape else None
         out_channels = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
         if channels != out_channels:
@@ -102,13 +108,19 @@ class FoldBatchNorm(Pass):
         layer = ctx.modules[layer_path]
         had_bias = layer.bias is not None
         scale, shift = bn_scale_shift(
-            bn.running_mean, bn.running_var, float(site.eps if site.eps is not None else bn.eps), getattr(bn, "weight", None), getattr(bn, "bias", None)
+            bn.running_mean,
+            bn.running_var,
+            float(site.eps if site.eps is not None else bn.eps),
+            getattr(bn, "weight", None),
+            getattr(bn, "bias", None),
         )
         weight, bias = fold_bn_into_conv_weights(layer.weight, layer.bias, scale, shift, out_channel_dim=0)
         with torch.no_grad():
             layer.weight.copy_(weight)
             if layer.bias is None:
-                layer.bias = nn.Parameter(bias.to(layer.weight.device), requires_grad=layer.weight.requires_grad)
+                layer.bias = nn.Parameter(
+                    bias.to(layer.weight.device), requires_grad=layer.weight.requires_grad
+                )
             else:
                 layer.bias.copy_(bias)
         replace_submodule(ctx.model, site.path, nn.Identity())

@@ -68,7 +68,11 @@ class Pipeline:
         current = model if inplace else copy.deepcopy(model)
         report = PipelineReport()
         for p in self.passes:
-            before = run_model(current, copy.deepcopy(example_args), copy.deepcopy(example_kwargs)) if check else None
+            before = (
+                run_model(current, copy.deepcopy(example_args), copy.deepcopy(example_kwargs))
+                if check
+                else None
+            )
             current, pass_report = p(current, example_args, example_kwargs, inplace=True)
             if check and pass_report.changes:
                 after = run_model(current, copy.deepcopy(example_args), copy.deepcopy(example_kwargs))

@@ -94,7 +94,9 @@ class SwapNorm(Pass):
             with torch.no_grad():
                 details["site_sqnr_db"] = sqnr_db(old(sample), new.to(sample.device)(sample))
         replace_submodule(ctx.model, site.path, new)
-        return Change(self.name, site.path, self.kind, f"{type(old).__name__} -> {type(new).__name__}", details)
+        return Change(
+            self.name, site.path, self.kind, f"{type(old).__name__} -> {type(new).__name__}", details
+        )
 
 
 def _captured_input(ctx: PassContext, module: nn.Module) -> torch.Tensor | None:
@@ -106,7 +108,9 @@ def _captured_input(ctx: PassContext, module: nn.Module) -> torch.Tensor | None:
         return None
     if "norm_inputs" not in ctx.cache:
         targets = [s.module for s in ctx.inventory if s.is_module and s.module is not None]
-        ctx.cache["norm_inputs"] = record_module_inputs(ctx.model, targets, ctx.example_args, ctx.example_kwargs)
+        ctx.cache["norm_inputs"] = record_module_inputs(
+            ctx.model, targets, ctx.example_args, ctx.example_kwargs
+        )
     return ctx.cache["norm_inputs"].get(id(module))
 
 

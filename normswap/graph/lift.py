@@ -1,0 +1,207 @@
+"""Turn the flat graph of a loaded ``.pt2`` back into modules that passes can edit.
+
+``ExportedProgram.module()`` keeps every parameter at its original path but calls ``aten.conv2d``,
+``aten.batch_norm``, ``aten.layer_norm``... with ``get_attr`` nodes instead of calling ``nn.Conv2d`` etc.
+For each such call whose parameters belong to one module path and to that call alone, this puts a real
+torch.nn module at that path (holding the very same Parameter and buffer objects, so state_dict keys and
+values are unchanged) and replaces the op node by a ``call_module`` node. The function is unchanged;
+afterwards, module-level passes (fold BN, swap a norm) work on a ``.pt2`` as on an eager model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx, nn
+
+from normswap.graph.ops import arg, op_name
+
+_CONV = {"conv1d": nn.Conv1d, "conv2d": nn.Conv2d, "conv3d": nn.Conv3d}
+_BN_BY_RANK = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.args if isinstance(a, fx.Node)][1:]
+
+
+def _owner_of(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The module path owning every get_attr operand of ``node`` if that is all the module holds."""
+    attrs = _tensor_args(node)
+    if not attrs or any(a.op != "get_attr" or len(a.users) != 1 for a in attrs):
+        return None
+    prefixes = {str(a.target).rpartition(".")[0] for a in attrs}
+    if len(prefixes) != 1:
+        return None
+    prefix = prefixes.pop()
+    if not prefix:
+        return None
+    try:
+        holder = gm.get_submodule(prefix)
+    except AttributeError:
+        return None
+    held = {f"{prefix}.{n}" for n, _ in holder.named_parameters(recurse=False)}
+    held |= {f"{prefix}.{n}" for n, _ in holder.named_buffers(recurse=False)}
+    if list(holder.children()) or type(holder) is not nn.Module:
+        return None
+    used = {str(a.target) for a in attrs}
+    # num_batches_tracked is carried over by BatchNorm without being an operand of the op
+    if not held - {f"{prefix}.num_batches_tracked"} <= used:
+        return None
+    return prefix
+
+
+def _get(gm: fx.GraphModule, node: object) -> torch.Tensor | None:
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        *path, name = str(node.target).split(".")
+        return getattr(gm.get_submodule(".".join(path)), name)
+    return None
+
+
+def _set_tensors(module: nn.Module, holder: nn.Module, names: dict[str, torch.Tensor | None]) -> None:
+    for name, value in names.items():
+        if value is None:
+            continue
+        if isinstance(value, nn.Parameter):
+            setattr(module, name, value)
+        else:
+            module._buffers[name] = value
+    tracked = holder._buffers.get("num_batches_tracked")
+    if tracked is not None and "num_batches_tracked" in module._buffers:
+        module._buffers["num_batches_tracked"] = tracked
+
+
+def _conv(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    w, b = _get(gm, arg(n, 1, "weight")), _get(gm, arg(n, 2, "bias"))
+    if w is None:
+        return None
+    groups = int(arg(n, 6, "groups", 1))
+    m = _CONV[op_name(n)](
+        w.shape[1] * groups,
+        w.shape[0],
+        tuple(w.shape[2:]),
+        stride=arg(n, 3, "stride", 1),
+        padding=arg(n, 4, "padding", 0),
+        dilation=arg(n, 5, "dilation", 1),
+        groups=groups,
+        bias=b is not None,
+        device="meta",
+    )
+    _set_tensors(m, holder, {"weight": w, "bias": b})
+    return m
+
+
+def _linear(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    w, b = _get(gm, arg(n, 1, "weight")), _get(gm, arg(n, 2, "bias"))
+    if w is None:
+        return None
+    m = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    _set_tensors(m, holder, {"weight": w, "bias": b})
+    return m
+
+
+def _batch_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    x = n.args[0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    cls = _BN_BY_RANK.get(val.ndim) if isinstance(val, torch.Tensor) else None
+    w, b = _get(gm, arg(n, 1, "weight")), _get(gm, arg(n, 2, "bias"))
+    mean, var = _get(gm, arg(n, 3, "running_mean")), _get(gm, arg(n, 4, "running_var"))
+    if cls is None or mean is None or var is None or bool(arg(n, 5, "training", False)):
+        return None
+    m = cls(
+        mean.shape[0],
+        eps=float(arg(n, 7, "eps", 1e-5)),
+        momentum=arg(n, 6, "momentum", 0.1),
+        affine=w is not None,
+        device="meta",
+    )
+    _set_tensors(m, holder, {"weight": w, "bias": b, "running_mean": mean, "running_var": var})
+    if "num_batches_tracked" not in holder._buffers:
+        m._buffers["num_batches_tracked"] = torch.tensor(0, dtype=torch.long, device=mean.device)
+    return m.eval()
+
+
+def _layer_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    shape = tuple(arg(n, 1, "normalized_shape"))
+    w, b = _get(gm, arg(n, 2, "weight")), _get(gm, arg(n, 3, "bias"))
+    m = nn.LayerNorm(
+        shape,
+        eps=float(arg(n, 4, "eps", 1e-5)),
+        elementwise_affine=w is not None,
+        bias=b is not None,
+        device="meta",
+    )
+    _set_tensors(m, holder, {"weight": w, "bias": b})
+    return m
+
+
+def _group_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    w, b = _get(gm, arg(n, 2, "weight")), _get(gm, arg(n, 3, "bias"))
+    if w is None:
+        return None
+    m = nn.GroupNorm(
+        int(arg(n, 1, "num_groups")),
+        w.shape[0],
+        eps=float(arg(n, 4, "eps", 1e-5)),
+        affine=True,
+        device="meta",
+    )
+    _set_tensors(m, holder, {"weight": w, "bias": b})
+    return m if b is not None else None
+
+
+def _rms_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    shape = tuple(arg(n, 1, "normalized_shape"))
+    w = _get(gm, arg(n, 2, "weight"))
+    m = nn.RMSNorm(shape, eps=arg(n, 3, "eps"), elementwise_affine=w is not None, device="meta")
+    _set_tensors(m, holder, {"weight": w})
+    return m
+
+
+_BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | None]] = {
+    "conv1d": _conv,
+    "conv2d": _conv,
+    "conv3d": _conv,
+    "linear": _linear,
+    "batch_norm": _batch_norm,
+    "layer_norm": _layer_norm,
+    "group_norm": _group_norm,
+    "rms_norm": _rms_norm,
+}
+
+
+def lift_exported_module(gm: nn.Module) -> nn.Module:
+    """Replace op calls on parameters by calls of equivalent torch.nn modules, in place; returns ``gm``."""
+    if not isinstance(gm, fx.GraphModule):
+        return gm
+    lifted = 0
+    for node in list(gm.graph.nodes):
+        builder = _BUILDERS.get(op_name(node) or "") if node.op == "call_function" else None
+        if builder is None:
+            continue
+        prefix = _owner_of(gm, node)
+        if prefix is None:
+            continue
+        holder = gm.get_submodule(prefix)
+        module = builder(gm, node, holder)
+        if module is None or any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+            continue
+        gm.set_submodule(prefix, module)
+        attrs = _tensor_args(node)
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(prefix, (node.args[0],))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+        for a in attrs:
+            if not a.users:
+                gm.graph.erase_node(a)
+        lifted += 1
+    if lifted:
+        # get_attr nodes nobody reads (num_batches_tracked) would pin attributes a later pass may drop
+        for node in list(gm.graph.nodes):
+            if node.op == "get_attr" and not node.users:
+                gm.graph.erase_node(node)
+        gm.graph.lint()
+        gm.recompile()
+    return gm

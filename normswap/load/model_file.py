@@ -130,17 +130,28 @@ def _zip_layout(names: list[str]) -> set[str]:
     return {name.split("/", 1)[1] for name in names if "/" in name}
 
 
-def _weights_only_load(source: Any) -> Any:
+def _weights_only_load(path: Path, *, mmap: bool) -> Any:
+    """torch.load with the allowlisting unpickler; memory-maps zip archives so probing a big file is cheap."""
+    # torch.load picks its reader from a path's suffix (".safetensors"); an open file keeps the choice ours.
+    source: Any = str(path) if mmap and path.suffix != ".safetensors" else None
     # torch warns about pickle protocols other than 2 while probing; that is noise for the user.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.load(source, weights_only=True, map_location="cpu")
+        if source is not None:
+            return torch.load(source, weights_only=True, map_location="cpu", mmap=True)
+        with path.open("rb") as f:
+            return torch.load(f, weights_only=True, map_location="cpu")
 
 
 def _probe(path: Path, what: str) -> _Probe:
-    """Classify a file by content; load its payload when that is safe and already needed to decide."""
+    """Classify a file by its bytes; the payload comes back when deciding already required loading it.
+
+    Order matters: archive layouts and the safetensors header are checked before any unpickling, and
+    the only unpickling done here is torch's weights-only one, which refuses unknown globals unrun.
+    """
     _check_file(path, what)
-    if zipfile.is_zipfile(path):
+    is_zip = zipfile.is_zipfile(path)
+    if is_zip:
         try:
             with zipfile.ZipFile(path) as archive:
                 members = _zip_layout(archive.namelist())
@@ -154,7 +165,7 @@ def _probe(path: Path, what: str) -> _Probe:
                         "a zip archive, but not one written by torch.save, torch.export.save or torch.jit.save",
                         what,
                     )
-                pkl_name = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+                pkl_name = next(n for n in archive.namelist() if n.partition("/")[2] == "data.pkl")
                 with archive.open(pkl_name) as pkl:
                     is_pickle = _is_pickle_stream(pkl)
         except zipfile.BadZipFile as exc:
@@ -175,8 +186,7 @@ def _probe(path: Path, what: str) -> _Probe:
                 )
 
     try:
-        with path.open("rb") as f:
-            payload = _weights_only_load(f)
+        payload = _weights_only_load(path, mmap=is_zip)
     except pickle.UnpicklingError:
         # The stream is a well-formed pickle that the weights-only unpickler will not build: it names a
         # class or function outside torch's allowlist, so it can only be read by running arbitrary code.

@@ -7,6 +7,7 @@ Every output goes to a temp file next to the destination and is renamed over it 
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,10 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     try:
         write(temp)
         os.replace(temp, path)
+    except OSError as exc:
+        # Disk full, permissions, a read-only mount: the user's environment, not a normswap bug.
+        temp.unlink(missing_ok=True)
+        raise BadInputError(f"cannot write {path}: {exc.strerror or _describe(exc)}") from None
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
@@ -77,16 +82,20 @@ def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | Non
 def _write_pickle(model: nn.Module, temp: Path) -> None:
     try:
         torch.save(model, temp)
-    except (TypeError, AttributeError, RuntimeError) as exc:
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
         # e.g. a lambda or a local class inside the model: pickle cannot name it.
         raise BadInputError(
             f"cannot pickle the model for .pt output ({_describe(exc)}); save as .pt2 instead"
         ) from None
 
 
-def _write_onnx(model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path) -> None:
+def _write_onnx(
+    model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path, opset: int | None
+) -> None:
     try:
-        program = torch.onnx.export(model, tuple(example_args), kwargs=example_kwargs or None, dynamo=True)
+        program = torch.onnx.export(
+            model, tuple(example_args), kwargs=example_kwargs or None, dynamo=True, opset_version=opset
+        )
     except Exception as exc:
         raise BadInputError(f"ONNX export of the model failed: {_describe(exc)}") from None
     if program is None:
@@ -109,10 +118,12 @@ def save_model(
     example_kwargs: dict | None = None,
     *,
     refuse_path: Path | None = None,
+    opset: int | None = None,
 ) -> str:
     """Save ``model`` in the format its suffix names (.pt2, .pt/.pth, .onnx) and return that format's label.
 
     ``refuse_path`` is the input model file: writing over it would destroy the only copy of the original.
+    ``opset`` is the ONNX opset for .onnx outputs (None: the exporter's default); other formats ignore it.
     """
     path = Path(path)
     label = SAVE_FORMATS.get(path.suffix.lower())
@@ -128,7 +139,7 @@ def save_model(
         if label == "pt2":
             _write_pt2(model, example_args, example_kwargs, temp)
         elif label == "onnx":
-            _write_onnx(model, example_args, example_kwargs, temp)
+            _write_onnx(model, example_args, example_kwargs, temp, opset)
         else:
             _write_pickle(model, temp)
 

@@ -1,0 +1,282 @@
+"""The ``normswap`` command: parses options, calls the library, prints. No logic of its own.
+
+Start-up stays light: torch and normswap are imported inside the commands, so ``normswap --help``
+imports neither triton nor onnx (nor torch).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    name="normswap",
+    help="Find, rewrite and verify the normalization layers of a trained PyTorch model.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+MODEL_HELP = (
+    "A .pt2 archive (torch.export), a factory 'package.module:callable' or 'file.py:callable' returning "
+    "the model or (model, example_inputs), or a pickled module (.pt) with --trust-pickle."
+)
+ModelArg = Annotated[str, typer.Argument(help=MODEL_HELP, show_default=False)]
+WeightsOpt = Annotated[
+    Path | None, typer.Option("--weights", help="Weights for a factory model: safetensors or a state dict.")
+]
+TrustPickleOpt = Annotated[
+    bool,
+    typer.Option("--trust-pickle", help="Allow loading a pickled module (unpickling runs arbitrary code)."),
+]
+InputsOpt = Annotated[
+    Path | None,
+    typer.Option("--inputs", help="Example inputs: a tuple or dict of tensors saved with torch.save."),
+]
+InputShapeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--input-shape",
+        help="Example input shape, e.g. 1,3,224,224 or int64:1,16 for token ids. Repeat for several inputs.",
+    ),
+]
+ReportOpt = Annotated[
+    Path | None, typer.Option("--report", help="Also write the report as JSON to this file.")
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _handles_errors(fn: F) -> F:
+    """Turn normswap's own errors into one line on stderr and their exit code (2 bad input, 1 check)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from normswap.errors import NormswapError
+
+        try:
+            return fn(*args, **kwargs)
+        except NormswapError as exc:
+            err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _jsonable(value: Any) -> Any:
+    """Strict JSON: non-finite floats become the strings 'inf', '-inf', 'nan'."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _write_json(path: Path, data: Any) -> None:
+    from normswap.load import atomic_write
+
+    text = json.dumps(_jsonable(data), indent=2, allow_nan=False)
+    atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+
+
+def _load(model: str, weights: Path | None, trust_pickle: bool):
+    from normswap.load import load_model
+    from normswap.load.mode import set_inference_mode
+
+    loaded = load_model(model, weights=weights, trust_pickle=trust_pickle)
+    # Conversion and validation are about inference: BatchNorm must use its running statistics.
+    set_inference_mode(loaded.model)
+    return loaded
+
+
+def _fmt_float(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.{digits}g}"
+
+
+@app.command()
+@_handles_errors
+def inspect(
+    model: ModelArg,
+    weights: WeightsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the sites as JSON.")] = None,
+) -> None:
+    """List every normalization in MODEL: kind, shape, eps, affine, and what feeds and reads it."""
+    from normswap.discover import find_norms
+    from normswap.load import resolve_inputs
+
+    loaded = _load(model, weights, trust_pickle)
+    resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
+    args, kwargs = resolved if resolved is not None else (None, None)
+    inventory = find_norms(loaded.model, args, kwargs)
+
+    table = Table(title=f"Norms in {model}", show_lines=False)
+    for column in ("path", "kind", "class", "shape", "eps", "affine", "producer -> consumers"):
+        table.add_column(column, overflow="fold")
+    for site in inventory:
+        cls = (site.class_name or site.source).rsplit(".", 1)[-1]
+        if site.source != "module":
+            cls = f"{cls} ({site.source})"
+        affine = ("w" if site.affine else "-") + ("+b" if site.bias else "")
+        flow = f"{site.producer or '?'} -> {', '.join(site.consumers) or '?'}"
+        shape = "x".join(str(d) for d in site.normalized_shape) if site.normalized_shape else "?"
+        table.add_row(site.path, site.kind, cls, shape, _fmt_float(site.eps), affine, flow)
+    out.print(table)
+    counts = ", ".join(f"{kind} {n}" for kind, n in sorted(inventory.counts().items())) or "none"
+    graph = (
+        f"graph captured with {inventory.graph_method}"
+        if inventory.graph_method
+        else f"no graph ({inventory.capture.reason})"
+    )
+    out.print(f"{len(inventory)} norm sites: {counts}; {graph}")
+    if inventory.graph_method == "fx" and inventory.capture.errors:
+        out.print(f"[dim]{inventory.capture.reason}[/]", soft_wrap=True)
+    if json_out is not None:
+        _write_json(
+            json_out,
+            {
+                "model": model,
+                "graph_method": inventory.graph_method,
+                "graph_errors": inventory.capture.errors,
+                "counts": inventory.counts(),
+                "sites": [s.to_dict() for s in inventory],
+            },
+        )
+
+
+@app.command()
+@_handles_errors
+def convert(
+    model: ModelArg,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output file: .pt2, .pt or .onnx.")],
+    to: Annotated[
+        str | None,
+        typer.Option("--to", help="Swap norms to this kind: rmsnorm or layernorm (architectural)."),
+    ] = None,
+    fold_bn: Annotated[
+        bool, typer.Option("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear before it.")
+    ] = False,
+    exact: Annotated[
+        bool, typer.Option("--exact", help="Fail instead of applying any non-exact rewrite.")
+    ] = False,
+    weights: WeightsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    report: ReportOpt = None,
+) -> None:
+    """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
+    from normswap.errors import BadInputError, CheckFailedError
+    from normswap.passes import SWAP_TARGETS, ExactOnlyError, FoldBatchNorm, Pipeline, SwapNorm
+
+    if to is None and not fold_bn:
+        raise BadInputError("nothing to do: give --to KIND and/or --fold-bn")
+    if to is not None and to not in SWAP_TARGETS:
+        raise BadInputError(
+            f"--to {to!r} is not a norm kind normswap can swap to; choose from {', '.join(SWAP_TARGETS)}"
+        )
+    passes = []
+    if fold_bn:
+        passes.append(FoldBatchNorm())
+    if to is not None:
+        passes.append(SwapNorm(to))
+    try:
+        pipeline = Pipeline(passes, exact_only=exact)
+    except ExactOnlyError as exc:
+        raise CheckFailedError(f"--exact: {exc}; nothing written") from None
+
+    from normswap.load import require_inputs, save_model
+
+    loaded = _load(model, weights, trust_pickle)
+    args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
+    converted, result = pipeline(loaded.model, args, kwargs)
+    _print_pipeline(result)
+
+    written = False
+    if result.ok:
+        source = Path(model) if Path(model).exists() else None
+        label = save_model(converted, output, args, kwargs, refuse_path=source)
+        written = True
+        out.print(f"wrote {output} ({label})")
+    if report is not None:
+        _write_json(report, {"model": model, "output": str(output), "written": written, **result.to_dict()})
+    if not result.ok:
+        raise CheckFailedError(
+            "exact rewrite changed the outputs: " + "; ".join(result.exact_failures) + "; nothing written"
+        )
+
+
+def _print_pipeline(result: Any) -> None:
+    table = Table(title="Changes", show_lines=False)
+    for column in ("pass", "site", "kind", "what"):
+        table.add_column(column, overflow="fold")
+    skips = Table(title="Skipped", show_lines=False)
+    for column in ("pass", "site", "reason"):
+        skips.add_column(column, overflow="fold")
+    for p in result.passes:
+        for c in p.changes:
+            what = c.description
+            if "site_sqnr_db" in c.details:
+                what += f" (site SQNR {_fmt_float(c.details['site_sqnr_db'])} dB)"
+            table.add_row(p.pass_name, c.site, c.kind.value, what)
+        for s in p.skips:
+            skips.add_row(p.pass_name, s.site, s.reason)
+    out.print(table)
+    if skips.row_count:
+        out.print(skips)
+    for p in result.passes:
+        if p.validation is None:
+            note = "no change" if not p.changes else "not validated (no example inputs)"
+            out.print(f"{p.pass_name}: {len(p.changes)} changed, {len(p.skips)} skipped; {note}")
+            continue
+        worst = max(p.validation["outputs"], key=lambda o: o["max_rel"])
+        if p.kind.value == "exact":
+            verdict = "[green]PASS[/]" if p.validation["within_tolerance"] else "[bold red]FAIL[/]"
+            out.print(
+                f"{p.pass_name} (exact): {len(p.changes)} changed, {len(p.skips)} skipped; "
+                f"max abs {_fmt_float(worst['max_abs'])} = {_fmt_float(worst['max_rel'])} x max|ref| "
+                f"(tolerance {worst['tolerance']:g}) {verdict}"
+            )
+        else:
+            out.print(
+                f"{p.pass_name} ({p.kind.value}): {len(p.changes)} changed, {len(p.skips)} skipped; "
+                f"SQNR {_fmt_float(p.validation['worst_sqnr_db'])} dB, cosine {_fmt_float(worst['cosine'], 6)}, "
+                f"max abs {_fmt_float(worst['max_abs'])}"
+            )
+    if result.overall is not None:
+        out.print(
+            f"whole model vs original: SQNR {_fmt_float(result.overall.worst_sqnr_db)} dB, "
+            f"max abs / max|ref| {_fmt_float(result.overall.worst_rel)}"
+        )
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""Fused RMSNorm / LayerNorm / residual-add + norm: Triton kernels behind ``torch.library`` ops.
+
+Three tiers, as in Liger-Kernel:
+
+1. ``@triton.jit`` kernels (``_kernels``) and their host launchers (:mod:`.rms_norm`, :mod:`.layer_norm`),
+   which run on whatever device their tensors are on (CUDA, or CPU under ``TRITON_INTERPRET=1``);
+2. custom ops ``torch.ops.normswap.*`` (:mod:`.ops`) with fake and autograd registrations: Triton on
+   CUDA, the reference math of :mod:`normswap.modules.functional` elsewhere;
+3. differentiable functions (:func:`rms_norm`, ...) and the modules of :mod:`normswap.modules.fused`.
+
+Importing this package registers the ops (our own namespace only) and never imports triton.
+"""
+
+from normswap.kernels._launch import interpreter_enabled, triton_available
+from normswap.kernels.ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm, triton_on_cpu
+
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "interpreter_enabled",
+    "layer_norm",
+    "rms_norm",
+    "triton_available",
+    "triton_on_cpu",
+]

@@ -1,0 +1,395 @@
+"""Host side of the norm kernels: tile configuration, argument preparation and launches.
+
+Shared by :mod:`normswap.kernels.rms_norm` and :mod:`normswap.kernels.layer_norm`, whose public
+launchers are thin wrappers over :func:`norm_fwd` / :func:`norm_bwd`. Nothing here imports triton at
+module import time, so ``import normswap.kernels`` works without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from normswap.modules.functional import CASTING_MODES
+
+NormKind = Literal["rms", "layer"]
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+# Largest row, in elements, one program normalizes from registers; longer rows take the chunked kernels.
+# Set so that ptxas (sm_90, Triton 3.8) reports no register spills for the heaviest variant (LayerNorm
+# with residual, weight and bias; the backward with dh and llama casting), given the warp counts below;
+# longer rows spilled. Not timed on a GPU yet: benchmarks/bench_norms.py is where to revisit them.
+_FWD_TILE_LIMIT = 16384
+_BWD_TILE_LIMIT = 8192
+# Elements per thread: the backward keeps about twice as many fp32 arrays live as the forward.
+_FWD_ELEMS_PER_THREAD = 16
+_BWD_ELEMS_PER_THREAD = 8
+# Chunk length of the chunked kernels.
+_FWD_CHUNK = 4096
+_BWD_CHUNK = 1024
+# Elements a program handles in the tile kernels: small rows are batched BLOCK_M at a time so a
+# program still moves enough bytes to hide its launch and reduction latency.
+_TILE_ELEMS = 4096
+
+
+def triton_available() -> bool:
+    """Whether triton can be imported (it is optional: the CPU reference path never needs it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton kernels launched now run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_KERNEL_MODULES: dict[bool, ModuleType] = {}
+
+
+def kernel_module() -> ModuleType:
+    """The module of jit kernels matching the interpreter setting at this moment.
+
+    ``@triton.jit`` chooses between a compiled and an interpreted kernel when the decorator runs, i.e.
+    when the module is imported, but the test suite may set ``TRITON_INTERPRET`` after something else
+    imported triton or normswap. Loading a second copy of the kernel file when the setting differs from
+    the one the regular import saw makes the choice per launch and independent of import order.
+    """
+    interpret = interpreter_enabled()
+    module = _KERNEL_MODULES.get(interpret)
+    if module is not None:
+        return module
+    if not triton_available():
+        raise RuntimeError("normswap's fused norm kernels need triton, which is not installed")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from normswap.kernels import _kernels
+
+    if isinstance(_kernels.norm_fwd_tile_kernel, InterpretedFunction) != interpret:
+        name = f"normswap.kernels._kernels_{'interpreted' if interpret else 'compiled'}"
+        spec = importlib.util.spec_from_file_location(name, _kernels.__file__)
+        assert spec is not None and spec.loader is not None
+        _kernels = importlib.util.module_from_spec(spec)
+        # Triton reads the kernel source through the module: it must be findable by name.
+        sys.modules[name] = _kernels
+        spec.loader.exec_module(_kernels)
+    _KERNEL_MODULES[interpret] = _kernels
+    return _kernels
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _num_warps(elems: int, elems_per_thread: int) -> int:
+    return max(1, min(32, _next_pow2(max(1, elems // (32 * elems_per_thread)))))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # Interpreter on CPU: a few programs, so the persistent loops run more than once in tests.
+    return 2
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """How a launch covers an [M, N] problem."""
+
+    chunked: bool
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def _tile_config(m: int, n: int, tile_limit: int, chunk: int, elems_per_thread: int) -> TileConfig:
+    if n > tile_limit:
+        block_n = min(chunk, _next_pow2(tile_limit))
+        return TileConfig(True, 1, block_n, _num_warps(block_n, elems_per_thread))
+    block_n = _next_pow2(n)
+    block_m = max(1, min(_TILE_ELEMS // block_n, _next_pow2(m)))
+    return TileConfig(False, block_m, block_n, _num_warps(block_m * block_n, elems_per_thread))
+
+
+def fwd_config(m: int, n: int, max_block_n: int | None = None) -> TileConfig:
+    """Forward tiling; ``max_block_n`` lowers the whole-row limit (tests use it to reach the chunked path)."""
+    return _tile_config(m, n, max_block_n or _FWD_TILE_LIMIT, _FWD_CHUNK, _FWD_ELEMS_PER_THREAD)
+
+
+def bwd_config(m: int, n: int, max_block_n: int | None = None) -> TileConfig:
+    """Backward tiling, as :func:`fwd_config`."""
+    return _tile_config(m, n, max_block_n or _BWD_TILE_LIMIT, _BWD_CHUNK, _BWD_ELEMS_PER_THREAD)
+
+
+def output_dtype(
+    x_dtype: torch.dtype, weight: torch.Tensor | None, bias: torch.Tensor | None, casting: str
+) -> torch.dtype:
+    """dtype of y: the input's, except in llama mode where the weight multiply and bias add promote."""
+    if casting != "llama":
+        return x_dtype
+    dtype = x_dtype
+    for t in (weight, bias):
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _tl_dtype(dtype: torch.dtype):  # -> tl.dtype
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t as [M, n] with unit column stride; a view when the leading dims allow it (no copy)."""
+    t2 = t.reshape(-1, n)
+    if n > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def check_args(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    casting: str,
+) -> None:
+    if casting not in CASTING_MODES:
+        raise ValueError(f"casting must be one of {CASTING_MODES}, got {casting!r}")
+    if x.ndim == 0:
+        raise ValueError("a norm needs at least one dimension to normalize over")
+    n = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (n,):
+            raise ValueError(f"{name} must have shape ({n},) to normalize the last dim, got {tuple(t.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            "the residual must have the input's shape and dtype, got "
+            f"{tuple(residual.shape)} {residual.dtype} for input {tuple(x.shape)} {x.dtype}"
+        )
+
+
+def triton_supports(*tensors: torch.Tensor | None) -> bool:
+    """Whether the kernels handle these dtypes (fp32/fp16/bf16); others go to the reference math."""
+    return all(t is None or t.dtype in SUPPORTED_DTYPES for t in tensors)
+
+
+def norm_fwd(
+    kind: NormKind,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    casting: str,
+    weight_offset: float,
+    max_block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Launch the forward kernel: returns (y, h or None, mean or None, rstd).
+
+    y and h have x's shape and are contiguous; mean and rstd are fp32 of shape x.shape[:-1].
+    """
+    check_args(x, residual, weight, bias, casting)
+    if not triton_supports(x, weight, bias):
+        raise TypeError(f"the Triton norm kernels take fp32/fp16/bf16 tensors, got {x.dtype}")
+    n = x.shape[-1]
+    if n == 0:
+        raise ValueError("cannot normalize over an empty last dimension")
+    lead = x.shape[:-1]
+    x2 = _rows(x, n)
+    m = x2.shape[0]
+    device = x.device
+    y = torch.empty((m, n), dtype=output_dtype(x.dtype, weight, bias, casting), device=device)
+    rstd = torch.empty((m,), dtype=torch.float32, device=device)
+    mean = torch.empty((m,), dtype=torch.float32, device=device) if kind == "layer" else None
+    h = torch.empty((m, n), dtype=x.dtype, device=device) if residual is not None else None
+    r2 = _rows(residual, n) if residual is not None else None
+
+    if m > 0:
+        ker = kernel_module()
+        llama = casting == "llama"
+        prod = torch.promote_types(x.dtype, weight.dtype) if weight is not None else x.dtype
+        cfg = fwd_config(m, n, max_block_n)
+        args = (
+            x2,
+            r2 if r2 is not None else x2,
+            h if h is not None else x2,
+            y,
+            weight if weight is not None else x2,
+            bias if bias is not None else x2,
+            mean if mean is not None else rstd,
+            rstd,
+            x2.stride(0),
+            r2.stride(0) if r2 is not None else 0,
+        )
+        consts = {
+            "IS_RMS": kind == "rms",
+            "HAS_RESIDUAL": residual is not None,
+            "HAS_W": weight is not None,
+            "HAS_B": bias is not None,
+            "LLAMA": llama,
+            "HAS_OFFSET": weight is not None and weight_offset != 0.0,
+            "PROD_DTYPE": _tl_dtype(prod),
+        }
+        # eps and the offset go in as Python floats: triton passes them as fp32 kernel arguments.
+        if cfg.chunked:
+            ker.norm_fwd_chunked_kernel[(m,)](
+                *args, n, float(eps), float(weight_offset), **consts, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps
+            )
+        else:
+            grid = (_cdiv(m, cfg.block_m),)
+            ker.norm_fwd_tile_kernel[grid](
+                *args,
+                m,
+                n,
+                float(eps),
+                float(weight_offset),
+                **consts,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
+            )
+
+    return (
+        y.view(x.shape),
+        h.view(x.shape) if h is not None else None,
+        mean.view(lead) if mean is not None else None,
+        rstd.view(lead),
+    )
+
+
+def norm_bwd(
+    kind: NormKind,
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    casting: str,
+    weight_offset: float,
+    max_block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward: returns (dx, dweight or None, dbias or None).
+
+    ``x`` is the tensor that was normalized (h for the residual-add variants), ``dh`` the gradient that
+    reached h from its other readers (added to dx). dx has x's dtype, dweight and dbias their parameter's.
+    """
+    check_args(x, None, weight, bias, casting)
+    if kind == "layer" and mean is None:
+        raise ValueError("the LayerNorm backward needs the saved mean")
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    m = x2.shape[0]
+    dy2 = _rows(dy, n)
+    dh2 = _rows(dh, n) if dh is not None else None
+    device = x.device
+    dx = torch.empty((m, n), dtype=x.dtype, device=device)
+    rstd1 = rstd.reshape(m).float().contiguous()
+    mean1 = mean.reshape(m).float().contiguous() if mean is not None else rstd1
+
+    cfg = bwd_config(m, n, max_block_n)
+    num_col_blocks = _cdiv(n, cfg.block_n) if cfg.chunked else 1
+    num_tiles = _cdiv(m, cfg.block_m)
+    target_programs = _num_sms(device) * max(1, 16 // cfg.num_warps)
+    grid_m = max(1, min(num_tiles, target_programs // num_col_blocks))
+    # [grid_m, N] fp32 partial sums, one row per program: no atomics, deterministic dw/db.
+    dw_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if weight is not None else None
+    db_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if bias is not None else None
+
+    if m > 0:
+        ker = kernel_module()
+        llama = casting == "llama"
+        has_offset = weight is not None and weight_offset != 0.0
+        w_arg = weight if weight is not None else x2
+        c1 = c2 = rstd1
+        if cfg.chunked:
+            c1 = torch.empty((m,), dtype=torch.float32, device=device)
+            c2 = torch.empty((m,), dtype=torch.float32, device=device) if kind == "layer" else c1
+            # Only row sums here, so a longer chunk than the tile kernel's is cheap in registers.
+            dots_block = min(_next_pow2(n), 4 * cfg.block_n)
+            ker.norm_bwd_row_dots_kernel[(m,)](
+                dy2,
+                x2,
+                w_arg,
+                mean1,
+                rstd1,
+                c1,
+                c2,
+                dy2.stride(0),
+                x2.stride(0),
+                n,
+                float(weight_offset),
+                IS_RMS=kind == "rms",
+                HAS_W=weight is not None,
+                LLAMA=llama,
+                HAS_OFFSET=has_offset,
+                BLOCK_N=dots_block,
+                num_warps=_num_warps(dots_block, _FWD_ELEMS_PER_THREAD),
+            )
+        ker.norm_bwd_tile_kernel[(grid_m, num_col_blocks)](
+            dy2,
+            dh2 if dh2 is not None else dy2,
+            x2,
+            w_arg,
+            mean1,
+            rstd1,
+            c1,
+            c2,
+            dx,
+            dw_partial if dw_partial is not None else rstd1,
+            db_partial if db_partial is not None else rstd1,
+            dy2.stride(0),
+            dh2.stride(0) if dh2 is not None else 0,
+            x2.stride(0),
+            m,
+            n,
+            float(weight_offset),
+            IS_RMS=kind == "rms",
+            HAS_DH=dh is not None,
+            HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            LLAMA=llama,
+            HAS_OFFSET=has_offset,
+            DOTS_GIVEN=cfg.chunked,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+        )
+    elif dw_partial is not None or db_partial is not None:
+        # No rows: the parameter gradients are zero, not the garbage of an unwritten buffer.
+        for p in (dw_partial, db_partial):
+            if p is not None:
+                p.zero_()
+
+    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
+    db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
+    return dx.view(x.shape), dw, db
+
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "NormKind",
+    "TileConfig",
+    "bwd_config",
+    "check_args",
+    "fwd_config",
+    "interpreter_enabled",
+    "kernel_module",
+    "norm_bwd",
+    "norm_fwd",
+    "output_dtype",
+    "triton_available",
+    "triton_supports",
+]

@@ -245,9 +245,10 @@ def _functional_site(
     site.dtype = str(meta[1]).replace("torch.", "") if meta else None
     name = op_name(n)
     if name in ("layer_norm", "rms_norm"):
-        shape = tuple(arg(n, 1, "normalized_shape") or ())
-        site.normalized_shape = shape
-        site.normalized_dims = tuple(range(-len(shape), 0))
+        shape = arg(n, 1, "normalized_shape") or ()
+        if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
+            site.normalized_shape = tuple(shape)
+            site.normalized_dims = tuple(range(-len(shape), 0))
         site.affine = arg(n, 2, "weight") is not None
         site.bias = name == "layer_norm" and arg(n, 3, "bias") is not None
         eps = arg(n, 4 if name == "layer_norm" else 3, "eps")

@@ -58,6 +58,7 @@ _ATEN_ALIASES = {
     "mul_": "mul",
     "true_divide": "div",
     "convolution": "convolution",
+    "type_as": "to",
 }
 
 _METHOD_ALIASES = {"float": "to", "half": "to", "bfloat16": "to", "type_as": "to", "type": "to"}

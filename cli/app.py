@@ -204,8 +204,10 @@ def convert(
     except ExactOnlyError as exc:
         raise CheckFailedError(f"--exact: {exc}; nothing written") from None
 
-    from normswap.load import require_inputs, save_model
+    from normswap.load import SAVE_FORMATS, require_inputs, save_model
 
+    if output.suffix not in SAVE_FORMATS:
+        raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
     loaded = _load(model, weights, trust_pickle)
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     converted, result = pipeline(loaded.model, args, kwargs)

@@ -74,7 +74,7 @@ def test_gemma_offset_weights_keep_their_meaning():
     with torch.no_grad():
         norm.weight.normal_(0, 0.3)
     x = torch.randn(3, 16)
-    swapped, report = SwapNorm("layernorm")(nn.Sequential(norm), (x,))
+    swapped, _ = SwapNorm("layernorm")(nn.Sequential(norm), (x,))
     new = swapped[0]
     assert (new.casting, new.weight_offset) == ("gemma", 1.0)
     # LayerNorm of centered input == RMSNorm of it: the offset weight must give Gemma's output

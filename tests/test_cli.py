@@ -1,0 +1,158 @@
+"""The normswap command end to end: exit codes, messages, files written or not."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import model_zoo
+import torch
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+ZOO = str(Path(model_zoo.__file__))
+runner = CliRunner()
+
+
+def _run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_help_does_not_import_torch_triton_or_onnx():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from normswap_cli.app import app\n"
+        "for argv in (['--help'], ['inspect', '--help'], ['convert', '--help']):\n"
+        "    assert CliRunner().invoke(app, argv).exit_code == 0\n"
+        "heavy = sorted(m for m in ('torch', 'triton', 'onnx', 'onnxruntime') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_convert_fold_bn_resnet18_leaves_no_batchnorm(tmp_path):
+    out = tmp_path / "folded.pt2"
+    report = tmp_path / "report.json"
+    result = _run("convert", f"{ZOO}:resnet18_factory", "--fold-bn", "-o", str(out), "--report", str(report))
+    assert result.exit_code == 0, result.output
+    assert "PASS" in result.output and out.exists()
+    data = json.loads(report.read_text())
+    fold = data["passes"][0]
+    assert data["written"] and len(fold["changes"]) == 20 and fold["skips"] == []
+    assert fold["validation"]["outputs"][0]["max_rel"] <= 1e-5
+    program = torch.export.load(out)
+    assert not [n for n in program.graph.nodes if "batch_norm" in str(n.target)]
+    model, args = model_zoo.resnet18_factory()
+    expected = model(*args)
+    torch.testing.assert_close(
+        program.module()(*args), expected, rtol=0, atol=1e-5 * expected.abs().max().item()
+    )
+
+
+def test_convert_gpt2_to_rmsnorm_reports_divergence(tmp_path):
+    out = tmp_path / "gpt2_rms.pt"
+    report = tmp_path / "report.json"
+    result = _run(
+        "convert", f"{ZOO}:gpt2_factory", "--to", "rmsnorm", "-o", str(out), "--report", str(report)
+    )
+    assert result.exit_code == 0, result.output
+    assert "swap_norm (architectural): 5 changed" in result.output and "SQNR" in result.output
+    data = json.loads(report.read_text())
+    assert 0 < data["overall"]["worst_sqnr_db"] < 80
+    converted = torch.load(out, weights_only=False)
+    _, args, kwargs = model_zoo.gpt2()
+    assert converted(*args, **kwargs).logits.shape == (2, 12, 128)
+
+
+def test_exact_refuses_an_architectural_swap_and_writes_nothing(tmp_path):
+    out = tmp_path / "x.pt2"
+    result = _run("convert", f"{ZOO}:gpt2_factory", "--to", "rmsnorm", "--exact", "-o", str(out))
+    assert result.exit_code == 1
+    assert "--exact: swap_norm is architectural, not exact; nothing written" in result.output
+    assert not out.exists()
+
+
+def test_a_broken_exact_rewrite_fails_the_check_and_writes_nothing(tmp_path, monkeypatch):
+    # the package re-exports a function of the same name, so fetch the module itself
+    fold = importlib.import_module("normswap.passes.fold_batchnorm")
+
+    def wrong(weight, bias, scale, shift, out_channel_dim=0):
+        w, b = real(weight, bias, scale, shift, out_channel_dim)
+        return w * 1.01, b
+
+    real = fold.fold_bn_into_conv_weights
+    monkeypatch.setattr(fold, "fold_bn_into_conv_weights", wrong)
+    out = tmp_path / "bad.pt2"
+    result = _run("convert", f"{ZOO}:resnet18_factory", "--fold-bn", "-o", str(out))
+    assert result.exit_code == 1
+    assert "FAIL" in result.output and "exact rewrite changed the outputs: fold_batchnorm" in result.output
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_inspect_lists_sites_and_writes_json(tmp_path):
+    js = tmp_path / "sites.json"
+    result = _run("inspect", f"{ZOO}:gpt2_factory", "--json", str(js))
+    assert result.exit_code == 0, result.output
+    assert "5 norm sites: layer 5; graph captured with export" in result.output
+    data = json.loads(js.read_text())
+    assert data["counts"] == {"layer": 5}
+    assert data["sites"][0]["path"] == "transformer.h.0.ln_1"
+    assert data["sites"][0]["consumers"] == ["transformer.h.0.attn.c_attn"]
+
+
+def test_inspect_pt2_with_its_recorded_inputs(tmp_path):
+    model, args, _ = model_zoo.resnet18(size=32)
+    path = tmp_path / "r18.pt2"
+    torch.export.save(torch.export.export(model, args, strict=False), path)
+    result = _run("inspect", str(path))
+    assert result.exit_code == 0, result.output
+    assert "20 norm sites: batch 20; graph captured with export" in result.output
+
+
+def test_usage_errors_exit_2_with_one_line(tmp_path):
+    out = str(tmp_path / "o.pt2")
+    cases = [
+        (("convert", f"{ZOO}:gpt2_factory", "-o", out), "nothing to do: give --to KIND and/or --fold-bn"),
+        (("convert", f"{ZOO}:gpt2_factory", "--to", "dyt", "-o", out), "--to 'dyt' is not a norm kind"),
+        (("inspect", str(tmp_path / "missing.pt2")), "missing.pt2"),
+        (
+            ("inspect", "no_such_package.models:build"),
+            "cannot import factory module 'no_such_package.models'",
+        ),
+        (
+            ("convert", f"{ZOO}:conv_bn_without_inputs", "--fold-bn", "-o", out),
+            "this command needs example inputs",
+        ),
+        (("inspect", f"{ZOO}:HandRMSNorm"), "raised TypeError: HandRMSNorm.__init__() missing 1 required"),
+        (("convert", f"{ZOO}:resnet18_factory", "--fold-bn", "-o", str(tmp_path / "o.txt")), ".txt"),
+    ]
+    for argv, message in cases:
+        result = _run(*argv)
+        assert result.exit_code == 2, (argv, result.output)
+        assert message in result.output, (argv, result.output)
+        assert "Traceback" not in result.output
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_malicious_pickle_is_not_executed_without_trust_pickle(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "model.pt"
+    with open(path, "wb") as f:
+        pickle.dump(_Payload(marker), f)
+    result = _run("inspect", str(path))
+    assert result.exit_code == 2
+    assert "--trust-pickle" in result.output and "arbitrary code" in result.output
+    assert not marker.exists()

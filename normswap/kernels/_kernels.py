@@ -18,24 +18,89 @@ Backward, with g = dy * w_eff (or dy without a weight) and means taken over the 
 
 where n_w is n rounded to the input dtype in llama mode (the value the weight multiplied).
 
-Every kernel loads, converts to fp32 at once and converts back only at the store: the reductions run in
-fp32 and the Triton interpreter (the CPU test path) cannot do bf16 arithmetic.
+Every kernel loads, converts to fp32 at once and rounds to a narrower type only at the store and where
+the reference itself rounds (h = x + residual; llama mode): the reductions run in fp32, and the Triton
+interpreter (the CPU test path) cannot do bf16 arithmetic. The variance is taken around the mean (one
+pass over registers, or Chan's merge of chunks), never as E[x^2] - E[x]^2.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+# Only builtins of triton.language below, no functions of its jit-written standard library (tl.sum,
+# tl.zeros, tl.cdiv): those were compiled or interpreted once, when triton was imported, while this file
+# can be loaded in either mode later (see ``_launch.kernel_module``). Hence the local ``_sum``.
 
 
 @triton.jit
-def _effective_weight(w, weight_offset, W_DTYPE: tl.constexpr, LLAMA: tl.constexpr, HAS_OFFSET: tl.constexpr):
+def _add(a, b):
+    return a + b
+
+
+# The interpreter reduces with numpy when the combine function is triton's own sum combiner (it checks
+# identity) and makes one Python call per element otherwise, far too slow for tests; a compiled kernel
+# needs a combiner built in compiled mode, i.e. ours.
+_SUM_COMBINE = _add
+if isinstance(_add, InterpretedFunction):
+    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add)
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _SUM_COMBINE)
+
+
+@triton.jit
+def _round_bf16_rne(x):
+    # fp32 -> nearest bf16 (ties to even), kept in fp32: add half an ulp of bf16 plus the tie bit, then
+    # clear the 16 bits bf16 does not have. NaN passes through (the add could carry into its sign).
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, rne_bf16: tl.constexpr):
+    """x (fp32) rounded to ``dtype``, returned in fp32.
+
+    ``rne_bf16`` does the bf16 rounding in integer arithmetic: the interpreter truncates fp32 -> bf16 where
+    GPUs round to nearest even, and truncation biases sums of rounded values (llama-mode dweight drifts
+    by several ulps over a few hundred rows). Launchers set it only under the interpreter.
+    """
+    if rne_bf16 and dtype == tl.bfloat16:
+        return _round_bf16_rne(x)
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, rne_bf16: tl.constexpr):
+    """x (fp32) converted to ``dtype`` for a store, rounding to nearest even in both modes."""
+    if rne_bf16 and dtype == tl.bfloat16:
+        # Already representable, so the interpreter's truncating conversion is exact.
+        return _round_bf16_rne(x).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _effective_weight(
+    w,
+    weight_offset,
+    W_DTYPE: tl.constexpr,
+    LLAMA: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
     # The reference computes (w + offset) in the weight's own dtype in llama mode (it is a plain torch
     # add on the parameter) and in fp32 otherwise (w.float() + offset).
     if HAS_OFFSET:
         w = w + weight_offset
         if LLAMA:
-            w = w.to(W_DTYPE).to(tl.float32)
+            w = _round(w, W_DTYPE, RNE_BF16)
     return w
 
 
@@ -49,17 +114,18 @@ def _affine(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     LLAMA: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     # llama: n is rounded to the input dtype before the weight multiply, and the product is rounded to
     # promote(x, w) before the bias add, exactly the roundings the eager reference performs. The fp32
     # product of two values of at most 11 significant bits is exact, so rounding it once equals the
     # rounded half-precision product torch computes.
     if LLAMA:
-        y = n.to(X_DTYPE).to(tl.float32)
+        y = _round(n, X_DTYPE, RNE_BF16)
         if HAS_W:
             y = y * w
             if HAS_B:
-                y = y.to(PROD_DTYPE).to(tl.float32)
+                y = _round(y, PROD_DTYPE, RNE_BF16)
     else:
         y = n
         if HAS_W:
@@ -92,6 +158,7 @@ def norm_fwd_tile_kernel(
     LLAMA: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     PROD_DTYPE: tl.constexpr,
+    RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -108,18 +175,17 @@ def norm_fwd_tile_kernel(
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(R + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        h = (x + r).to(H.dtype.element_ty)
-        tl.store(H + rows64[:, None] * N + cols[None, :], h, mask=mask)
         # The reference normalizes the rounded sum, so must we.
-        x = h.to(tl.float32)
+        x = _round(x + r, H.dtype.element_ty, RNE_BF16)
+        tl.store(H + rows64[:, None] * N + cols[None, :], x.to(H.dtype.element_ty), mask=mask)
 
     if IS_RMS:
         xc = x
     else:
-        mean = tl.sum(x, axis=1) / N
+        mean = _sum(x, 1) / N
         tl.store(Mean + rows, mean, mask=row_mask)
         xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    rstd = tl.rsqrt(_sum(xc * xc, 1) / N + eps)
     tl.store(Rstd + rows, rstd, mask=row_mask)
     n = xc * rstd[:, None]
 
@@ -127,11 +193,11 @@ def norm_fwd_tile_kernel(
     b = 0.0
     if HAS_W:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET)[None, :]
+        w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET, RNE_BF16)[None, :]
     if HAS_B:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    y = _affine(n, w, b, X.dtype.element_ty, PROD_DTYPE, HAS_W, HAS_B, LLAMA)
-    tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    y = _affine(n, w, b, X.dtype.element_ty, PROD_DTYPE, HAS_W, HAS_B, LLAMA, RNE_BF16)
+    tl.store(Y + rows64[:, None] * N + cols[None, :], _cast(y, Y.dtype.element_ty, RNE_BF16), mask=mask)
 
 
 @triton.jit
@@ -156,6 +222,7 @@ def norm_fwd_chunked_kernel(
     LLAMA: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     PROD_DTYPE: tl.constexpr,
+    RNE_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """One row per program, walked in BLOCK_N chunks twice: statistics, then output.
@@ -171,33 +238,32 @@ def norm_fwd_chunked_kernel(
     y_row = Y + row * N
     cols0 = tl.arange(0, BLOCK_N)
 
-    sum_sq = tl.zeros([BLOCK_N], dtype=tl.float32)
-    mean = tl.zeros((), dtype=tl.float32)
-    m2 = tl.zeros((), dtype=tl.float32)
-    count = tl.zeros((), dtype=tl.float32)
+    sum_sq = tl.full([BLOCK_N], 0.0, tl.float32)
+    mean = tl.full((), 0.0, tl.float32)
+    m2 = tl.full((), 0.0, tl.float32)
+    count = tl.full((), 0.0, tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         mask = cols < N
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
-            h = (x + r).to(H.dtype.element_ty)
-            tl.store(h_row + cols, h, mask=mask)
-            x = h.to(tl.float32)
+            x = _round(x + r, H.dtype.element_ty, RNE_BF16)
+            tl.store(h_row + cols, x.to(H.dtype.element_ty), mask=mask)
         if IS_RMS:
             sum_sq += x * x
         else:
             chunk_count = tl.minimum(N - start, BLOCK_N).to(tl.float32)
-            chunk_mean = tl.sum(x, axis=0) / chunk_count
+            chunk_mean = _sum(x, 0) / chunk_count
             d = tl.where(mask, x - chunk_mean, 0.0)
-            chunk_m2 = tl.sum(d * d, axis=0)
+            chunk_m2 = _sum(d * d, 0)
             new_count = count + chunk_count
             delta = chunk_mean - mean
             mean = mean + delta * (chunk_count / new_count)
             m2 = m2 + chunk_m2 + delta * delta * (count * chunk_count / new_count)
             count = new_count
     if IS_RMS:
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / N + eps)
+        rstd = tl.rsqrt(_sum(sum_sq, 0) / N + eps)
     else:
         rstd = tl.rsqrt(m2 / N + eps)
         tl.store(Mean + row, mean)
@@ -211,7 +277,7 @@ def norm_fwd_chunked_kernel(
             # Recompute h rather than reload it: no store-then-load ordering to reason about, and x and r
             # are as likely to be in L2 as h is.
             r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
-            x = (x + r).to(H.dtype.element_ty).to(tl.float32)
+            x = _round(x + r, H.dtype.element_ty, RNE_BF16)
         if IS_RMS:
             n = x * rstd
         else:
@@ -220,11 +286,11 @@ def norm_fwd_chunked_kernel(
         b = 0.0
         if HAS_W:
             w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET)
+            w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET, RNE_BF16)
         if HAS_B:
             b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _affine(n, w, b, X.dtype.element_ty, PROD_DTYPE, HAS_W, HAS_B, LLAMA)
-        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=mask)
+        y = _affine(n, w, b, X.dtype.element_ty, PROD_DTYPE, HAS_W, HAS_B, LLAMA, RNE_BF16)
+        tl.store(y_row + cols, _cast(y, Y.dtype.element_ty, RNE_BF16), mask=mask)
 
 
 @triton.jit
@@ -244,6 +310,7 @@ def norm_bwd_row_dots_kernel(
     HAS_W: tl.constexpr,
     LLAMA: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
+    RNE_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Per-row mean(g * n) -> C1 and mean(g) -> C2 (LayerNorm), for rows too long for one tile.
@@ -257,8 +324,8 @@ def norm_bwd_row_dots_kernel(
     mean = 0.0
     if not IS_RMS:
         mean = tl.load(Mean + row)
-    acc_gn = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_gn = tl.full([BLOCK_N], 0.0, tl.float32)
+    acc_g = tl.full([BLOCK_N], 0.0, tl.float32)
     for start in range(0, N, BLOCK_N):
         cols = start + cols0
         mask = cols < N
@@ -266,16 +333,16 @@ def norm_bwd_row_dots_kernel(
         g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_W:
             w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            g = g * _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET)
+            g = g * _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET, RNE_BF16)
         if IS_RMS:
             n = x * rstd
         else:
             n = tl.where(mask, (x - mean) * rstd, 0.0)
         acc_gn += g * n
         acc_g += g
-    tl.store(C1 + row, tl.sum(acc_gn, axis=0) / N)
+    tl.store(C1 + row, _sum(acc_gn, 0) / N)
     if not IS_RMS:
-        tl.store(C2 + row, tl.sum(acc_g, axis=0) / N)
+        tl.store(C2 + row, _sum(acc_g, 0) / N)
 
 
 @triton.jit
@@ -304,6 +371,7 @@ def norm_bwd_tile_kernel(
     LLAMA: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     DOTS_GIVEN: tl.constexpr,
+    RNE_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -324,11 +392,11 @@ def norm_bwd_tile_kernel(
     w = 0.0
     if HAS_W:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET)[None, :]
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        w = _effective_weight(w, weight_offset, W.dtype.element_ty, LLAMA, HAS_OFFSET, RNE_BF16)[None, :]
+    dw_acc = tl.full([BLOCK_N], 0.0, tl.float32)
+    db_acc = tl.full([BLOCK_N], 0.0, tl.float32)
 
-    num_tiles = tl.cdiv(M, BLOCK_M)
+    num_tiles = (M + BLOCK_M - 1) // BLOCK_M
     for tile in range(pid_m, num_tiles, num_pid_m):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
@@ -346,29 +414,33 @@ def norm_bwd_tile_kernel(
         if HAS_W:
             g = dy * w
             if LLAMA:
-                dw_acc += tl.sum(dy * n.to(X.dtype.element_ty).to(tl.float32), axis=0)
+                dw_acc += _sum(dy * _round(n, X.dtype.element_ty, RNE_BF16), 0)
             else:
-                dw_acc += tl.sum(dy * n, axis=0)
+                dw_acc += _sum(dy * n, 0)
         else:
             g = dy
         if HAS_B:
-            db_acc += tl.sum(dy, axis=0)
+            db_acc += _sum(dy, 0)
 
         if DOTS_GIVEN:
             c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
         else:
-            c1 = tl.sum(g * n, axis=1) / N
+            c1 = _sum(g * n, 1) / N
         if IS_RMS:
             dx = (g - n * c1[:, None]) * rstd[:, None]
         else:
             if DOTS_GIVEN:
                 c2 = tl.load(C2 + rows, mask=row_mask, other=0.0)
             else:
-                c2 = tl.sum(g, axis=1) / N
+                c2 = _sum(g, 1) / N
             dx = (g - c2[:, None] - n * c1[:, None]) * rstd[:, None]
         if HAS_DH:
-            dx += tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            dx += tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+        tl.store(
+            DX + rows64[:, None] * N + cols[None, :], _cast(dx, DX.dtype.element_ty, RNE_BF16), mask=mask
+        )
 
     if HAS_W:
         tl.store(DW_partial + pid_m.to(tl.int64) * N + cols, dw_acc, mask=col_mask)

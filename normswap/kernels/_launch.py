@@ -7,6 +7,7 @@ module import time, so ``import normswap.kernels`` works without it.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -37,11 +38,19 @@ _BWD_CHUNK = 1024
 # Elements a program handles in the tile kernels: small rows are batched BLOCK_M at a time so a
 # program still moves enough bytes to hide its launch and reduction latency.
 _TILE_ELEMS = 4096
+# The interpreter pays per operation, not per element: bigger tiles make the CPU tests several times
+# faster while still leaving several tiles (and the persistent loop) on the test shapes.
+_INTERPRETER_TILE_ELEMS = 16384
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether triton can be imported (it is optional: the CPU reference path never needs it)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton imports (it is optional: the CPU reference path never needs it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def interpreter_enabled() -> bool:
@@ -58,7 +67,9 @@ def kernel_module() -> ModuleType:
     ``@triton.jit`` chooses between a compiled and an interpreted kernel when the decorator runs, i.e.
     when the module is imported, but the test suite may set ``TRITON_INTERPRET`` after something else
     imported triton or normswap. Loading a second copy of the kernel file when the setting differs from
-    the one the regular import saw makes the choice per launch and independent of import order.
+    the one the regular import saw makes the choice per launch and independent of import order. (For
+    the same reason the kernels use no jit function of triton's standard library, ``tl.sum`` and the
+    like: those were fixed in one mode when triton was imported.)
     """
     interpret = interpreter_enabled()
     module = _KERNEL_MODULES.get(interpret)
@@ -94,11 +105,19 @@ def _num_warps(elems: int, elems_per_thread: int) -> int:
     return max(1, min(32, _next_pow2(max(1, elems // (32 * elems_per_thread)))))
 
 
-def _num_sms(device: torch.device) -> int:
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _bwd_programs(device: torch.device, num_warps: int) -> int:
+    """How many programs the backward wants in flight (before capping by the work there is)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    # Interpreter on CPU: a few programs, so the persistent loops run more than once in tests.
-    return 2
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _num_sms(index) * max(1, 16 // num_warps)
+    # Interpreter on CPU: a few programs, so tests see both several partial-sum rows and programs that
+    # loop over more than one tile.
+    return 3
 
 
 @dataclass(frozen=True)
@@ -111,23 +130,28 @@ class TileConfig:
     num_warps: int
 
 
-def _tile_config(m: int, n: int, tile_limit: int, chunk: int, elems_per_thread: int) -> TileConfig:
+def _tile_config(
+    m: int, n: int, tile_limit: int, chunk: int, elems_per_thread: int, chunk_tiles_2d: bool
+) -> TileConfig:
+    tile_elems = _INTERPRETER_TILE_ELEMS if interpreter_enabled() else _TILE_ELEMS
     if n > tile_limit:
         block_n = min(chunk, _next_pow2(tile_limit))
-        return TileConfig(True, 1, block_n, _num_warps(block_n, elems_per_thread))
+        # The chunked forward walks one row per program; the chunked backward tiles rows x columns.
+        block_m = max(1, min(tile_elems // block_n, _next_pow2(m))) if chunk_tiles_2d else 1
+        return TileConfig(True, block_m, block_n, _num_warps(block_m * block_n, elems_per_thread))
     block_n = _next_pow2(n)
-    block_m = max(1, min(_TILE_ELEMS // block_n, _next_pow2(m)))
+    block_m = max(1, min(tile_elems // block_n, _next_pow2(m)))
     return TileConfig(False, block_m, block_n, _num_warps(block_m * block_n, elems_per_thread))
 
 
 def fwd_config(m: int, n: int, max_block_n: int | None = None) -> TileConfig:
     """Forward tiling; ``max_block_n`` lowers the whole-row limit (tests use it to reach the chunked path)."""
-    return _tile_config(m, n, max_block_n or _FWD_TILE_LIMIT, _FWD_CHUNK, _FWD_ELEMS_PER_THREAD)
+    return _tile_config(m, n, max_block_n or _FWD_TILE_LIMIT, _FWD_CHUNK, _FWD_ELEMS_PER_THREAD, False)
 
 
 def bwd_config(m: int, n: int, max_block_n: int | None = None) -> TileConfig:
     """Backward tiling, as :func:`fwd_config`."""
-    return _tile_config(m, n, max_block_n or _BWD_TILE_LIMIT, _BWD_CHUNK, _BWD_ELEMS_PER_THREAD)
+    return _tile_config(m, n, max_block_n or _BWD_TILE_LIMIT, _BWD_CHUNK, _BWD_ELEMS_PER_THREAD, True)
 
 
 def output_dtype(
@@ -155,6 +179,10 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     if n > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
     return t2
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.contiguous() if t is not None else None
 
 
 def check_args(
@@ -208,6 +236,7 @@ def norm_fwd(
     lead = x.shape[:-1]
     x2 = _rows(x, n)
     m = x2.shape[0]
+    weight, bias = _contiguous(weight), _contiguous(bias)  # the kernels index them with unit stride
     device = x.device
     y = torch.empty((m, n), dtype=output_dtype(x.dtype, weight, bias, casting), device=device)
     rstd = torch.empty((m,), dtype=torch.float32, device=device)
@@ -240,11 +269,18 @@ def norm_fwd(
             "LLAMA": llama,
             "HAS_OFFSET": weight is not None and weight_offset != 0.0,
             "PROD_DTYPE": _tl_dtype(prod),
+            "RNE_BF16": interpreter_enabled(),
         }
         # eps and the offset go in as Python floats: triton passes them as fp32 kernel arguments.
         if cfg.chunked:
             ker.norm_fwd_chunked_kernel[(m,)](
-                *args, n, float(eps), float(weight_offset), **consts, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps
+                *args,
+                n,
+                float(eps),
+                float(weight_offset),
+                **consts,
+                BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
             )
         else:
             grid = (_cdiv(m, cfg.block_m),)
@@ -287,11 +323,19 @@ def norm_bwd(
     reached h from its other readers (added to dx). dx has x's dtype, dweight and dbias their parameter's.
     """
     check_args(x, None, weight, bias, casting)
+    for name, t in (("dy", dy), ("dh", dh)):
+        if t is not None and t.shape != x.shape:
+            raise ValueError(
+                f"{name} must have the normalized tensor's shape {tuple(x.shape)}, got {tuple(t.shape)}"
+            )
     if kind == "layer" and mean is None:
         raise ValueError("the LayerNorm backward needs the saved mean")
+    if not triton_supports(dy, dh, x, weight, bias):
+        raise TypeError("the Triton norm kernels take fp32/fp16/bf16 tensors")
     n = x.shape[-1]
     x2 = _rows(x, n)
     m = x2.shape[0]
+    weight = _contiguous(weight)
     dy2 = _rows(dy, n)
     dh2 = _rows(dh, n) if dh is not None else None
     device = x.device
@@ -302,7 +346,7 @@ def norm_bwd(
     cfg = bwd_config(m, n, max_block_n)
     num_col_blocks = _cdiv(n, cfg.block_n) if cfg.chunked else 1
     num_tiles = _cdiv(m, cfg.block_m)
-    target_programs = _num_sms(device) * max(1, 16 // cfg.num_warps)
+    target_programs = _bwd_programs(device, cfg.num_warps)
     grid_m = max(1, min(num_tiles, target_programs // num_col_blocks))
     # [grid_m, N] fp32 partial sums, one row per program: no atomics, deterministic dw/db.
     dw_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if weight is not None else None
@@ -335,6 +379,7 @@ def norm_bwd(
                 HAS_W=weight is not None,
                 LLAMA=llama,
                 HAS_OFFSET=has_offset,
+                RNE_BF16=interpreter_enabled(),
                 BLOCK_N=dots_block,
                 num_warps=_num_warps(dots_block, _FWD_ELEMS_PER_THREAD),
             )
@@ -363,6 +408,7 @@ def norm_bwd(
             LLAMA=llama,
             HAS_OFFSET=has_offset,
             DOTS_GIVEN=cfg.chunked,
+            RNE_BF16=interpreter_enabled(),
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps,

@@ -56,7 +56,9 @@ def triton_on_cpu() -> Iterator[None]:
     if not triton_available():
         raise RuntimeError("triton_on_cpu() needs triton installed")
     if not interpreter_enabled():
-        raise RuntimeError("triton_on_cpu() needs TRITON_INTERPRET=1: compiled kernels cannot read CPU memory")
+        raise RuntimeError(
+            "triton_on_cpu() needs TRITON_INTERPRET=1: compiled kernels cannot read CPU memory"
+        )
     _force_triton_on_cpu += 1
     try:
         yield
@@ -550,5 +552,7 @@ def add_layer_norm(
     """``h = x + residual; return layer_norm(h), h`` in one pass over memory."""
     xf, w, b = _flatten(x, weight, bias, normalized_ndim)
     rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
-    y, h, _, _ = torch.ops.normswap.add_layer_norm_fwd(xf, rf, w, b, float(eps), casting, float(weight_offset))
+    y, h, _, _ = torch.ops.normswap.add_layer_norm_fwd(
+        xf, rf, w, b, float(eps), casting, float(weight_offset)
+    )
     return y.view(x.shape), h.view(x.shape)

@@ -1,0 +1,341 @@
+"""Bandwidth of normswap's fused norms against torch eager, torch.compile and Liger-Kernel (CUDA only).
+
+For each norm (rms, layer), op (fwd, bwd, add_fwd: residual add + norm forward), dtype and [M, N] shape,
+every provider is timed as the median of repeats with the L2 cache flushed before each one
+(``triton.testing.do_bench``), and reported as effective bandwidth over the bytes the op must move:
+
+    fwd:     2 * M * N * s   (read x, write y)
+    bwd:     3 * M * N * s   (read x and dy, write dx; the backward through autograd, i.e. what training
+                              pays, parameter gradients included but their O(N) bytes not counted)
+    add_fwd: 4 * M * N * s   (read x and residual, write y and h)
+
+with s the element size. A device-to-device copy measured in the same run gives the roofline each
+figure is divided by (DESIGN.md: forward >= 90% of copy at M >= 16K rows, N in 2K..32K, bf16; backward
+>= 70%). Results go to benchmarks/results/ as JSON and, when matplotlib is installed, a PNG.
+
+    python benchmarks/bench_norms.py --quick
+    python benchmarks/bench_norms.py --norms rms --ops fwd bwd --dtypes bf16 --m 16384 --n 4096 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+M_ALL = (1, 128, 4096, 16384, 65536)
+N_ALL = (768, 1024, 2048, 4096, 5120, 8192, 16384, 32768, 65536)
+M_QUICK = (4096, 16384)
+N_QUICK = (2048, 4096, 8192, 32768)
+DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+OPS = ("fwd", "bwd", "add_fwd")
+NORMS = ("rms", "layer")
+PROVIDERS = ("eager", "compile", "liger", "normswap")
+BYTES_PER_ELEMENT_MOVED = {"fwd": 2, "bwd": 3, "add_fwd": 4}
+EPS = 1e-6
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Record:
+    norm: str
+    op: str
+    dtype: str
+    m: int
+    n: int
+    provider: str
+    ms: float | None
+    gbps: float | None
+    frac_of_copy: float | None
+    note: str = ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help=f"bf16 only, M in {M_QUICK}, N in {N_QUICK}")
+    p.add_argument("--norms", nargs="+", choices=NORMS, default=list(NORMS))
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=None, help="default: bf16 fp32")
+    p.add_argument("--m", nargs="+", type=int, default=None, help=f"rows (default {M_ALL})")
+    p.add_argument("--n", nargs="+", type=int, default=None, help=f"hidden sizes (default {N_ALL})")
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--rep", type=int, default=100, help="target time per measurement, ms (do_bench rep)")
+    p.add_argument("--mem-fraction", type=float, default=0.6, help="skip shapes needing more of free memory")
+    p.add_argument("--out", type=Path, default=RESULTS, help="output folder (default benchmarks/results)")
+    p.add_argument("--tag", default="", help="suffix for the output file names")
+    args = p.parse_args(argv)
+    if args.dtypes is None:
+        args.dtypes = ["bf16"] if args.quick else ["bf16", "fp32"]
+    if args.m is None:
+        args.m = list(M_QUICK if args.quick else M_ALL)
+    if args.n is None:
+        args.n = list(N_QUICK if args.quick else N_ALL)
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------
+# Providers: each returns a function of (x, residual, weight, bias) -> y (or (y, h)), or raises
+# NotImplementedError with the reason it does not apply.
+
+
+def _eager(norm: str, add: bool) -> Callable:
+    import torch.nn.functional as F
+
+    def fn(x, r, w, b):
+        h = x + r if add else x
+        y = (
+            F.rms_norm(h, (h.shape[-1],), w, EPS)
+            if norm == "rms"
+            else F.layer_norm(h, (h.shape[-1],), w, b, EPS)
+        )
+        return (y, h) if add else y
+
+    return fn
+
+
+def _compiled(norm: str, add: bool) -> Callable:
+    import torch
+
+    # A fresh compiled function per shape (dynamic=False): the fastest inductor can do for that shape.
+    return torch.compile(_eager(norm, add), dynamic=False)
+
+
+def _normswap(norm: str, add: bool) -> Callable:
+    from normswap.kernels import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+
+    if add:
+        f = add_rms_norm if norm == "rms" else add_layer_norm
+        return lambda x, r, w, b: f(x, r, w, b, EPS)
+    f = rms_norm if norm == "rms" else layer_norm
+    return lambda x, r, w, b: f(x, w, b, EPS)
+
+
+def _liger(norm: str, add: bool) -> Callable:
+    try:
+        if norm == "rms" and not add:
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            return lambda x, r, w, b: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "none")
+        if norm == "layer" and not add:
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+            return lambda x, r, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+        if norm == "rms" and add:
+            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+            return lambda x, r, w, b: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "none")
+    except ImportError as e:
+        raise NotImplementedError(f"liger-kernel not importable: {e}") from e
+    raise NotImplementedError("liger-kernel has no fused add + LayerNorm")
+
+
+MAKERS = {"eager": _eager, "compile": _compiled, "liger": _liger, "normswap": _normswap}
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _median_ms(fn: Callable[[], object], rep: int, grad_to_none=None) -> float:
+    from triton.testing import do_bench
+
+    # do_bench flushes L2 (writes a 256 MB buffer) before every repeat and returns the median.
+    return float(do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def measure_copy_gbps(rep: int) -> float:
+    """Device-to-device copy bandwidth (read + write) on 1 GiB: the roofline for memory-bound kernels."""
+    import torch
+
+    numel = 1 << 29
+    src = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), rep)
+    return 2 * numel * src.element_size() / ms / 1e6
+
+
+def _bench_one(provider: str, norm: str, op: str, dtype, m: int, n: int, rep: int) -> float:
+    import torch
+
+    add = op == "add_fwd"
+    fn = MAKERS[provider](norm, add)
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    r = torch.randn_like(x) if add else None
+    w = torch.randn(n, device="cuda", dtype=dtype)
+    b = torch.randn(n, device="cuda", dtype=dtype) if norm == "layer" else None
+    if op in ("fwd", "add_fwd"):
+        with torch.no_grad():
+            fn(x, r, w, b)  # compile / autotune outside the timing
+            return _median_ms(lambda: fn(x, r, w, b), rep)
+    x.requires_grad_()
+    w.requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+    y = fn(x, r, w, b)
+    dy = torch.randn_like(y)
+    inputs = [t for t in (x, w, b) if t is not None]
+    torch.autograd.grad(y, inputs, dy, retain_graph=True)
+    return _median_ms(lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True), rep)
+
+
+def _needed_bytes(op: str, m: int, n: int, itemsize: int) -> int:
+    # Inputs, outputs, saved tensors and fp32 temporaries of the hungriest provider, roughly.
+    live = {"fwd": 3, "bwd": 6, "add_fwd": 5}[op]
+    return live * m * n * max(itemsize, 4)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch._dynamo.config.cache_size_limit = 1024
+    copy_gbps = measure_copy_gbps(args.rep)
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s")
+    records: list[Record] = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, DTYPES[dtype_name])
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for norm in args.norms:
+            for op in args.ops:
+                for m in args.m:
+                    for n in args.n:
+                        nbytes = BYTES_PER_ELEMENT_MOVED[op] * m * n * itemsize
+                        free, _ = torch.cuda.mem_get_info()
+                        too_big = _needed_bytes(op, m, n, itemsize) > args.mem_fraction * free
+                        for provider in args.providers:
+                            rec = Record(norm, op, dtype_name, m, n, provider, None, None, None)
+                            if too_big:
+                                rec.note = "skipped: does not fit in memory"
+                            else:
+                                try:
+                                    rec.ms = _bench_one(provider, norm, op, dtype, m, n, args.rep)
+                                    rec.gbps = nbytes / rec.ms / 1e6
+                                    rec.frac_of_copy = rec.gbps / copy_gbps
+                                except NotImplementedError as e:
+                                    rec.note = str(e)
+                                except torch.OutOfMemoryError:
+                                    rec.note = "out of memory"
+                                finally:
+                                    torch.cuda.empty_cache()
+                            records.append(rec)
+                            shown = (
+                                f"{rec.gbps:7.0f} GB/s ({rec.frac_of_copy:4.0%})" if rec.gbps else rec.note
+                            )
+                            print(f"{norm:5} {op:7} {dtype_name:4} M={m:<6} N={n:<6} {provider:9} {shown}")
+    import triton
+
+    return {
+        "meta": {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "copy_gbps": copy_gbps,
+            "bytes": "fwd 2*M*N*s, bwd 3*M*N*s, add_fwd 4*M*N*s",
+            "timing": "triton.testing.do_bench median, L2 flushed before each repeat",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+        "records": [asdict(r) for r in records],
+    }
+
+
+def summarize(result: dict) -> str:
+    """DESIGN.md's targets: median fraction of copy for M >= 16K, N in 2K..32K, bf16."""
+    lines = []
+    for op, target in (("fwd", 0.9), ("bwd", 0.7), ("add_fwd", 0.9)):
+        for provider in PROVIDERS:
+            fr = [
+                r["frac_of_copy"]
+                for r in result["records"]
+                if r["op"] == op
+                and r["provider"] == provider
+                and r["dtype"] == "bf16"
+                and r["m"] >= 16384
+                and 2048 <= r["n"] <= 32768
+                and r["frac_of_copy"] is not None
+            ]
+            if fr:
+                med = statistics.median(fr)
+                mark = "ok" if med >= target else "below"
+                lines.append(
+                    f"{op:7} {provider:9} median {med:5.0%} of copy over {len(fr)} shapes ({mark} {target:.0%})"
+                )
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    recs = result["records"]
+    panels = sorted({(r["norm"], r["op"], r["dtype"]) for r in recs})
+    m_plot = max((r["m"] for r in recs), key=lambda m: (m <= 16384, m))  # 16384 rows when measured
+    cols = 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (norm, op, dtype) in zip(axes.flat, panels, strict=False):
+        for provider in PROVIDERS:
+            pts = sorted(
+                (r["n"], r["gbps"])
+                for r in recs
+                if (r["norm"], r["op"], r["dtype"], r["provider"], r["m"])
+                == (norm, op, dtype, provider, m_plot)
+                and r["gbps"]
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=provider)
+        ax.axhline(result["meta"]["copy_gbps"], color="gray", linestyle="--", label="d2d copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{norm} {op} {dtype}, M={m_plot}")
+        ax.set_xlabel("N")
+        ax.set_ylabel("GB/s")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize="small")
+    fig.suptitle(result["meta"]["device"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("bench_norms needs torch", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("bench_norms needs a CUDA device (none found); nothing was measured.", file=sys.stderr)
+        return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("bench_norms needs triton (for the kernels and for do_bench)", file=sys.stderr)
+        return 2
+    result = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "bench_norms" + (f"_{args.tag}" if args.tag else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    print(summarize(result))
+    print(f"wrote {args.out / (stem + '.json')}")
+    if plot(result, args.out / f"{stem}.png"):
+        print(f"wrote {args.out / (stem + '.png')}")
+    else:
+        print("matplotlib not installed: no PNG")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Shared pieces of the fused-norm tests: tolerance table, inputs, the reference with autograd.
+
+On the Triton interpreter: ``@triton.jit`` picks interpreted or compiled kernels when it runs, so the
+usual advice is to set ``TRITON_INTERPRET=1`` before anything imports triton. normswap's launcher makes
+that choice per launch instead (``normswap.kernels._launch.kernel_module``), so the ``interpreter``
+fixture below can switch it on for exactly the tests that want it, whatever the rest of the session
+imported first, and GPU tests in the same session still run compiled kernels. The interpreter tests
+assert that the kernels they ran were the interpreted ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+from normswap.kernels import add_layer_norm, add_rms_norm, layer_norm, rms_norm, triton_on_cpu
+from normswap.modules.functional import layer_norm_reference, rms_norm_reference
+
+# (atol, rtol) per dtype, used for outputs and gradients alike. fp32 and bf16 are the Liger/QuACK
+# figures DESIGN.md holds us to; fp16 has 3 more mantissa bits than bf16.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (1e-2, 5e-3),
+    torch.bfloat16: (1e-1, 2e-2),
+}
+
+DTYPES = list(TOLERANCES)
+REFERENCES = {"rms": rms_norm_reference, "layer": layer_norm_reference}
+FUNCS = {"rms": rms_norm, "layer": layer_norm}
+ADD_FUNCS = {"rms": add_rms_norm, "layer": add_layer_norm}
+# casting mode and weight offset: gemma stores w with y = x * (1 + w).
+CASTINGS = [("none", 0.0), ("llama", 0.0), ("gemma", 1.0)]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    atol, rtol = TOLERANCES[dtype]
+    assert actual.shape == expected.shape, what
+    assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} != {expected.dtype}"
+    torch.testing.assert_close(
+        actual.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def make_params(
+    n: int, dtype: torch.dtype, affine: bool, bias: bool, seed: int = 0
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed + 1)
+    w = (torch.randn(n, generator=g) * 0.5 + 1.0).to(dtype).requires_grad_() if affine else None
+    b = (torch.randn(n, generator=g) * 0.5).to(dtype).requires_grad_() if bias else None
+    return w, b
+
+
+def randn(shape: tuple[int, ...], dtype: torch.dtype, seed: int, scale: float = 1.0, shift: float = 0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale + shift).to(dtype)
+
+
+def reference_grads(
+    kind: str,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    casting: str,
+    weight_offset: float,
+    dy: torch.Tensor,
+    dh: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor | None]:
+    """Reference outputs and gradients by autograd through normswap.modules.functional.
+
+    The loss is sum(y * dy) [+ sum(h * dh)], so dy (dh) is the incoming gradient of y (h).
+    """
+    leaves = {
+        "x": x.detach().clone().requires_grad_(),
+        "residual": residual.detach().clone().requires_grad_() if residual is not None else None,
+        "weight": weight.detach().clone().requires_grad_() if weight is not None else None,
+        "bias": bias.detach().clone().requires_grad_() if bias is not None else None,
+    }
+    h = leaves["x"] + leaves["residual"] if residual is not None else leaves["x"]
+    y = REFERENCES[kind](h, 1, leaves["weight"], leaves["bias"], eps, casting, weight_offset)
+    loss = (y.float() * dy.float()).sum()
+    if dh is not None:
+        loss = loss + (h.float() * dh.float()).sum()
+    loss.backward()
+    out = {"y": y.detach(), "h": h.detach() if residual is not None else None}
+    for name, leaf in leaves.items():
+        out["d" + name] = leaf.grad if leaf is not None else None
+    if casting == "llama" and weight is not None:
+        # In llama mode autograd forms dweight from dy * n_cast in the half-precision dtype, rounding every
+        # product before summing over rows: over hundreds of rows that alone exceeds the fp16 tolerance
+        # (dweight is a sum with cancellation). The kernels sum the same products in fp32, so the truth
+        # here is that sum done exactly; n_cast is the reference's own rounded normalized value.
+        n_cast = REFERENCES[kind](h.detach(), 1, None, None, eps, "llama", 0.0)
+        exact = (dy.double() * n_cast.double()).reshape(-1, x.shape[-1]).sum(0)
+        out["dweight"] = exact.to(weight.dtype)
+    return out
+
+
+def fused_grads(
+    kind: str,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    casting: str,
+    weight_offset: float,
+    dy: torch.Tensor,
+    dh: torch.Tensor | None = None,
+    *,
+    triton: bool,
+) -> dict[str, torch.Tensor | None]:
+    """The fused ops' outputs and gradients for the loss of :func:`reference_grads`.
+
+    ``triton=True`` runs CPU tensors through the Triton kernels (needs the ``interpreter`` fixture);
+    CUDA tensors take Triton either way.
+    """
+    leaves = {
+        "x": x.detach().clone().requires_grad_(),
+        "residual": residual.detach().clone().requires_grad_() if residual is not None else None,
+        "weight": weight.detach().clone().requires_grad_() if weight is not None else None,
+        "bias": bias.detach().clone().requires_grad_() if bias is not None else None,
+    }
+    with triton_on_cpu() if triton and x.device.type == "cpu" else contextlib.nullcontext():
+        if residual is None:
+            y = FUNCS[kind](leaves["x"], leaves["weight"], leaves["bias"], eps, casting, weight_offset)
+            h = None
+        else:
+            y, h = ADD_FUNCS[kind](
+                leaves["x"], leaves["residual"], leaves["weight"], leaves["bias"], eps, casting, weight_offset
+            )
+        loss = (y.float() * dy.float()).sum()
+        if dh is not None:
+            loss = loss + (h.float() * dh.float()).sum()
+        loss.backward()
+    out = {"y": y.detach(), "h": h.detach() if h is not None else None}
+    for name, leaf in leaves.items():
+        out["d" + name] = leaf.grad if leaf is not None else None
+    return out
+
+
+def check_all(
+    got: dict, want: dict, dtype: torch.dtype, names=("y", "h", "dx", "dresidual", "dweight", "dbias")
+):
+    """Compare the named entries of two ``*_grads`` results with the dtype's tolerance."""
+    for name in names:
+        if want.get(name) is None:
+            assert got.get(name) is None, name
+            continue
+        assert_close(got[name], want[name], dtype, name)
+
+
+@pytest.fixture
+def interpreter(monkeypatch: pytest.MonkeyPatch):
+    """Run Triton kernels launched in this test on the CPU interpreter."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from normswap.kernels._launch import kernel_module
+
+    assert isinstance(kernel_module().norm_fwd_tile_kernel, InterpretedFunction)
+    yield
+
+
+@pytest.fixture
+def cuda_compiled(monkeypatch: pytest.MonkeyPatch):
+    """A CUDA device and compiled (not interpreted) Triton kernels, or skip."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert os.environ.get("TRITON_INTERPRET") is None
+    yield torch.device("cuda")

@@ -2,7 +2,15 @@
 
 from normswap.discover import NormInventory, NormSite, find_norms
 from normswap.errors import BadInputError, CheckFailedError, NormswapError
-from normswap.passes import FoldBatchNorm, Pipeline, PipelineReport, RewriteKind, SwapNorm, fold_batchnorm, swap_norm
+from normswap.passes import (
+    FoldBatchNorm,
+    Pipeline,
+    PipelineReport,
+    RewriteKind,
+    SwapNorm,
+    fold_batchnorm,
+    swap_norm,
+)
 
 __version__ = "0.1.0"
 

@@ -165,3 +165,40 @@ class HandWrittenNet(nn.Module):
 def conv_bn_without_inputs() -> nn.Module:
     """A factory that returns only a model, so commands must be told the inputs."""
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+
+
+def bert_factory() -> tuple[nn.Module, tuple, dict]:
+    return bert()
+
+
+def small_vit(num_classes: int = 10) -> tuple[nn.Module, tuple, dict]:
+    """torchvision's VisionTransformer at a size that runs in milliseconds, head randomized too.
+
+    torchvision initializes the classification head to zeros, which would make every output 0.
+    """
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=64,
+        mlp_dim=128,
+        num_classes=num_classes,
+    )
+    with torch.no_grad():
+        model.heads.head.weight.normal_(0, 0.2)
+        model.class_token.normal_(0, 1.0)
+    return randomize_norms(model).eval(), (torch.randn(2, 3, 32, 32),), {}
+
+
+def timm_vit(**overrides) -> tuple[nn.Module, tuple, dict]:
+    """timm's ViT (class token, or average pool with fc_norm and register tokens via ``overrides``)."""
+    import timm
+
+    torch.manual_seed(0)
+    options = {"img_size": 32, "depth": 2, **overrides}
+    model = randomize_norms(timm.create_model("vit_tiny_patch16_224", num_classes=10, **options)).eval()
+    return model, (torch.randn(2, 3, 32, 32),), {}

@@ -3,6 +3,7 @@
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, Skip, build_context
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
 from normswap.passes.pipeline import ExactOnlyError, Pipeline, PipelineReport
+from normswap.passes.recenter_layernorm import RecenterLayerNorm, recenter_layernorm
 from normswap.passes.swap_norm import SWAP_TARGETS, SwapNorm, swap_norm
 
 __all__ = [
@@ -15,10 +16,12 @@ __all__ = [
     "PassReport",
     "Pipeline",
     "PipelineReport",
+    "RecenterLayerNorm",
     "RewriteKind",
     "Skip",
     "SwapNorm",
     "build_context",
     "fold_batchnorm",
+    "recenter_layernorm",
     "swap_norm",
 ]

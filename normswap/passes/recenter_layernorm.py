@@ -1,0 +1,215 @@
+"""LayerNorm -> RMSNorm without changing the function, by recentering the residual stream (exact).
+
+In a pre-LN transformer every reader of the residual stream is a LayerNorm over the hidden dim, which
+ignores the stream's mean. Centering every parameter that writes into the stream (embedding rows,
+positional embeddings, class tokens, the output projections of attention and MLP, a patch-embedding
+conv: ``W' = W - mean_out(W)``, ``b' = b - mean(b)``) makes the stream zero-mean everywhere, and on a
+zero-mean input ``LayerNorm(x) = RMSNorm(x)`` with the same eps, weight and bias. See
+:mod:`normswap.graph.stream` for how streams, writers and readers are found on the captured graph.
+
+Refused, per stream and with the reason: a stream value read by anything that sees its mean (post-LN
+models such as BERT feed a LayerNorm's output straight into attention), a writer that is not a linear
+map with parameter weights (a graph input, a nonlinearity, a per-feature LayerScale), a LayerNorm over
+more than the last dim. A centered weight that something outside the stream also reads (GPT-2's LM
+head is the embedding matrix) is untied: the writer gets a centered copy, the other reader keeps the
+original, and a Hugging Face config's ``tie_word_embeddings`` is set to False so that a save/load round
+trip does not tie them again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from normswap.discover import NormSite
+from normswap.graph.ops import op_name
+from normswap.graph.stream import CenteredParam, Stream, close_stream
+from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
+from normswap.passes.swap_norm import build_norm
+
+
+def center_along(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """``tensor`` minus its mean over ``dim`` (fp64 inside, cast back to the tensor's dtype)."""
+    t = tensor.detach().double()
+    return (t - t.mean(dim=dim, keepdim=True)).to(tensor.dtype)
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+
+
+def _under(name: str, paths: set[str]) -> bool:
+    return any(p == "" or name.startswith(p + ".") for p in paths)
+
+
+class _Plan:
+    """Streams of one model, computed once per pass run from the captured graph."""
+
+    def __init__(self, ctx: PassContext) -> None:
+        assert ctx.view is not None
+        self.streams: list[Stream] = []
+        self.stream_of: dict[fx.Node, int] = {}
+        self.applied: set[int] = set()
+        self.centered: set[str] = set()
+        mean_blind = _mean_blind_nodes(ctx)
+        self.site_streams: dict[str, list[int]] = {}
+        for site in ctx.inventory:
+            if site.kind != "layer" or not site.is_module or site.normalized_dims != (-1,):
+                continue
+            ids = []
+            for call in ctx.view.calls.get(site.path, []):
+                for seed in call.inputs(ctx.view):
+                    if seed not in self.stream_of:
+                        stream = close_stream(ctx.view, seed, mean_blind, ctx.modules)
+                        if stream.ok:
+                            stream.reason = _untie_problem(ctx.model, stream)
+                        self.streams.append(stream)
+                        for node in stream.nodes:
+                            self.stream_of.setdefault(node, len(self.streams) - 1)
+                    ids.append(self.stream_of[seed])
+            self.site_streams[site.path] = ids
+
+
+def _mean_blind_nodes(ctx: PassContext) -> set[fx.Node]:
+    """Graph nodes that read a value without seeing its mean over the last dim: LayerNorms over it."""
+    assert ctx.view is not None
+    nodes: set[fx.Node] = set()
+    for site in ctx.inventory:
+        if site.kind == "layer" and site.is_module and site.normalized_dims == (-1,):
+            for call in ctx.view.calls.get(site.path, []):
+                nodes.update(call.nodes)
+    for node in ctx.view.nodes:
+        if op_name(node) == "layer_norm" and node.op == "call_function":
+            shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+            if isinstance(shape, (list, tuple)) and len(shape) == 1:
+                nodes.add(node)
+        elif node.op == "call_module":
+            module = ctx.modules.get(str(node.target))
+            if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) == 1:
+                nodes.add(node)
+    return nodes
+
+
+def _holders(model: nn.Module, name: str) -> tuple[torch.Tensor, list[str]]:
+    named = dict(_named_tensors(model))
+    tensor = named[name]
+    return tensor, [n for n, t in _named_tensors(model) if t is tensor]
+
+
+def _untie_problem(model: nn.Module, stream: Stream) -> str | None:
+    """Why a centered parameter that other modules also read cannot be given its own copy, if so."""
+    names = dict(_named_tensors(model))
+    for param in stream.params:
+        if param.name not in names:
+            return f"parameter {param.name} of the graph is not found in the model"
+    for name, readers in stream.shared.items():
+        _, holders = _holders(model, name)
+        others = [h for h in holders if _under(h, readers - {""})]
+        if "" in readers or not others or len(others) == len(holders):
+            where = ", ".join(sorted(r or "<root>" for r in readers))
+            return f"{name} is written into the stream and also read by {where}, and cannot be untied there"
+    return None
+
+
+def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
+    """Center the stream's writers in ``model``; returns what was changed, for the report."""
+    centered, untied = [], []
+    by_name: dict[str, CenteredParam] = {p.name: p for p in stream.params}
+    for name, param in by_name.items():
+        if name in done:
+            continue
+        done.add(name)
+        tensor, holders = _holders(model, name)
+        new_value = center_along(tensor, param.dim)
+        others = [h for h in holders if _under(h, stream.shared.get(name, set()) - {""})]
+        if not others:
+            with torch.no_grad():
+                tensor.copy_(new_value)
+        else:
+            for holder in holders:
+                if holder in others:
+                    continue
+                owner, _, attr = holder.rpartition(".")
+                module = model.get_submodule(owner)
+                if isinstance(tensor, nn.Parameter):
+                    setattr(module, attr, nn.Parameter(new_value, requires_grad=tensor.requires_grad))
+                else:
+                    setattr(module, attr, new_value)
+                untied.append(f"{holder} (kept the original for {', '.join(others)})")
+        centered.append(f"{name} (dim {param.dim}, via {param.via})")
+    config = getattr(model, "config", None)
+    if untied and config is not None and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False  # else a Hugging Face save/load round trip ties them again
+    return {"centered": centered, "untied": untied}
+
+
+class RecenterLayerNorm(Pass):
+    """Replace LayerNorms that read a recenterable residual stream by RMSNorms, exactly."""
+
+    name = "recenter_layernorm"
+    kind = RewriteKind.EXACT
+
+    def candidates(self, ctx: PassContext) -> list[NormSite]:
+        return [s for s in ctx.inventory if s.kind == "layer"]
+
+    def _plan(self, ctx: PassContext) -> _Plan:
+        if "stream_plan" not in ctx.cache:
+            ctx.cache["stream_plan"] = _Plan(ctx)
+        return ctx.cache["stream_plan"]
+
+    def check(self, site: NormSite, ctx: PassContext) -> str | None:
+        if not site.is_module:
+            return (
+                f"{site.source} layer_norm inside a forward, not a module: replacing it needs a graph rewrite"
+            )
+        if site.normalized_dims != (-1,):
+            return f"normalizes dims {site.normalized_dims}; only a LayerNorm over the last dim equals RMSNorm on a centered input"
+        if site.normalized_shape is None or site.eps is None:
+            return "its normalized shape or eps could not be determined"
+        if ctx.view is None:
+            return f"no graph captured, so the residual stream is unknown ({ctx.captured.reason})"
+        plan = self._plan(ctx)
+        ids = plan.site_streams.get(site.path, [])
+        if not ids:
+            return "its input could not be found in the captured graph"
+        for i in ids:
+            reason = plan.streams[i].reason
+            if reason is not None:
+                return f"input stream cannot be recentered: {reason}"
+        return None
+
+    def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
+        plan = self._plan(ctx)
+        details: dict[str, Any] = {"streams": plan.site_streams[site.path], "centered": [], "untied": []}
+        for i in plan.site_streams[site.path]:
+            if i not in plan.applied:
+                plan.applied.add(i)
+                done = _apply(ctx.model, plan.streams[i], plan.centered)
+                details["centered"] += done["centered"]
+                details["untied"] += done["untied"]
+        old = site.module
+        assert old is not None
+        new = build_norm("rms", site, old)
+        replace_submodule(ctx.model, site.path, new)
+        details.update(from_class=type(old).__name__, to_class=type(new).__name__)
+        what = f"{type(old).__name__} -> {type(new).__name__}, exact on the recentered stream"
+        if details["centered"]:
+            what += f" (centered {len(details['centered'])} writers"
+            what += f", untied {len(details['untied'])})" if details["untied"] else ")"
+        return Change(self.name, site.path, self.kind, what, details)
+
+
+def recenter_layernorm(
+    model: nn.Module,
+    example_args: tuple | None = None,
+    example_kwargs: dict | None = None,
+    *,
+    inplace: bool = False,
+) -> tuple[nn.Module, PassReport]:
+    """Functional form of :class:`RecenterLayerNorm`."""
+    return RecenterLayerNorm()(model, example_args, example_kwargs, inplace=inplace)

@@ -170,7 +170,11 @@ def convert(
     output: Annotated[Path, typer.Option("-o", "--output", help="Output file: .pt2, .pt or .onnx.")],
     to: Annotated[
         str | None,
-        typer.Option("--to", help="Swap norms to this kind: rmsnorm or layernorm (architectural)."),
+        typer.Option(
+            "--to",
+            help="Swap norms to this kind: rmsnorm (exact where the residual stream can be recentered, "
+            "architectural elsewhere) or layernorm (architectural).",
+        ),
     ] = None,
     fold_bn: Annotated[
         bool, typer.Option("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear before it.")
@@ -187,6 +191,7 @@ def convert(
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
     from normswap.errors import BadInputError, CheckFailedError
     from normswap.passes import SWAP_TARGETS, ExactOnlyError, FoldBatchNorm, Pipeline, SwapNorm
+    from normswap.passes.recenter_layernorm import RecenterLayerNorm
 
     if to is None and not fold_bn:
         raise BadInputError("nothing to do: give --to KIND and/or --fold-bn")
@@ -197,7 +202,12 @@ def convert(
     passes = []
     if fold_bn:
         passes.append(FoldBatchNorm())
-    if to is not None:
+    if to == "rmsnorm":
+        # exact where the residual stream can be recentered; the generic swap takes the rest
+        passes.append(RecenterLayerNorm())
+        if not exact:
+            passes.append(SwapNorm(to))
+    elif to is not None:
         passes.append(SwapNorm(to))
     try:
         pipeline = Pipeline(passes, exact_only=exact)
@@ -212,9 +222,10 @@ def convert(
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     converted, result = pipeline(loaded.model, args, kwargs)
     _print_pipeline(result)
+    not_exact = _not_exact_under_flag(result, to) if exact else None
 
     written = False
-    if result.ok:
+    if result.ok and not_exact is None:
         source = Path(model) if Path(model).exists() else None
         label = save_model(converted, output, args, kwargs, refuse_path=source)
         written = True
@@ -225,6 +236,20 @@ def convert(
         raise CheckFailedError(
             "exact rewrite changed the outputs: " + "; ".join(result.exact_failures) + "; nothing written"
         )
+    if not_exact is not None:
+        raise CheckFailedError(not_exact)
+
+
+def _not_exact_under_flag(result: Any, to: str | None) -> str | None:
+    """Under --exact, a norm that --to asked for but that has no exact rewrite fails the command."""
+    skipped = [s for p in result.passes if p.pass_name == "recenter_layernorm" for s in p.skips]
+    if to == "rmsnorm" and skipped:
+        first = skipped[0]
+        return (
+            f"--exact: {len(skipped)} LayerNorm(s) cannot become RMSNorm exactly "
+            f"({first.site}: {first.reason}); nothing written"
+        )
+    return None
 
 
 def _print_pipeline(result: Any) -> None:

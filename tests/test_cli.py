@@ -55,24 +55,76 @@ def test_convert_fold_bn_resnet18_leaves_no_batchnorm(tmp_path):
     )
 
 
-def test_convert_gpt2_to_rmsnorm_reports_divergence(tmp_path):
-    out = tmp_path / "gpt2_rms.pt"
+def test_convert_gpt2_to_rmsnorm_is_exact_by_recentering(tmp_path):
+    out = tmp_path / "gpt2_rms.pt2"
     report = tmp_path / "report.json"
     result = _run(
-        "convert", f"{ZOO}:gpt2_factory", "--to", "rmsnorm", "-o", str(out), "--report", str(report)
+        "convert",
+        f"{ZOO}:gpt2_factory",
+        "--to",
+        "rmsnorm",
+        "--exact",
+        "-o",
+        str(out),
+        "--report",
+        str(report),
     )
     assert result.exit_code == 0, result.output
-    assert "swap_norm (architectural): 5 changed" in result.output and "SQNR" in result.output
+    assert "recenter_layernorm (exact): 5 changed, 0 skipped" in result.output and "PASS" in result.output
+    data = json.loads(report.read_text())
+    assert data["written"] and data["overall"]["within_tolerance"]
+    assert max(o["max_rel"] for o in data["overall"]["outputs"]) <= 1e-5
+    program = torch.export.load(out)
+    assert not [n for n in program.graph.nodes if "layer_norm" in str(n.target)]
+    model, args, kwargs = model_zoo.gpt2()
+    expected = model(*args, **kwargs).logits
+    got = program.module()(*args, **kwargs)
+    got = got["logits"] if isinstance(got, dict) else got.logits if hasattr(got, "logits") else got[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+def test_convert_bert_to_rmsnorm_is_exact_where_it_can_and_reports_the_rest(tmp_path):
+    out = tmp_path / "bert_rms.pt"
+    report = tmp_path / "report.json"
+    result = _run(
+        "convert", f"{ZOO}:bert_factory", "--to", "rmsnorm", "-o", str(out), "--report", str(report)
+    )
+    assert result.exit_code == 0, result.output
+    assert "recenter_layernorm (exact): 1 changed, 4 skipped" in result.output
+    assert "swap_norm (architectural): 4 changed" in result.output and "SQNR" in result.output
     data = json.loads(report.read_text())
     assert 0 < data["overall"]["worst_sqnr_db"] < 80
     converted = torch.load(out, weights_only=False)
-    _, args, kwargs = model_zoo.gpt2()
-    assert converted(*args, **kwargs).logits.shape == (2, 12, 128)
+    _, args, kwargs = model_zoo.bert()
+    assert converted(*args, **kwargs).last_hidden_state.shape == (2, 12, 64)
+
+
+def test_exact_fails_on_a_post_ln_model_and_writes_nothing(tmp_path):
+    out = tmp_path / "x.pt2"
+    report = tmp_path / "r.json"
+    result = _run(
+        "convert",
+        f"{ZOO}:bert_factory",
+        "--to",
+        "rmsnorm",
+        "--exact",
+        "-o",
+        str(out),
+        "--report",
+        str(report),
+    )
+    assert result.exit_code == 1
+    assert (
+        "--exact: 4 LayerNorm(s) cannot become RMSNorm exactly (encoder.layer.0.attention.output.LayerNorm"
+        in (result.output)
+    )
+    assert "nothing written" in result.output and not out.exists()
+    assert json.loads(report.read_text())["written"] is False
 
 
 def test_exact_refuses_an_architectural_swap_and_writes_nothing(tmp_path):
     out = tmp_path / "x.pt2"
-    result = _run("convert", f"{ZOO}:gpt2_factory", "--to", "rmsnorm", "--exact", "-o", str(out))
+    result = _run("convert", f"{ZOO}:gpt2_factory", "--to", "layernorm", "--exact", "-o", str(out))
     assert result.exit_code == 1
     assert "--exact: swap_norm is architectural, not exact; nothing written" in result.output
     assert not out.exists()

@@ -45,6 +45,9 @@ class CenteredParam:
     dim: int
     module_path: str  # the module whose op writes it into the stream ("" for the root)
     via: str  # the op that writes it: "linear", "addmm", "conv2d", "embedding", or "direct"
+    # A per-feature scale applied to the writer's output (LayerScale): folded into this parameter
+    # (multiplied along ``dim``) before centering, and then set to ones.
+    scale: str | None = None
 
 
 @dataclass
@@ -54,6 +57,8 @@ class Stream:
     hidden: int
     nodes: dict[fx.Node, int] = field(default_factory=dict)  # stream value -> its hidden dim
     params: list[CenteredParam] = field(default_factory=list)
+    # Per-feature scales folded into the writer before them: set to ones after the fold.
+    folded_scales: list[str] = field(default_factory=list)
     readers: set[fx.Node] = field(default_factory=set)  # mean-blind nodes that read the stream
     # Parameters that other, non-stream ops also read: name -> module paths of those readers.
     shared: dict[str, set[str]] = field(default_factory=dict)
@@ -119,6 +124,12 @@ class _StreamBuilder:
             return True
         module = self.modules.get(str(node.target)) if node.op == "call_module" else None
         return module is not None and "norm" in type(module).__name__.lower()
+
+    def passes_through(self, node: fx.Node) -> bool:
+        """The op returns its input unchanged (an eval-mode dropout, a cast, an identity module)."""
+        if op_name(node) == "dropout":
+            return not arg(node, 2, "train", False)
+        return op_name(node) in _IDENTITY_OPS or self.identity_module(node)
 
     def identity_module(self, node: fx.Node) -> bool:
         """An fx leaf call of a module that passes its input through in eval mode."""
@@ -229,12 +240,60 @@ class _StreamBuilder:
             if d_op >= 0 and op_shape[d_op] != 1:
                 full.append((operand, d_op))
         name = op_name(node)
+        if len(full) == 2 and name == "mul" and self.fold_scale(node, full, d):
+            return
         if len(full) != 1 or (name == "div" and full[0][0] is not node.args[0]):
             raise _Refused(
-                f"{self.describe(node)} scales the stream by a per-feature factor (e.g. LayerScale); "
-                "fold it into the layer before it first"
+                f"{self.describe(node)} scales the stream by a per-feature factor that cannot be folded "
+                "into the layer before it"
             )
         self.add(*full[0])
+
+    def fold_scale(self, node: fx.Node, full: list[tuple[fx.Node, int]], d: int) -> bool:
+        """LayerScale: ``gamma * writer(x)`` with gamma a parameter read only here and a linear writer
+        read only by this product. Folding gamma into the writer's weight and bias makes the product a
+        plain writer, which is then centered; gamma becomes ones."""
+        assert self.stream is not None
+        scales = [(a, da) for a, da in full if self.view.is_param(a) and len(real_users(a)) == 1]
+        if len(scales) != 1:
+            return False
+        scale, d_scale = scales[0]
+        scale_shape = _shape(scale) or ()
+        if sum(1 for s in scale_shape if s != 1) != 1:
+            return False
+        value = next(a for a, _ in full if a is not scale)
+        chain = [value]
+        while self.passes_through(chain[-1]):
+            chain.append(chain[-1].args[0])  # type: ignore[arg-type]
+        writer = chain[-1]
+        if any(len(real_users(n)) != 1 for n in chain):
+            return False
+        found = self._writer_params(writer, op_name(writer))
+        value_shape = _shape(writer)
+        if found is None or value_shape is None:
+            return False
+        want, params = found
+        d_value = d - (len(_shape(node) or ()) - len(value_shape))
+        if d_value != (want if want >= 0 else len(value_shape) + want):
+            return False
+        scale_name = self.view.param_name(scale)
+        path = self.view.innermost_path(writer)
+        for n in chain:
+            self.stream.nodes[n] = d_value  # handled here: not walked backwards as a plain writer
+        for tensor, dim in params:
+            if tensor is None:
+                continue
+            if isinstance(tensor, str):
+                self.write_param_name(tensor, dim, op_name(writer) or "module", path, None, scale_name)
+            elif self.view.is_param(tensor):
+                name = self.view.param_name(tensor)
+                self.write_param_name(name, dim, op_name(writer) or "op", path, tensor, scale_name)
+            else:
+                return False
+        assert scale_name is not None
+        self.stream.folded_scales.append(scale_name)
+        self.stream.nodes[scale] = d_scale
+        return True
 
     def layout(self, node: fx.Node, name: str | None, d: int, shape: tuple[int, ...]) -> None:
         src = node.args[0]
@@ -333,16 +392,18 @@ class _StreamBuilder:
     def write_param(self, node: fx.Node, dim: int, via: str, path: str) -> None:
         self.write_param_name(self.view.param_name(node), dim, via, path, node)
 
-    def write_param_name(self, name: str | None, dim: int, via: str, path: str, node: fx.Node | None) -> None:
+    def write_param_name(
+        self, name: str | None, dim: int, via: str, path: str, node: fx.Node | None, scale: str | None = None
+    ) -> None:
         assert self.stream is not None and name is not None
         tensor = self.tensors.get(name)
         shape = tuple(tensor.shape) if tensor is not None else _shape(node)
         if shape is None or len(shape) <= dim or shape[dim] != self.stream.hidden:
             raise _Refused(f"parameter {name} does not have the hidden size along dim {dim}")
         for other in self.stream.params:
-            if other.name == name and other.dim != dim:
-                raise _Refused(f"parameter {name} is written into the stream along two different dims")
-        record = CenteredParam(name, dim, path, via)
+            if other.name == name and (other.dim, other.scale) != (dim, scale):
+                raise _Refused(f"parameter {name} is written into the stream in two different ways")
+        record = CenteredParam(name, dim, path, via, scale)
         if record not in self.stream.params:
             self.stream.params.append(record)
         if node is not None and via != "direct":

@@ -30,9 +30,17 @@ from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteK
 from normswap.passes.swap_norm import build_norm
 
 
-def center_along(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """``tensor`` minus its mean over ``dim`` (fp64 inside, cast back to the tensor's dtype)."""
+def center_along(tensor: torch.Tensor, dim: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor`` (first multiplied by ``scale`` along ``dim``, if given) minus its mean over ``dim``.
+
+    fp64 inside, cast back to the tensor's dtype. ``scale`` is a LayerScale vector folded into the
+    weight of the layer it scales: ``gamma * (W x + b) = (diag(gamma) W) x + gamma * b``.
+    """
     t = tensor.detach().double()
+    if scale is not None:
+        shape = [1] * t.ndim
+        shape[dim] = -1
+        t = t * scale.detach().double().reshape(shape)
     return (t - t.mean(dim=dim, keepdim=True)).to(tensor.dtype)
 
 
@@ -125,7 +133,8 @@ def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
             continue
         done.add(name)
         tensor, holders = _holders(model, name)
-        new_value = center_along(tensor, param.dim)
+        scale = _holders(model, param.scale)[0] if param.scale else None
+        new_value = center_along(tensor, param.dim, scale)
         others = [h for h in holders if _under(h, stream.shared.get(name, set()) - {""})]
         if not others:
             with torch.no_grad():
@@ -142,6 +151,11 @@ def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
                     setattr(module, attr, new_value)
                 untied.append(f"{holder} (kept the original for {', '.join(others)})")
         centered.append(f"{name} (dim {param.dim}, via {param.via})")
+    for name in stream.folded_scales:
+        with torch.no_grad():
+            _holders(model, name)[0].fill_(1.0)
+    if stream.folded_scales:
+        centered += [f"{name} (folded into the layer before it, now ones)" for name in stream.folded_scales]
     config = getattr(model, "config", None)
     if untied and config is not None and getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False  # else a Hugging Face save/load round trip ties them again

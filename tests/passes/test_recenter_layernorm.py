@@ -145,6 +145,8 @@ class _PreLN(nn.Module):
             update = nn.functional.gelu(update)
         if self.spoil == "layerscale":
             update = update * self.gamma
+        if self.spoil == "computed-scale":
+            update = update * self.gamma.exp()
         h = h + update
         if self.spoil == "read":
             return self.norm2(h) + h.sum(-1, keepdim=True)
@@ -159,7 +161,8 @@ class _PreLN(nn.Module):
         ("none", None),
         ("input", "graph input extra is written into the residual stream as it is"),
         ("gelu", "gelu (gelu) writes into the residual stream and is not a linear map"),
-        ("layerscale", "scales the stream by a per-feature factor (e.g. LayerScale)"),
+        ("layerscale", None),
+        ("computed-scale", "scales the stream by a per-feature factor that cannot be folded into the layer"),
         ("read", "is read by sum (sum), which would see its mean"),
         ("constant", "adds the constant 1.0 to the stream"),
     ],
@@ -179,11 +182,16 @@ def test_refuses_streams_it_cannot_recenter_with_the_reason(spoil, reason):
     torch.testing.assert_close(_logits(converted, args, {}), _logits(model, args, {}), rtol=0, atol=0)
 
 
-def test_timm_layerscale_is_refused_with_the_reason():
+def test_timm_layerscale_is_folded_into_the_projection_before_centering():
     model, args, kwargs = model_zoo.timm_vit(init_values=0.1)
-    _, report = RecenterLayerNorm()(model, args, kwargs)
-    assert report.changes == []
-    assert "mul@blocks.1.ls2 scales the stream by a per-feature factor" in report.skips[0].reason
+    converted, report = RecenterLayerNorm()(model, args, kwargs)
+    assert len(report.changes) == 5 and report.skips == []
+    _assert_exact(model, converted, args, kwargs)
+    centered = [name for c in report.changes for name in c.details["centered"]]
+    assert "blocks.1.ls2.gamma (folded into the layer before it, now ones)" in centered
+    assert torch.equal(converted.blocks[1].ls2.gamma, torch.ones(192))
+    fc2 = converted.blocks[1].mlp.fc2
+    assert fc2.weight.double().mean(dim=0).abs().max() < 1e-6
 
 
 def test_layernorm_over_two_dims_and_functional_calls_are_skipped():

@@ -173,7 +173,8 @@ def convert(
         typer.Option(
             "--to",
             help="Swap norms to this kind: rmsnorm (exact where the residual stream can be recentered, "
-            "architectural elsewhere) or layernorm (architectural).",
+            "architectural elsewhere), layernorm (architectural) or fused (the same norms on normswap's "
+            "fused kernels; exact).",
         ),
     ] = None,
     fold_bn: Annotated[
@@ -195,9 +196,10 @@ def convert(
 
     if to is None and not fold_bn:
         raise BadInputError("nothing to do: give --to KIND and/or --fold-bn")
-    if to is not None and to not in SWAP_TARGETS:
+    targets = [*SWAP_TARGETS, "fused"]
+    if to is not None and to not in targets:
         raise BadInputError(
-            f"--to {to!r} is not a norm kind normswap can swap to; choose from {', '.join(SWAP_TARGETS)}"
+            f"--to {to!r} is not a norm kind normswap can swap to; choose from {', '.join(targets)}"
         )
     passes = []
     if fold_bn:
@@ -207,6 +209,10 @@ def convert(
         passes.append(RecenterLayerNorm())
         if not exact:
             passes.append(SwapNorm(to))
+    elif to == "fused":
+        from normswap.passes.fuse_norm import FuseNorm
+
+        passes.append(FuseNorm())
     elif to is not None:
         passes.append(SwapNorm(to))
     try:
@@ -294,6 +300,159 @@ def _print_pipeline(result: Any) -> None:
             f"whole model vs original: SQNR {_fmt_float(result.overall.worst_sqnr_db)} dB, "
             f"max abs / max|ref| {_fmt_float(result.overall.worst_rel)}"
         )
+
+
+DATA_HELP = (
+    "Calibration data: a folder of images (resized and centre-cropped to the model's input H x W, scaled "
+    "to [0, 1]), a .pt file holding a tensor (N, ...), a list of batch tensors or a list of batches, or a "
+    "factory 'package.module:callable' / 'file.py:callable' returning an iterable of batches."
+)
+
+
+@app.command()
+@_handles_errors
+def recalibrate(
+    model: ModelArg,
+    data: Annotated[str, typer.Option("--data", help=DATA_HELP, show_default=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output file: .pt2, .pt or .onnx.")],
+    batches: Annotated[
+        int | None,
+        typer.Option(
+            "--batches",
+            min=1,
+            help="Calibrate on the first N batches (the next one is held out unless --holdout is given).",
+        ),
+    ] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", min=1, help="Batch size for an image folder or a single tensor [32]."),
+    ] = None,
+    normalize: Annotated[
+        str | None, typer.Option("--normalize", help="Normalize images with a dataset's mean/std: imagenet.")
+    ] = None,
+    holdout: Annotated[
+        str | None,
+        typer.Option(
+            "--holdout",
+            help="Compare outputs before/after on the first batch of this data (same forms as --data) "
+            "instead of holding out the last batch of --data.",
+        ),
+    ] = None,
+    weights: WeightsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    report: ReportOpt = None,
+) -> None:
+    """Re-estimate MODEL's BatchNorm statistics as averages over the batches of DATA; write it to -o."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from normswap.calibrate import load_calibration_data, recalibrate_batchnorm
+    from normswap.errors import BadInputError, CheckFailedError
+    from normswap.load import SAVE_FORMATS, resolve_inputs, save_model
+
+    if output.suffix not in SAVE_FORMATS:
+        raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
+    loaded = _load(model, weights, trust_pickle)
+    resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
+    args, kwargs = resolved if resolved is not None else (None, None)
+    data_options: dict[str, Any] = {
+        "example_args": args,
+        "example_kwargs": kwargs,
+        "batch_size": batch_size,
+        "normalize": normalize,
+    }
+    calibration = load_calibration_data(data, **data_options)
+    held_out = None
+    if holdout is not None:
+        held_out = next(iter(load_calibration_data(holdout, **data_options, ignore_inapplicable=True)), None)
+        if held_out is None:
+            raise BadInputError(f"--holdout {holdout} yields no batch")
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    # The bar goes to stderr and only to a terminal, so piped output and logs stay clean.
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("calibrating", total=None)
+        recalibrated, result = recalibrate_batchnorm(
+            loaded.model,
+            calibration,
+            holdout=held_out,
+            max_batches=batches,
+            inplace=True,
+            on_batch=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    notes = calibration.notes + result.notes
+    out.print(calibration.description, soft_wrap=True)
+    _print_recalibration(result, notes)
+
+    written = False
+    if result.ok:
+        if resolved is None and calibration.first is not None:
+            # No example inputs given: a calibration batch shows export what the model takes.
+            args, kwargs = calibration.first.args, calibration.first.kwargs
+        source = Path(model) if Path(model).exists() else None
+        label = save_model(recalibrated, output, args or (), kwargs, refuse_path=source)
+        written = True
+        out.print(f"wrote {output} ({label})", soft_wrap=True)
+    if report is not None:
+        _write_json(
+            report,
+            {
+                "model": model,
+                "data": data,
+                "data_description": calibration.description,
+                "output": str(output),
+                "written": written,
+                **result.to_dict(),
+                "notes": notes,
+            },
+        )
+    if not result.ok:
+        bad = ", ".join(result.non_finite_layers) or "the held-out outputs"
+        raise CheckFailedError(f"recalibration produced non-finite values in {bad}; nothing written")
+
+
+def _print_recalibration(result: Any, notes: list[str]) -> None:
+    table = Table(title="BatchNorm statistics, new vs old", show_lines=False)
+    for column in ("layer", "class", "channels", "mean shift (σ)", "var ratio"):
+        table.add_column(column, overflow="fold")
+    for layer in result.layers:
+        table.add_row(
+            layer.path,
+            layer.class_name,
+            str(layer.num_features),
+            _fmt_float(layer.mean_shift),
+            f"{_fmt_float(layer.var_ratio_min)}..{_fmt_float(layer.var_ratio_max)}",
+        )
+    out.print(table)
+    if result.skips:
+        skips = Table(title="Skipped", show_lines=False)
+        for column in ("site", "reason"):
+            skips.add_column(column, overflow="fold")
+        for skip in result.skips:
+            skips.add_row(skip.site, skip.reason)
+        out.print(skips)
+    for note in notes:
+        out.print(f"note: {note}", soft_wrap=True)
+    out.print(
+        f"recalibrate_batchnorm ({result.kind.value}): {len(result.layers)} BatchNorm layers re-estimated "
+        f"on {result.batches} batches ({result.samples} samples), {len(result.skips)} skipped",
+        soft_wrap=True,
+    )
+    if result.holdout is None:
+        out.print("held-out batch: none, no comparison")
+        return
+    worst = min(result.holdout.outputs, key=lambda o: o.sqnr_db, default=None)
+    if worst is None:
+        out.print("held-out batch: the model returns no floating-point output to compare")
+        return
+    top1 = f", top-1 agreement {worst.top1_agreement:.1%}" if worst.top1_agreement is not None else ""
+    out.print(
+        f"held-out batch ({result.holdout_samples} samples, {result.holdout_source}), outputs after vs "
+        f"before: SQNR {_fmt_float(worst.sqnr_db)} dB, cosine {_fmt_float(worst.cosine, 6)}, max abs "
+        f"{_fmt_float(worst.max_abs)} ({_fmt_float(worst.max_rel)} x max|before|){top1}",
+        soft_wrap=True,
+    )
 
 
 def main() -> None:

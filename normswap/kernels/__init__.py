@@ -2,8 +2,9 @@
 
 Three tiers, as in Liger-Kernel:
 
-1. ``@triton.jit`` kernels (``_kernels``) and their host launchers (:mod:`.rms_norm`, :mod:`.layer_norm`),
-   which run on whatever device their tensors are on (CUDA, or CPU under ``TRITON_INTERPRET=1``);
+1. ``@triton.jit`` kernels (``_kernels``) and their host launchers (``_launch.norm_fwd`` /
+   ``norm_bwd``, one pair for both norms and the residual-add variants), which run on whatever device
+   their tensors are on (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 2. custom ops ``torch.ops.normswap.*`` (:mod:`.ops`) with fake and autograd registrations: Triton on
    CUDA, the reference math of :mod:`normswap.modules.functional` elsewhere;
 3. differentiable functions (:func:`rms_norm`, ...) and the modules of :mod:`normswap.modules.fused`.

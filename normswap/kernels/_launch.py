@@ -1,8 +1,10 @@
-"""Host side of the norm kernels: tile configuration, argument preparation and launches.
+"""Host side of the norm kernels (tier 1): tile configuration, argument preparation and launches.
 
-Shared by :mod:`normswap.kernels.rms_norm` and :mod:`normswap.kernels.layer_norm`, whose public
-launchers are thin wrappers over :func:`norm_fwd` / :func:`norm_bwd`. Nothing here imports triton at
-module import time, so ``import normswap.kernels`` works without it.
+:func:`norm_fwd` / :func:`norm_bwd` launch the kernels for RMSNorm (``kind="rms"``) and LayerNorm
+(``"layer"``), with or without the residual add, on whatever device the tensors are on: CUDA, or CPU
+under ``TRITON_INTERPRET=1``. No autograd and no dispatch here: most code wants
+:func:`normswap.kernels.rms_norm` and friends. Nothing here imports triton at module import time, so
+``import normswap.kernels`` works without it.
 """
 
 from __future__ import annotations
@@ -354,10 +356,16 @@ def norm_bwd(
 
     if m > 0:
         ker = kernel_module()
-        llama = casting == "llama"
-        has_offset = weight is not None and weight_offset != 0.0
         w_arg = weight if weight is not None else x2
         c1 = c2 = rstd1
+        # Compile-time switches both backward kernels take.
+        flags = {
+            "IS_RMS": kind == "rms",
+            "HAS_W": weight is not None,
+            "LLAMA": casting == "llama",
+            "HAS_OFFSET": weight is not None and weight_offset != 0.0,
+            "RNE_BF16": interpreter_enabled(),
+        }
         if cfg.chunked:
             c1 = torch.empty((m,), dtype=torch.float32, device=device)
             c2 = torch.empty((m,), dtype=torch.float32, device=device) if kind == "layer" else c1
@@ -375,11 +383,7 @@ def norm_bwd(
                 x2.stride(0),
                 n,
                 float(weight_offset),
-                IS_RMS=kind == "rms",
-                HAS_W=weight is not None,
-                LLAMA=llama,
-                HAS_OFFSET=has_offset,
-                RNE_BF16=interpreter_enabled(),
+                **flags,
                 BLOCK_N=dots_block,
                 num_warps=_num_warps(dots_block, _FWD_ELEMS_PER_THREAD),
             )
@@ -401,14 +405,10 @@ def norm_bwd(
             m,
             n,
             float(weight_offset),
-            IS_RMS=kind == "rms",
+            **flags,
             HAS_DH=dh is not None,
-            HAS_W=weight is not None,
             HAS_B=bias is not None,
-            LLAMA=llama,
-            HAS_OFFSET=has_offset,
             DOTS_GIVEN=cfg.chunked,
-            RNE_BF16=interpreter_enabled(),
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps,

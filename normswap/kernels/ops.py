@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -192,281 +193,130 @@ def _bwd(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Fake implementations: shapes and dtypes only, contiguous like the real outputs.
-
-
-def _fake_fwd(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    casting: str,
-    n_stats: int,
-    with_h: bool,
-) -> tuple[torch.Tensor, ...]:
-    y = x.new_empty(x.shape, dtype=output_dtype(x.dtype, weight, bias, casting))
-    h = (x.new_empty(x.shape),) if with_h else ()
-    stats = tuple(x.new_empty(x.shape[:-1], dtype=torch.float32) for _ in range(n_stats))
-    return (y, *h, *stats)
-
-
-def _fake_bwd(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx = x.new_empty(x.shape)
-    dw = weight.new_empty(weight.shape) if weight is not None else _empty_grad(x)
-    db = bias.new_empty(bias.shape) if bias is not None else _empty_grad(x)
-    return dx, dw, db
-
-
-# ---------------------------------------------------------------------------------------------------
-# RMSNorm
-
-
-@torch.library.custom_op("normswap::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    y, _, _, rstd = _fwd("rms", x, None, weight, bias, eps, casting, weight_offset)
-    return y, rstd
-
-
-@rms_norm_fwd.register_fake
-def _(x, weight, bias, eps, casting, weight_offset):
-    return _fake_fwd(x, weight, bias, casting, n_stats=1, with_h=False)
-
-
-@torch.library.custom_op("normswap::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    rstd: torch.Tensor,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd("rms", dy, None, x, weight, bias, None, rstd, casting, weight_offset)
-
-
-@rms_norm_bwd.register_fake
-def _(dy, x, weight, bias, rstd, casting, weight_offset):
-    return _fake_bwd(x, weight, bias)
-
-
-def _rms_setup(ctx, inputs, output) -> None:
-    x, weight, bias, _eps, casting, weight_offset = inputs
-    _, rstd = output
-    ctx.save_for_backward(x, weight, bias, rstd)
-    ctx.casting, ctx.weight_offset = casting, weight_offset
-    ctx.mark_non_differentiable(rstd)
-
-
-def _rms_backward(ctx, dy, _drstd):
-    x, weight, bias, rstd = ctx.saved_tensors
-    dx, dw, db = rms_norm_bwd(dy, x, weight, bias, rstd, ctx.casting, ctx.weight_offset)
-    return _param_grads(ctx, dx, dw, db, weight, bias, has_residual=False)
-
-
-rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
-
-
-# ---------------------------------------------------------------------------------------------------
-# LayerNorm
-
-
-@torch.library.custom_op("normswap::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, _, mean, rstd = _fwd("layer", x, None, weight, bias, eps, casting, weight_offset)
-    assert mean is not None
-    return y, mean, rstd
-
-
-@layer_norm_fwd.register_fake
-def _(x, weight, bias, eps, casting, weight_offset):
-    return _fake_fwd(x, weight, bias, casting, n_stats=2, with_h=False)
-
-
-@torch.library.custom_op("normswap::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd("layer", dy, None, x, weight, bias, mean, rstd, casting, weight_offset)
-
-
-@layer_norm_bwd.register_fake
-def _(dy, x, weight, bias, mean, rstd, casting, weight_offset):
-    return _fake_bwd(x, weight, bias)
-
-
-def _layer_setup(ctx, inputs, output) -> None:
-    x, weight, bias, _eps, casting, weight_offset = inputs
-    _, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.casting, ctx.weight_offset = casting, weight_offset
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _layer_backward(ctx, dy, _dmean, _drstd):
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.casting, ctx.weight_offset)
-    return _param_grads(ctx, dx, dw, db, weight, bias, has_residual=False)
-
-
-layer_norm_fwd.register_autograd(_layer_backward, setup_context=_layer_setup)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Residual add + RMSNorm / LayerNorm
-
-
-@torch.library.custom_op("normswap::add_rms_norm_fwd", mutates_args=())
-def add_rms_norm_fwd(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, h, _, rstd = _fwd("rms", x, residual, weight, bias, eps, casting, weight_offset)
-    assert h is not None
-    return y, h, rstd
-
-
-@add_rms_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, casting, weight_offset):
-    return _fake_fwd(x, weight, bias, casting, n_stats=1, with_h=True)
-
-
-@torch.library.custom_op("normswap::add_rms_norm_bwd", mutates_args=())
-def add_rms_norm_bwd(
-    dy: torch.Tensor,
-    dh: torch.Tensor | None,
-    h: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    rstd: torch.Tensor,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd("rms", dy, dh, h, weight, bias, None, rstd, casting, weight_offset)
-
-
-@add_rms_norm_bwd.register_fake
-def _(dy, dh, h, weight, bias, rstd, casting, weight_offset):
-    return _fake_bwd(h, weight, bias)
-
-
-def _add_rms_setup(ctx, inputs, output) -> None:
-    _x, _residual, weight, bias, _eps, casting, weight_offset = inputs
-    _, h, rstd = output
-    ctx.save_for_backward(h, weight, bias, rstd)
-    ctx.casting, ctx.weight_offset = casting, weight_offset
-    ctx.mark_non_differentiable(rstd)
-
-
-def _add_rms_backward(ctx, dy, dh, _drstd):
-    h, weight, bias, rstd = ctx.saved_tensors
-    dx, dw, db = add_rms_norm_bwd(dy, dh, h, weight, bias, rstd, ctx.casting, ctx.weight_offset)
-    return _param_grads(ctx, dx, dw, db, weight, bias, has_residual=True)
-
-
-add_rms_norm_fwd.register_autograd(_add_rms_backward, setup_context=_add_rms_setup)
-
-
-@torch.library.custom_op("normswap::add_layer_norm_fwd", mutates_args=())
-def add_layer_norm_fwd(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, h, mean, rstd = _fwd("layer", x, residual, weight, bias, eps, casting, weight_offset)
-    assert h is not None and mean is not None
-    return y, h, mean, rstd
-
-
-@add_layer_norm_fwd.register_fake
-def _(x, residual, weight, bias, eps, casting, weight_offset):
-    return _fake_fwd(x, weight, bias, casting, n_stats=2, with_h=True)
-
-
-@torch.library.custom_op("normswap::add_layer_norm_bwd", mutates_args=())
-def add_layer_norm_bwd(
-    dy: torch.Tensor,
-    dh: torch.Tensor | None,
-    h: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _bwd("layer", dy, dh, h, weight, bias, mean, rstd, casting, weight_offset)
-
-
-@add_layer_norm_bwd.register_fake
-def _(dy, dh, h, weight, bias, mean, rstd, casting, weight_offset):
-    return _fake_bwd(h, weight, bias)
-
-
-def _add_layer_setup(ctx, inputs, output) -> None:
-    _x, _residual, weight, bias, _eps, casting, weight_offset = inputs
-    _, h, mean, rstd = output
-    ctx.save_for_backward(h, weight, bias, mean, rstd)
-    ctx.casting, ctx.weight_offset = casting, weight_offset
-    ctx.mark_non_differentiable(mean, rstd)
-
-
-def _add_layer_backward(ctx, dy, dh, _dmean, _drstd):
-    h, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = add_layer_norm_bwd(dy, dh, h, weight, bias, mean, rstd, ctx.casting, ctx.weight_offset)
-    return _param_grads(ctx, dx, dw, db, weight, bias, has_residual=True)
-
-
-add_layer_norm_fwd.register_autograd(_add_layer_backward, setup_context=_add_layer_setup)
-
-
-def _param_grads(
-    ctx,
-    dx: torch.Tensor,
-    dw: torch.Tensor,
-    db: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    has_residual: bool,
-) -> tuple[torch.Tensor | None, ...]:
-    """Gradients in input order: x[, residual], weight, bias, then None for eps, casting, offset."""
-    i_w = 2 if has_residual else 1
-    # x and residual enter only through h = x + residual: both get dh, the same tensor.
-    grads: list[torch.Tensor | None] = [dx, dx] if has_residual else [dx]
-    grads.append(dw if weight is not None and ctx.needs_input_grad[i_w] else None)
-    grads.append(db if bias is not None and ctx.needs_input_grad[i_w + 1] else None)
-    return (*grads, None, None, None)
+# The eight ops, defined from one table: what differs between them is only which of residual, dh and
+# mean appear in the argument and result lists, so the schemas are written out and the implementations
+# unpack them.
+
+
+@dataclass(frozen=True)
+class _OpFamily:
+    """One norm's forward and backward op: ``{add_}{kind}_norm_{fwd,bwd}``."""
+
+    kind: NormKind
+    with_residual: bool
+
+    @property
+    def name(self) -> str:
+        return f"{'add_' if self.with_residual else ''}{self.kind}_norm"
+
+    @property
+    def n_stats(self) -> int:
+        return 2 if self.kind == "layer" else 1  # (mean,) rstd
+
+    def fwd_schema(self) -> str:
+        residual = "Tensor residual, " if self.with_residual else ""
+        outs = ", ".join(["Tensor"] * (1 + self.with_residual + self.n_stats))
+        return (
+            f"(Tensor x, {residual}Tensor? weight, Tensor? bias, float eps, str casting, "
+            f"float weight_offset) -> ({outs})"
+        )
+
+    def bwd_schema(self) -> str:
+        # The add_ backwards take h (what was normalized) and the gradient dh from h's other readers.
+        inputs = "Tensor? dh, Tensor h" if self.with_residual else "Tensor x"
+        mean = "Tensor mean, " if self.kind == "layer" else ""
+        return (
+            f"(Tensor dy, {inputs}, Tensor? weight, Tensor? bias, {mean}Tensor rstd, str casting, "
+            "float weight_offset) -> (Tensor, Tensor, Tensor)"
+        )
+
+    def split_fwd_args(self, args: tuple) -> tuple:
+        """Forward op arguments -> (x, residual, weight, bias, eps, casting, weight_offset)."""
+        if self.with_residual:
+            return args
+        x, *rest = args
+        return (x, None, *rest)
+
+    def pack_fwd_outputs(
+        self, y: torch.Tensor, h: torch.Tensor | None, mean: torch.Tensor | None, rstd: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        hs = (h,) if self.with_residual else ()
+        means = (mean,) if self.kind == "layer" else ()
+        return (y, *hs, *means, rstd)
+
+    def split_bwd_args(self, args: tuple) -> tuple:
+        """Backward op arguments -> (dy, dh, x, weight, bias, mean, rstd, casting, weight_offset)."""
+        dy, *rest = args
+        if not self.with_residual:
+            rest = [None, *rest]
+        if self.kind == "rms":
+            rest.insert(4, None)
+        return (dy, *rest)
+
+
+_FAMILIES = tuple(_OpFamily(kind, res) for res in (False, True) for kind in ("rms", "layer"))
+
+
+def _define(family: _OpFamily) -> None:
+    def fwd(*args):
+        x, residual, weight, bias, eps, casting, weight_offset = family.split_fwd_args(args)
+        return family.pack_fwd_outputs(
+            *_fwd(family.kind, x, residual, weight, bias, eps, casting, weight_offset)
+        )
+
+    def fake_fwd(*args):
+        x, _residual, weight, bias, _eps, casting, _offset = family.split_fwd_args(args)
+        # Shapes and dtypes only, contiguous like the real outputs.
+        y = x.new_empty(x.shape, dtype=output_dtype(x.dtype, weight, bias, casting))
+        h = x.new_empty(x.shape)
+        stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
+        return family.pack_fwd_outputs(y, h, stats, stats.clone())
+
+    def bwd(*args):
+        dy, dh, x, weight, bias, mean, rstd, casting, weight_offset = family.split_bwd_args(args)
+        return _bwd(family.kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset)
+
+    def fake_bwd(*args):
+        _dy, _dh, x, weight, bias, *_ = family.split_bwd_args(args)
+        dw = weight.new_empty(weight.shape) if weight is not None else _empty_grad(x)
+        db = bias.new_empty(bias.shape) if bias is not None else _empty_grad(x)
+        return x.new_empty(x.shape), dw, db
+
+    fwd_op = torch.library.custom_op(
+        f"normswap::{family.name}_fwd", fwd, mutates_args=(), schema=family.fwd_schema()
+    )
+    bwd_op = torch.library.custom_op(
+        f"normswap::{family.name}_bwd", bwd, mutates_args=(), schema=family.bwd_schema()
+    )
+    fwd_op.register_fake(fake_fwd)
+    bwd_op.register_fake(fake_bwd)
+
+    def setup_context(ctx, inputs, output) -> None:
+        _x, _residual, weight, bias, _eps, casting, weight_offset = family.split_fwd_args(inputs)
+        # The add_ ops save h = x + residual, the tensor that was normalized; the others x itself.
+        normalized = output[1] if family.with_residual else inputs[0]
+        stats = output[-family.n_stats :]
+        ctx.save_for_backward(normalized, weight, bias, *stats)
+        ctx.casting, ctx.weight_offset = casting, weight_offset
+        ctx.mark_non_differentiable(*stats)
+
+    def backward(ctx, dy, *other_grads):
+        normalized, weight, bias, *stats = ctx.saved_tensors
+        dh = (other_grads[0],) if family.with_residual else ()
+        dx, dw, db = bwd_op(dy, *dh, normalized, weight, bias, *stats, ctx.casting, ctx.weight_offset)
+        # Gradients in input order: x[, residual], weight, bias, then None for eps, casting, offset.
+        # x and residual enter only through h = x + residual: both get dh, the same tensor.
+        i_w = 2 if family.with_residual else 1
+        grads: list[torch.Tensor | None] = [dx, dx] if family.with_residual else [dx]
+        grads.append(dw if weight is not None and ctx.needs_input_grad[i_w] else None)
+        grads.append(db if bias is not None and ctx.needs_input_grad[i_w + 1] else None)
+        return (*grads, None, None, None)
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)
+
+
+for _family in _FAMILIES:
+    _define(_family)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -492,6 +342,29 @@ def _flatten(
     )
 
 
+def _norm(
+    kind: NormKind,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    casting: str,
+    weight_offset: float,
+    normalized_ndim: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Call the forward op of ``kind`` (with or without the residual add): returns (y, h or None)."""
+    xf, w, b = _flatten(x, weight, bias, normalized_ndim)
+    numerics = (w, b, float(eps), casting, float(weight_offset))
+    if residual is None:
+        op = torch.ops.normswap.rms_norm_fwd if kind == "rms" else torch.ops.normswap.layer_norm_fwd
+        return op(xf, *numerics)[0].view(x.shape), None
+    rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
+    op = torch.ops.normswap.add_rms_norm_fwd if kind == "rms" else torch.ops.normswap.add_layer_norm_fwd
+    y, h = op(xf, rf, *numerics)[:2]
+    return y.view(x.shape), h.view(x.shape)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -502,9 +375,7 @@ def rms_norm(
     normalized_ndim: int = 1,
 ) -> torch.Tensor:
     """Fused :func:`normswap.modules.functional.rms_norm_reference`, over the last ``normalized_ndim`` dims."""
-    xf, w, b = _flatten(x, weight, bias, normalized_ndim)
-    y, _ = torch.ops.normswap.rms_norm_fwd(xf, w, b, float(eps), casting, float(weight_offset))
-    return y.view(x.shape)
+    return _norm("rms", x, None, weight, bias, eps, casting, weight_offset, normalized_ndim)[0]
 
 
 def layer_norm(
@@ -517,9 +388,7 @@ def layer_norm(
     normalized_ndim: int = 1,
 ) -> torch.Tensor:
     """Fused :func:`normswap.modules.functional.layer_norm_reference`, over the last ``normalized_ndim`` dims."""
-    xf, w, b = _flatten(x, weight, bias, normalized_ndim)
-    y, _, _ = torch.ops.normswap.layer_norm_fwd(xf, w, b, float(eps), casting, float(weight_offset))
-    return y.view(x.shape)
+    return _norm("layer", x, None, weight, bias, eps, casting, weight_offset, normalized_ndim)[0]
 
 
 def add_rms_norm(
@@ -533,10 +402,9 @@ def add_rms_norm(
     normalized_ndim: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual; return rms_norm(h), h`` in one pass over memory."""
-    xf, w, b = _flatten(x, weight, bias, normalized_ndim)
-    rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
-    y, h, _ = torch.ops.normswap.add_rms_norm_fwd(xf, rf, w, b, float(eps), casting, float(weight_offset))
-    return y.view(x.shape), h.view(x.shape)
+    y, h = _norm("rms", x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
+    assert h is not None
+    return y, h
 
 
 def add_layer_norm(
@@ -550,9 +418,6 @@ def add_layer_norm(
     normalized_ndim: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual; return layer_norm(h), h`` in one pass over memory."""
-    xf, w, b = _flatten(x, weight, bias, normalized_ndim)
-    rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
-    y, h, _, _ = torch.ops.normswap.add_layer_norm_fwd(
-        xf, rf, w, b, float(eps), casting, float(weight_offset)
-    )
-    return y.view(x.shape), h.view(x.shape)
+    y, h = _norm("layer", x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
+    assert h is not None
+    return y, h

@@ -5,10 +5,15 @@ override ``forward``, so a checkpoint moves freely between a reference and a fus
 ``FusedAddRMSNorm`` / ``FusedAddLayerNorm`` take ``(x, residual)`` and return ``(norm(x + residual),
 x + residual)``: the pre-norm transformer's residual add and the following norm in one pass. Swapping a
 norm for its fused twin is an *exact* rewrite (same function up to float rounding).
+
+A fused module built from a hand-written norm keeps that norm's parameter names (``gain``/``shift``
+rather than ``weight``/``bias``), so the original checkpoint still loads into the converted model; its
+``weight`` and ``bias`` attributes still read those parameters.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import torch
@@ -17,50 +22,94 @@ from torch import nn
 from normswap.kernels.ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from normswap.modules.norms import LayerNorm, RMSNorm
 
-_F = TypeVar("_F", bound="_FromModule")
+_F = TypeVar("_F", bound="FusedNorm")
 
 
-def _settings(module: nn.Module, want: type[nn.Module]) -> dict:
-    """Constructor arguments of the reference class ``want`` that reproduce ``module``'s function."""
+@dataclass(frozen=True)
+class NormSpec:
+    """What a fused norm needs to reproduce another module: constructor arguments and parameter names."""
+
+    normalized_shape: tuple[int, ...]
+    eps: float
+    elementwise_affine: bool
+    bias: bool
+    casting: str = "none"
+    weight_offset: float = 0.0
+    # Names of the weight and bias in the source module's state_dict.
+    weight_name: str = "weight"
+    bias_name: str = "bias"
+
+    def constructor_kwargs(self) -> dict:
+        kwargs = asdict(self)
+        del kwargs["weight_name"], kwargs["bias_name"]
+        return kwargs
+
+
+def spec_of(module: nn.Module, want: type[nn.Module]) -> NormSpec:
+    """The spec of a module whose class states its semantics: normswap's reference norms (of class
+    ``want``, fused or not) and torch.nn's ``LayerNorm``/``RMSNorm`` (and subclasses such as timm's)."""
     if isinstance(module, RMSNorm | LayerNorm):
         if not isinstance(module, want):
             raise TypeError(f"cannot build a fused {want.__name__} from a {type(module).__name__}")
-        return {
-            "normalized_shape": module.normalized_shape,
-            "eps": module.eps,
-            "elementwise_affine": module.elementwise_affine,
-            "bias": module.bias is not None,
-            "casting": module.casting,
-            "weight_offset": module.weight_offset,
-        }
+        return NormSpec(
+            normalized_shape=module.normalized_shape,
+            eps=module.eps,
+            elementwise_affine=module.elementwise_affine,
+            bias=module.bias is not None,
+            casting=module.casting,
+            weight_offset=module.weight_offset,
+            weight_name=getattr(module, "_weight_key", "weight"),
+            bias_name=getattr(module, "_bias_key", "bias"),
+        )
     torch_twin = nn.RMSNorm if want is RMSNorm else nn.LayerNorm
     if isinstance(module, torch_twin):
         eps = module.eps
         if eps is None:
             # torch's RMSNorm then uses finfo(input dtype).eps: no single constant reproduces it.
             raise ValueError("nn.RMSNorm with eps=None takes eps from the input dtype; set eps explicitly")
-        return {
-            "normalized_shape": tuple(module.normalized_shape),
-            "eps": float(eps),
-            "elementwise_affine": module.elementwise_affine,
-            "bias": getattr(module, "bias", None) is not None,
-            "casting": "none",
-            "weight_offset": 0.0,
-        }
+        return NormSpec(
+            normalized_shape=tuple(module.normalized_shape),
+            eps=float(eps),
+            elementwise_affine=module.elementwise_affine,
+            bias=getattr(module, "bias", None) is not None,
+        )
     raise TypeError(f"cannot build a fused {want.__name__} from a {type(module).__name__}")
 
 
-class _FromModule(nn.Module):
+def _parameter_property(key_attr: str, default: str) -> property:
+    # ``weight``/``bias`` read whatever name the parameter is stored under. Raising AttributeError while
+    # it is not registered yet lets nn.Module.__setattr__ register it under ``weight`` as usual.
+    def get(self: nn.Module) -> nn.Parameter | None:
+        key = self.__dict__.get(key_attr, default)
+        if key not in self._parameters:
+            raise AttributeError(key)
+        return self._parameters[key]
+
+    return property(get)
+
+
+class FusedNorm(nn.Module):
+    """Base of every fused norm module: ``from_module``, and weight/bias under the source's names."""
+
     _reference: type[nn.Module]
 
-    @classmethod
-    def from_module(cls: type[_F], module: nn.Module) -> _F:
-        """A fused copy of ``module`` (a normswap reference norm, or torch's ``LayerNorm``/``RMSNorm``).
+    weight = _parameter_property("_weight_key", "weight")
+    bias = _parameter_property("_bias_key", "bias")
 
-        Parameters are copied (not shared) with their dtype, device and ``requires_grad``; the training
-        flag is kept. ``module`` is left untouched.
+    @classmethod
+    def from_module(cls: type[_F], module: nn.Module, spec: NormSpec | None = None) -> _F:
+        """A fused copy of ``module``.
+
+        Without ``spec``, ``module`` must be a normswap reference norm or torch's ``LayerNorm``/``RMSNorm``;
+        with it, any module whose function the spec states (a hand-written or third-party norm) and whose
+        state_dict holds exactly the spec's parameters. Parameters are copied (not shared) with their
+        dtype, device and ``requires_grad``, under their names in ``module``; the training flag is kept.
+        ``module`` is left untouched.
         """
-        fused = cls(**_settings(module, cls._reference), device="meta")
+        if spec is None:
+            spec = spec_of(module, cls._reference)
+        fused = cls(**spec.constructor_kwargs(), device="meta")
+        fused._rename_parameters(spec.weight_name, spec.bias_name)
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         # assign=True takes each tensor's dtype and device as they are (weight and bias may differ).
         fused.load_state_dict(state, assign=True)
@@ -68,63 +117,70 @@ class _FromModule(nn.Module):
             getattr(fused, name).requires_grad_(param.requires_grad)
         return fused.train(module.training)
 
+    def _rename_parameters(self, weight_name: str, bias_name: str) -> None:
+        """Store weight and bias under other state_dict names, keeping their order."""
+        renames = {"weight": weight_name, "bias": bias_name}
+        if all(k == v for k, v in renames.items()):
+            return
+        if len(set(renames.values())) != 2:
+            raise ValueError(f"weight and bias need distinct names, got {weight_name!r} twice")
+        self._parameters = {renames.get(k, k): v for k, v in self._parameters.items()}
+        self._weight_key, self._bias_key = weight_name, bias_name
 
-class FusedRMSNorm(RMSNorm, _FromModule):
+    def _numerics(self) -> tuple:
+        """The op arguments after the input(s): weight, bias, eps, casting, offset, normalized ndim."""
+        return (
+            self.weight,
+            self.bias,
+            self.eps,
+            self.casting,
+            self.weight_offset,
+            len(self.normalized_shape),
+        )
+
+
+class FusedRMSNorm(RMSNorm, FusedNorm):
     """:class:`normswap.modules.RMSNorm` computed by the ``normswap::rms_norm_fwd`` op."""
 
     _reference = RMSNorm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(
-            x, self.weight, self.bias, self.eps, self.casting, self.weight_offset, len(self.normalized_shape)
-        )
+        return rms_norm(x, *self._numerics())
 
 
-class FusedLayerNorm(LayerNorm, _FromModule):
+class FusedLayerNorm(LayerNorm, FusedNorm):
     """:class:`normswap.modules.LayerNorm` computed by the ``normswap::layer_norm_fwd`` op."""
 
     _reference = LayerNorm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(
-            x, self.weight, self.bias, self.eps, self.casting, self.weight_offset, len(self.normalized_shape)
-        )
+        return layer_norm(x, *self._numerics())
 
 
-class FusedAddRMSNorm(RMSNorm, _FromModule):
+class FusedAddRMSNorm(RMSNorm, FusedNorm):
     """``(rms_norm(x + residual), x + residual)``; same constructor and state_dict as RMSNorm."""
 
     _reference = RMSNorm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(
-            x,
-            residual,
-            self.weight,
-            self.bias,
-            self.eps,
-            self.casting,
-            self.weight_offset,
-            len(self.normalized_shape),
-        )
+        return add_rms_norm(x, residual, *self._numerics())
 
 
-class FusedAddLayerNorm(LayerNorm, _FromModule):
+class FusedAddLayerNorm(LayerNorm, FusedNorm):
     """``(layer_norm(x + residual), x + residual)``; same constructor and state_dict as LayerNorm."""
 
     _reference = LayerNorm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_layer_norm(
-            x,
-            residual,
-            self.weight,
-            self.bias,
-            self.eps,
-            self.casting,
-            self.weight_offset,
-            len(self.normalized_shape),
-        )
+        return add_layer_norm(x, residual, *self._numerics())
 
 
-__all__ = ["FusedAddLayerNorm", "FusedAddRMSNorm", "FusedLayerNorm", "FusedRMSNorm"]
+__all__ = [
+    "FusedAddLayerNorm",
+    "FusedAddRMSNorm",
+    "FusedLayerNorm",
+    "FusedNorm",
+    "FusedRMSNorm",
+    "NormSpec",
+    "spec_of",
+]

@@ -2,26 +2,37 @@
 
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, Skip, build_context
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
+from normswap.passes.fold_norm_affine import FoldNormAffine, fold_norm_affine
+from normswap.passes.fuse_norm import FuseNorm, fuse_norm
 from normswap.passes.pipeline import ExactOnlyError, Pipeline, PipelineReport
 from normswap.passes.recenter_layernorm import RecenterLayerNorm, recenter_layernorm
 from normswap.passes.swap_norm import SWAP_TARGETS, SwapNorm, swap_norm
+from normswap.passes.weight_norm import AddWeightNorm, RemoveWeightNorm, add_weight_norm, remove_weight_norm
 
 __all__ = [
     "SWAP_TARGETS",
+    "AddWeightNorm",
     "Change",
     "ExactOnlyError",
     "FoldBatchNorm",
+    "FoldNormAffine",
+    "FuseNorm",
     "Pass",
     "PassContext",
     "PassReport",
     "Pipeline",
     "PipelineReport",
     "RecenterLayerNorm",
+    "RemoveWeightNorm",
     "RewriteKind",
     "Skip",
     "SwapNorm",
+    "add_weight_norm",
     "build_context",
     "fold_batchnorm",
+    "fold_norm_affine",
+    "fuse_norm",
     "recenter_layernorm",
+    "remove_weight_norm",
     "swap_norm",
 ]

@@ -1,35 +1,438 @@
-"""Fold an eval-mode BatchNorm into the Conv1d/2d/3d or Linear that feeds it (exact).
+"""Fold each eval-mode BatchNorm into a neighbouring Conv/ConvTranspose/Linear, or make it an affine (exact).
 
-Math (see :mod:`normswap.passes.weights`): with s = gamma / sqrt(var + eps),
-``W' = W * s`` per output channel and ``b' = (b - mean) * s + beta``; the BN becomes ``nn.Identity``.
+An eval BN is the per-channel affine ``y = s * x + t`` with ``s = gamma / sqrt(var + eps)`` and
+``t = beta - mean * s`` (math in :mod:`normswap.passes.weights`). For each BN site, in this order:
 
-Legal only when the result computes the same function:
-- the BN is in eval mode and has running statistics (in training mode it uses batch statistics);
-- its forward is BatchNorm's own (a subclass that adds an activation would lose it);
-- the BN and the layer feeding it are each called at exactly one site (folding changes every call);
-- the layer's output feeds nothing but the BN (other readers would see scaled values);
-- for Linear + BatchNorm1d, the BN's channel dim is the Linear's output dim: a 2-D input only.
+1. **backward** into the Conv1d/2d/3d, ConvTranspose1d/2d/3d (grouped included) or Linear whose output
+   it normalizes: ``W' = W * s`` per output channel, ``b' = b * s + t``; the BN becomes ``nn.Identity``
+   (for timm's BatchNormAct2d / FrozenBatchNormAct2d: its ``drop`` and ``act``, so the forward keeps them);
+2. **forward** into the Conv1d/2d/3d or Linear that is the only reader of its output:
+   ``W'[:, c] = W[:, c] * s_c``, ``b' = b + sum_{c,k} W[:, c, k] * t_c``; the BN becomes ``nn.Identity``;
+3. when it has no conv/linear on either side: a :class:`~normswap.modules.affine.ChannelAffine`
+   (``x * scale + shift``), which computes the same function without statistics or eps.
+
+A BN that has a conv/linear beside it but cannot fold into it is skipped with the reason, never turned
+into an affine: the reason is what the user needs to see (shared conv, other readers, zero padding...).
+
+Legality, each refused with a reason:
+- the BN is in eval mode and has running statistics (in training mode it uses batch statistics); its
+  forward is BatchNorm's own or a known norm+act one (another subclass may do more than normalize);
+- the BN, and the layer it folds into, are each called at exactly one site (folding changes every call),
+  and the layer's weight is not shared with another module;
+- backward: the layer's output feeds nothing but the BN; for Linear, the BN's channel dim is the
+  Linear's output dim (a 2-D input only: BatchNorm1d on (B, T, C) normalizes T, not C);
+- forward: the BN's output feeds nothing but the layer; a Linear reads a 2-D input (channel dim = its
+  in_features); a conv does no zero padding (a padded zero is not ``s * x + t``, so the shift does not
+  commute with it; reflect/replicate/circular padding copies inputs and does commute); a ConvTranspose
+  spreads a constant unevenly over its output (borders, strides), so nothing folds forward into one.
+
+A functional ``F.batch_norm`` call cannot be removed from someone's forward by editing modules. Its
+owner module (the one whose forward makes the call) is replaced by a ``torch.fx.GraphModule`` of its
+own forward with the call removed and the BN folded into the conv feeding it; the Change says so. The
+alternative, keeping the call and turning its statistics into an identity (mean 0, var 1 - eps,
+gamma 1, beta 0), is not exact in general: it relies on ``rsqrt(var + eps)`` rounding to exactly 1,
+which a bf16/fp16 copy of the model breaks (1 - eps rounds to 1, so var + eps > 1) and approximate GPU
+rsqrt need not honour. Removing the node is exact by construction.
 """
 
 from __future__ import annotations
 
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import fx, nn
 
 from normswap.discover import NormSite
+from normswap.graph.analysis import ModuleCall
+from normswap.graph.ops import arg, rank
+from normswap.modules.affine import ChannelAffine
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
-from normswap.passes.weights import bn_scale_shift, fold_bn_into_conv_weights
+from normswap.passes.weights import (
+    bn_scale_shift,
+    fold_bn_into_conv_transpose_weights,
+    fold_bn_into_conv_weights,
+    fold_bn_into_next_layer_weights,
+)
 
-FOLDABLE_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
-_BASE_FORWARDS = {cls: cls.forward for cls in FOLDABLE_LAYERS}
-
-
-def _uses_base_forward(module: nn.Module, base: type[nn.Module]) -> bool:
-    return type(module).forward is base.forward
+CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONV_TRANSPOSES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+# A BN that reads one of these folds back into it; a BN that one of these reads is a forward candidate.
+FOLDABLE_LAYERS = (*CONVS, *CONV_TRANSPOSES, nn.Linear)
+_LAYERS_TEXT = "a Conv, ConvTranspose or Linear"
+# BatchNorm forwards that compute nothing but the normalization in eval mode.
+_PLAIN_BN_FORWARDS = (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward)
+# timm's norm+act classes: normalize, then run ``self.drop`` and ``self.act`` (in that order).
+_TIMM_NORM_ACT = ("BatchNormAct2d", "SyncBatchNormAct", "FrozenBatchNormAct2d")
+# Argument order of the two spellings of batch norm found in graphs (fx keeps F.batch_norm calls).
+_ATEN_BN_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+_F_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+_F_BN_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
 
 
 def _class(module: nn.Module) -> str:
     return type(module).__name__
+
+
+def _named(path: str, module: nn.Module) -> str:
+    return f"{path} ({_class(module)})"
+
+
+def _base_class(layer: nn.Module) -> type[nn.Module]:
+    return next(cls for cls in FOLDABLE_LAYERS if isinstance(layer, cls))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What to do at one site. ``check`` and ``rewrite`` each derive it from the graph, so the pass
+    keeps no state between them."""
+
+    how: str  # "backward" | "forward" | "affine" | "functional"
+    layer: str = ""  # the conv/linear folded into
+    owner: str = ""  # functional: the module whose forward calls F.batch_norm
+    bn_args: dict[str, Any] = field(default_factory=dict)  # functional: parameter names and eps
+
+
+def _norm_act_tail(bn: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """``[("drop", m), ("act", m)]`` for timm's norm+act classes (what runs after the norm, in order),
+    None for any other class."""
+    timm_layers = sys.modules.get("timm.layers.norm_act")  # imported already if the model uses it
+    if timm_layers is None:
+        return None
+    for name in _TIMM_NORM_ACT:
+        cls = getattr(timm_layers, name, None)
+        if cls is not None and type(bn).forward is cls.forward:
+            return [(part, getattr(bn, part)) for part in ("drop", "act") if hasattr(bn, part)]
+    return None
+
+
+def _is_identity(modules: list[tuple[str, nn.Module]]) -> bool:
+    return all(isinstance(m, nn.Identity) for _, m in modules)
+
+
+def _replacement(tail: list[tuple[str, nn.Module]], head: nn.Module | None = None) -> nn.Module:
+    """What takes the BN's place: ``head`` (an affine, or nothing) followed by the kept activation.
+
+    The activation keeps its name (``bn1.act``), so its parameters keep their state_dict keys."""
+    parts = ([("affine", head)] if head is not None else []) + (tail if not _is_identity(tail) else [])
+    if not parts:
+        return nn.Identity()
+    if len(parts) == 1 and head is not None:
+        return head
+    return nn.Sequential(OrderedDict(parts))
+
+
+def _module_guard(site: NormSite, bn: nn.Module) -> str | None:
+    """Reasons that hold whatever the BN's neighbours are."""
+    if isinstance(bn, nn.modules.batchnorm._BatchNorm):
+        if type(bn).forward not in _PLAIN_BN_FORWARDS and _norm_act_tail(bn) is None:
+            return f"{_class(bn)}.forward does more than normalize (e.g. an activation); folding it would drop that"
+        if bn.training:
+            return (
+                "BatchNorm is in training mode: it normalizes with batch statistics; call model.eval() first"
+            )
+        if not bn.track_running_stats or bn.running_mean is None:
+            return "BatchNorm has track_running_stats=False: no statistics to fold"
+    elif _norm_act_tail(bn) is None and list(bn.children()):
+        names = ", ".join(name for name, _ in bn.named_children())
+        return f"{_class(bn)} has submodules ({names}) besides its statistics; folding it would drop them"
+    var = bn.running_var.detach().double() + _eps(site, bn)
+    if not bool(torch.isfinite(var).all() and (var > 0).all()) or not bool(
+        torch.isfinite(bn.running_mean).all()
+    ):
+        return "BatchNorm statistics are not finite with running_var + eps > 0: it is no affine map to fold"
+    return None
+
+
+def _eps(site: NormSite, bn: nn.Module) -> float:
+    return float(site.eps if site.eps is not None else bn.eps)
+
+
+def _scale_shift(site: NormSite, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return bn_scale_shift(
+        bn.running_mean,
+        bn.running_var,
+        _eps(site, bn),
+        getattr(bn, "weight", None),
+        getattr(bn, "bias", None),
+    )
+
+
+def _shared_weight(layer_path: str, layer: nn.Module, ctx: PassContext) -> str | None:
+    """Name of another module's parameter that is the same tensor as the layer's weight or bias."""
+    own = {id(p) for p in (layer.weight, layer.bias) if p is not None}
+    for name, p in ctx.model.named_parameters(remove_duplicate=False):
+        if id(p) in own and not name.startswith(layer_path + "."):
+            return name
+    return None
+
+
+def _layer_call_guard(layer_path: str, layer: nn.Module, ctx: PassContext) -> str | ModuleCall:
+    """The single call of a plain ``layer`` that can be rewritten, or why not."""
+    assert ctx.view is not None
+    base = _base_class(layer)
+    if type(layer).forward is not base.forward:
+        return f"{_named(layer_path, layer)} overrides forward; its output is not a plain {base.__name__}"
+    layer_calls = ctx.view.calls.get(layer_path, [])
+    if len(layer_calls) != 1:
+        return f"{layer_path} is called at {len(layer_calls)} sites; folding would change the others"
+    shared = _shared_weight(layer_path, layer, ctx)
+    if shared is not None:
+        return f"{layer_path} shares its weights with {shared}; folding would change that module too"
+    return layer_calls[0]
+
+
+def _backward(
+    bn_call: ModuleCall, producer: fx.Node, channels: int | None, ctx: PassContext
+) -> str | _Plan | None:
+    """Fold into the layer whose output the BN reads; None when no such layer is there at all."""
+    view = ctx.view
+    assert view is not None
+    layer_path = view.innermost_path(producer)
+    layer = ctx.modules.get(layer_path)
+    if not layer_path or not isinstance(layer, FOLDABLE_LAYERS):
+        return None
+    layer_call = _layer_call_guard(layer_path, layer, ctx)
+    if isinstance(layer_call, str):
+        return layer_call
+    if layer_call.outputs() != [producer]:
+        return f"input is an intermediate value of {layer_path}, not its output"
+    readers = [u for u in layer_call.consumers() if u not in bn_call.node_set]
+    if readers:
+        return f"{layer_path} output also feeds {view.describe(readers[0], ctx.modules)}"
+    out_rank = rank(producer)
+    if isinstance(layer, nn.Linear):
+        if out_rank != 2:
+            ndim = "an unknown rank" if out_rank is None else f"a {out_rank}-D"
+            return (
+                f"BatchNorm normalizes dim 1 of {ndim} input while {layer_path} (Linear) acts on the last dim"
+            )
+        out_channels = layer.out_features
+    else:
+        if out_rank != layer.weight.ndim:
+            return f"{layer_path} ran on an unbatched input, so its channels are not BatchNorm's dim 1"
+        out_channels = layer.out_channels
+    if channels != out_channels:
+        return f"BatchNorm has {channels} channels but {layer_path} produces {out_channels}"
+    return _Plan("backward", layer=layer_path)
+
+
+def _zero_padding(conv: nn.Module) -> tuple[int, ...] | None:
+    """The zero padding a conv applies to its input, or None when it pads nothing with zeros."""
+    if conv.padding_mode != "zeros":
+        return None  # reflect/replicate/circular pad with copies of the input, which commute with s*x+t
+    if conv.padding == "valid":
+        return None
+    if conv.padding == "same":
+        pads = tuple(d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size, strict=True))
+    else:
+        pads = tuple(conv.padding)
+    return pads if any(pads) else None
+
+
+def _forward(
+    bn_call: ModuleCall, bn_input: fx.Node, channels: int | None, tail: list, ctx: PassContext
+) -> str | _Plan | None:
+    """Fold into the layer that reads the BN's output; None when no such layer is there at all."""
+    view = ctx.view
+    assert view is not None
+    if not _is_identity(tail):
+        return None  # the layer after reads the activation's output, not the BN's
+    consumers = bn_call.consumers()
+    layers = [
+        (view.innermost_path(u), u)
+        for u in consumers
+        if isinstance(ctx.modules.get(view.innermost_path(u)), FOLDABLE_LAYERS)
+    ]
+    if not layers:
+        return None
+    layer_path, _ = layers[0]
+    layer = ctx.modules[layer_path]
+    outputs = bn_call.outputs()
+    others = [u for u in consumers if view.innermost_path(u) != layer_path]
+    if len(outputs) != 1 or others:
+        what = view.describe(others[0], ctx.modules) if others else "more than one value"
+        return f"BatchNorm output also feeds {what}, not only {layer_path}"
+    if isinstance(layer, CONV_TRANSPOSES):
+        return (
+            f"next layer {_named(layer_path, layer)} spreads each input over overlapping, border-cropped "
+            "outputs, so the BatchNorm's shift does not become a per-channel bias"
+        )
+    layer_call = _layer_call_guard(layer_path, layer, ctx)
+    if isinstance(layer_call, str):
+        return layer_call
+    if layer_call.inputs(view) != outputs:
+        return f"{layer_path} reads more than the BatchNorm's output"
+    in_rank = rank(bn_input)
+    if isinstance(layer, nn.Linear):
+        if in_rank != 2:
+            ndim = "an unknown rank" if in_rank is None else f"a {in_rank}-D"
+            return (
+                f"BatchNorm normalizes dim 1 of {ndim} input while {layer_path} (Linear) reads the last dim"
+            )
+        in_channels = layer.in_features
+    else:
+        if in_rank != layer.weight.ndim:
+            return f"{layer_path} runs on an unbatched input, so its channels are not BatchNorm's dim 1"
+        pads = _zero_padding(layer)
+        if pads is not None:
+            return (
+                f"next layer {_named(layer_path, layer)} pads its input with zeros (padding={pads}): "
+                "zero padding does not commute with the BatchNorm's shift"
+            )
+        in_channels = layer.in_channels
+    if channels != in_channels:
+        return f"BatchNorm has {channels} channels but {layer_path} reads {in_channels}"
+    return _Plan("forward", layer=layer_path)
+
+
+def _plan_module_site(site: NormSite, ctx: PassContext) -> str | _Plan:
+    bn = site.module
+    assert bn is not None
+    reason = _module_guard(site, bn)
+    if reason is not None:
+        return reason
+    if ctx.view is None:
+        return f"no graph captured, so the layer feeding the BatchNorm is unknown ({ctx.captured.reason})"
+    calls = ctx.view.calls.get(site.path, [])
+    if len(calls) != 1:
+        return f"BatchNorm is called at {len(calls)} sites; folding needs exactly one"
+    inputs = calls[0].inputs(ctx.view)
+    if len(inputs) != 1:
+        return "BatchNorm input could not be traced to a single producer"
+    channels = site.normalized_shape[0] if site.normalized_shape else None
+    backward = _backward(calls[0], inputs[0], channels, ctx)
+    if isinstance(backward, _Plan):
+        return backward
+    forward = _forward(calls[0], inputs[0], channels, _norm_act_tail(bn) or [], ctx)
+    if isinstance(forward, _Plan):
+        return forward
+    if backward is None and forward is None:
+        return _Plan("affine")
+    return "; ".join(r for r in (backward, forward) if r is not None)
+
+
+def _batch_norm_args(node: fx.Node) -> dict[str, Any] | None:
+    """The arguments of a batch-norm call, by name, whichever spelling the graph holds."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target._schema.name == "aten::batch_norm":
+        return {name: arg(node, i, name) for i, name in enumerate(_ATEN_BN_ARGS)}
+    if target is torch.batch_norm:
+        return {name: arg(node, i, name) for i, name in enumerate(_ATEN_BN_ARGS)}
+    if target is F.batch_norm:
+        return {name: arg(node, i, name, _F_BN_DEFAULTS.get(name)) for i, name in enumerate(_F_BN_ARGS)}
+    return None
+
+
+def _owner_graph(owner: nn.Module) -> tuple[fx.Graph | None, str]:
+    try:
+        return fx.Tracer().trace(owner), ""
+    except Exception as exc:  # tracing fails in many ways; we only report it
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return None, f"{type(exc).__name__}: {first}"
+
+
+def _find_owner_bn(graph: fx.Graph, running_mean: str) -> list[fx.Node]:
+    found = []
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        args = _batch_norm_args(n)
+        rm = args.get("running_mean") if args else None
+        if isinstance(rm, fx.Node) and rm.op == "get_attr" and rm.target == running_mean:
+            found.append(n)
+    return found
+
+
+def _plan_functional(site: NormSite, ctx: PassContext) -> str | _Plan:
+    view = ctx.view
+    if view is None:
+        return f"no graph captured, so the conv feeding F.batch_norm is unknown ({ctx.captured.reason})"
+    owner, _, node_name = site.path.rpartition("::")
+    node = next((n for n in view.nodes if n.name == node_name), None)
+    args = _batch_norm_args(node) if node is not None else None
+    if node is None or args is None:
+        return f"batch_norm call {node_name} is in a form this pass does not read"
+    if args["training"] is not False:
+        return (
+            "F.batch_norm is called with training=True (or a value known only at run time): batch statistics"
+        )
+    names = {key: view.param_name(args[key]) for key in ("running_mean", "running_var", "weight", "bias")}
+    if names["running_mean"] is None or names["running_var"] is None:
+        return "F.batch_norm's running statistics are not buffers or parameters of the model"
+    for key in ("weight", "bias"):
+        if args[key] is not None and names[key] is None:
+            return f"F.batch_norm's {key} is computed in the forward, not a parameter of the model"
+    if owner == "<root>":
+        return (
+            "F.batch_norm is called in the root module's forward: removing the call would replace the whole "
+            "model by a GraphModule; move the conv and the call into a submodule"
+        )
+    if not all(name is None or name.startswith(owner + ".") for name in names.values()):
+        return f"F.batch_norm's tensors do not all belong to {owner}, whose forward calls it"
+    if len(view.calls.get(owner, [])) != 1:
+        return (
+            f"{owner}, whose forward calls F.batch_norm, is called at {len(view.calls.get(owner, []))} sites"
+        )
+    producer = args["input"]
+    if not isinstance(producer, fx.Node):
+        return "F.batch_norm input could not be traced to a producer"
+    layer_path = view.innermost_path(producer)
+    layer = ctx.modules.get(layer_path)
+    if not layer_path or not isinstance(layer, FOLDABLE_LAYERS) or not layer_path.startswith(owner + "."):
+        what = _named(layer_path, layer) if layer is not None and layer_path else view.describe(producer)
+        return f"input comes from {what}, not {_LAYERS_TEXT} inside {owner}"
+    layer_call = _layer_call_guard(layer_path, layer, ctx)
+    if isinstance(layer_call, str):
+        return layer_call
+    if layer_call.outputs() != [producer] or layer_call.consumers() != [node]:
+        return f"{layer_path} output also feeds something besides F.batch_norm"
+    out_rank = rank(producer)
+    if out_rank != layer.weight.ndim:  # Linear included: BN's dim 1 is its output dim only in 2-D
+        return f"F.batch_norm normalizes dim 1 of {layer_path}'s output, which is not its channel dim"
+    eps = args["eps"]
+    if not isinstance(eps, (int, float)):
+        return "F.batch_norm's eps is not a constant"
+    rel = {key: name[len(owner) + 1 :] if name else None for key, name in names.items()}
+    graph, error = _owner_graph(ctx.modules[owner])
+    if graph is None:
+        return f"removing F.batch_norm needs an fx trace of {owner}, which failed: {error}"
+    found = _find_owner_bn(graph, rel["running_mean"] or "")
+    if len(found) != 1:
+        return f"the fx trace of {owner} holds {len(found)} batch_norm calls on {rel['running_mean']}"
+    traced_input = found[0].args[0]
+    if not (
+        isinstance(traced_input, fx.Node)
+        and traced_input.op == "call_module"
+        and traced_input.target == layer_path[len(owner) + 1 :]
+        and list(traced_input.users) == [found[0]]
+    ):
+        return f"in the fx trace of {owner}, F.batch_norm does not read {layer_path} alone"
+    return _Plan("functional", layer=layer_path, owner=owner, bn_args={**names, "eps": float(eps)})
+
+
+def _set_weights(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Write the folded weights; True when the layer had no bias and gains one."""
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if layer.bias is None:
+            layer.bias = nn.Parameter(bias.to(layer.weight.device), requires_grad=layer.weight.requires_grad)
+            return True
+        layer.bias.copy_(bias)
+    return False
+
+
+def _fold_backward(layer: nn.Module, scale: torch.Tensor, shift: torch.Tensor) -> bool:
+    if isinstance(layer, CONV_TRANSPOSES):
+        weight, bias = fold_bn_into_conv_transpose_weights(
+            layer.weight, layer.bias, scale, shift, groups=layer.groups
+        )
+    else:
+        weight, bias = fold_bn_into_conv_weights(layer.weight, layer.bias, scale, shift, out_channel_dim=0)
+    return _set_weights(layer, weight, bias)
 
 
 class FoldBatchNorm(Pass):
@@ -40,96 +443,115 @@ class FoldBatchNorm(Pass):
         return [s for s in ctx.inventory if s.kind == "batch"]
 
     def check(self, site: NormSite, ctx: PassContext) -> str | None:
-        if not site.is_module:
-            return (
-                f"{site.source} batch_norm inside a forward, not a module: folding it needs a graph rewrite"
-            )
-        bn = site.module
-        assert bn is not None
-        if isinstance(bn, nn.modules.batchnorm._BatchNorm):
-            if type(bn).forward is not nn.modules.batchnorm._BatchNorm.forward and type(bn).forward not in (
-                nn.BatchNorm1d.forward,
-                nn.BatchNorm2d.forward,
-                nn.BatchNorm3d.forward,
-            ):
-                return f"{_class(bn)}.forward does more than normalize (e.g. an activation); folding it would drop that"
-            if bn.training:
-                return "BatchNorm is in training mode: it normalizes with batch statistics; call model.eval() first"
-            if not bn.track_running_stats or bn.running_mean is None:
-                return "BatchNorm has track_running_stats=False: no statistics to fold"
-        if ctx.view is None:
-            return f"no graph captured, so the layer feeding the BatchNorm is unknown ({ctx.captured.reason})"
-        calls = ctx.view.calls.get(site.path, [])
-        if len(calls) != 1:
-            return f"BatchNorm is called at {len(calls)} sites; folding needs exactly one"
-        inputs = calls[0].inputs(ctx.view)
-        if len(inputs) != 1:
-            return "BatchNorm input could not be traced to a single producer"
-        producer = inputs[0]
-        layer_path = ctx.view.innermost_path(producer)
-        layer = ctx.modules.get(layer_path)
-        if layer is None or not layer_path or not isinstance(layer, FOLDABLE_LAYERS):
-            what = (
-                f"{layer_path} ({_class(layer)})"
-                if layer is not None and layer_path
-                else ctx.view.describe(producer)
-            )
-            return f"input comes from {what}, not a Conv1d/2d/3d or Linear"
-        base = next(cls for cls in FOLDABLE_LAYERS if isinstance(layer, cls))
-        if not _uses_base_forward(layer, base):
-            return (
-                f"{layer_path} ({_class(layer)}) overrides forward; its output is not a plain {base.__name__}"
-            )
-        layer_calls = ctx.view.calls.get(layer_path, [])
-        if len(layer_calls) != 1:
-            return f"{layer_path} is called at {len(layer_calls)} sites; folding would change the others"
-        outputs = layer_calls[0].outputs()
-        if outputs != [producer]:
-            return f"input is an intermediate value of {layer_path}, not its output"
-        readers = [u for u in layer_calls[0].consumers() if u not in calls[0].node_set]
-        if readers:
-            return f"{layer_path} output also feeds {ctx.view.describe(readers[0], ctx.modules)}"
-        if isinstance(layer, nn.Linear):
-            meta = producer.meta.get("val")
-            if meta is None or meta.ndim != 2:
-                ndim = "an unknown rank" if meta is None else f"a {meta.ndim}-D"
-                return f"BatchNorm normalizes dim 1 of {ndim} input while {layer_path} (Linear) acts on the last dim"
-        channels = site.normalized_shape[0] if site.normalized_shape else None
-        out_channels = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
-        if channels != out_channels:
-            return f"BatchNorm has {channels} channels but {layer_path} produces {out_channels}"
-        return None
+        plan = self._plan(site, ctx)
+        return plan if isinstance(plan, str) else None
 
     def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
-        assert ctx.view is not None and site.module is not None
+        plan = self._plan(site, ctx)
+        assert isinstance(plan, _Plan), plan
+        if plan.how == "functional":
+            return self._rewrite_functional(site, plan, ctx)
         bn = site.module
-        producer = ctx.view.calls[site.path][0].inputs(ctx.view)[0]
-        layer_path = ctx.view.innermost_path(producer)
-        layer = ctx.modules[layer_path]
-        had_bias = layer.bias is not None
-        scale, shift = bn_scale_shift(
-            bn.running_mean,
-            bn.running_var,
-            float(site.eps if site.eps is not None else bn.eps),
-            getattr(bn, "weight", None),
-            getattr(bn, "bias", None),
-        )
-        weight, bias = fold_bn_into_conv_weights(layer.weight, layer.bias, scale, shift, out_channel_dim=0)
-        with torch.no_grad():
-            layer.weight.copy_(weight)
-            if layer.bias is None:
-                layer.bias = nn.Parameter(
-                    bias.to(layer.weight.device), requires_grad=layer.weight.requires_grad
+        assert bn is not None
+        tail = _norm_act_tail(bn) or []
+        scale, shift = _scale_shift(site, bn)
+        if plan.how == "affine":
+            dtype = bn.weight.dtype if getattr(bn, "weight", None) is not None else bn.running_mean.dtype
+            affine = ChannelAffine.from_scale_shift(scale, shift, dtype, bn.running_mean.device)
+            replace_submodule(ctx.model, site.path, _replacement(tail, affine))
+            kept = f", then its {' and '.join(n for n, _ in tail)}" if not _is_identity(tail) else ""
+            return Change(
+                self.name,
+                site.path,
+                self.kind,
+                f"no conv or linear on either side to fold into: replaced by a per-channel affine "
+                f"(ChannelAffine, x * scale + shift){kept}",
+                {"into": None, "replacement": "ChannelAffine"},
+            )
+        layer = ctx.modules[plan.layer]
+        if plan.how == "backward":
+            bias_added = _fold_backward(layer, scale, shift)
+            description = f"folded into {_named(plan.layer, layer)}"
+            if not _is_identity(tail):
+                description += (
+                    f"; kept its {' and '.join(n for n, m in tail if not isinstance(m, nn.Identity))}"
                 )
-            else:
-                layer.bias.copy_(bias)
-        replace_submodule(ctx.model, site.path, nn.Identity())
+        else:
+            groups = getattr(layer, "groups", 1)
+            weight, bias = fold_bn_into_next_layer_weights(layer.weight, layer.bias, scale, shift, groups)
+            bias_added = _set_weights(layer, weight, bias)
+            description = f"folded forward into the next layer {_named(plan.layer, layer)}"
+        replace_submodule(ctx.model, site.path, _replacement(tail))
         return Change(
             self.name,
             site.path,
             self.kind,
-            f"folded into {layer_path} ({_class(layer)})",
-            {"into": layer_path, "layer_class": _class(layer), "bias_added": not had_bias},
+            description,
+            {
+                "into": plan.layer,
+                "layer_class": _class(layer),
+                "bias_added": bias_added,
+                "direction": plan.how,
+            },
+        )
+
+    def _plan(self, site: NormSite, ctx: PassContext) -> str | _Plan:
+        if site.source == "functional":
+            return _plan_functional(site, ctx)
+        if not site.is_module:
+            return (
+                f"{site.source} batch_norm written out inside a forward: neither a module nor a single call"
+            )
+        return _plan_module_site(site, ctx)
+
+    def _rewrite_functional(self, site: NormSite, plan: _Plan, ctx: PassContext) -> Change:
+        names = plan.bn_args
+
+        def tensor(key: str) -> torch.Tensor | None:
+            name = names[key]
+            if name is None:
+                return None
+            try:
+                return ctx.model.get_parameter(name)
+            except AttributeError:
+                return ctx.model.get_buffer(name)
+
+        rm, rv = tensor("running_mean"), tensor("running_var")
+        assert rm is not None and rv is not None
+        scale, shift = bn_scale_shift(rm, rv, names["eps"], tensor("weight"), tensor("bias"))
+        layer = ctx.modules[plan.layer]
+        bias_added = _fold_backward(layer, scale, shift)
+        # Trace the owner as it is now: an earlier site may already have made it a GraphModule.
+        owner = ctx.model.get_submodule(plan.owner)
+        graph, _ = _owner_graph(owner)
+        assert graph is not None
+        prefix = plan.owner + "."
+        (bn_node,) = _find_owner_bn(graph, names["running_mean"][len(prefix) :])
+        read = bn_node.all_input_nodes
+        bn_node.replace_all_uses_with(bn_node.args[0])
+        graph.erase_node(bn_node)
+        for n in read:
+            if n.op == "get_attr" and not n.users:
+                graph.erase_node(n)
+        # Built after the edit, the GraphModule copies only what its graph still reads: the BN's
+        # statistics and affine leave the state_dict.
+        module = fx.GraphModule(owner, graph, class_name=type(owner).__name__)
+        replace_submodule(ctx.model, plan.owner, module)
+        removed = [n for n in names.values() if isinstance(n, str)]
+        return Change(
+            self.name,
+            site.path,
+            self.kind,
+            f"folded into {_named(plan.layer, layer)}; {plan.owner} is now a torch.fx GraphModule of its "
+            "forward without the F.batch_norm call (a module edit cannot remove a call from a forward)",
+            {
+                "into": plan.layer,
+                "layer_class": _class(layer),
+                "bias_added": bias_added,
+                "direction": "backward",
+                "graph_module": plan.owner,
+                "removed_state": removed,
+            },
         )
 
 

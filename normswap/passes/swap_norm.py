@@ -1,11 +1,27 @@
-"""Replace norm modules by another kind of norm (architectural: the function changes on purpose).
+"""Replace norms by another kind of norm (architectural: the function changes on purpose).
 
-A LayerNorm becomes ``RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w + b``: same eps, same weight, and the
-LayerNorm's bias kept as an RMSNorm bias so no parameter is lost. An RMSNorm becomes a LayerNorm the
-same way (a bias-free RMSNorm gives a bias-free LayerNorm). Casting mode and weight offset (Gemma's
-``1 + w``) carry over, so the stored weights keep their meaning. Only norms over the trailing dims are
-swapped here; a norm over the channels of an NCHW tensor (BatchNorm, GroupNorm, ConvNeXt's LayerNorm2d)
-needs a layout mapping and is skipped with that reason.
+Targets: rmsnorm, layernorm, batchnorm, groupnorm (``groups``), instancenorm, dyt, identity. Each swap
+keeps acting on the same features, whatever the layout (see :mod:`normswap.modules.layout`):
+
+============== ============================================ =============================================
+target         on channel-first features (BN/GN/IN,         on channel-last features (LayerNorm/RMSNorm
+               LayerNorm2d: NCHW, NCL, NC)                  over the last dim: tokens, hidden)
+============== ============================================ =============================================
+layernorm      over the channels at each position           torch-style LayerNorm over the last dim
+rmsnorm        RMS over the channels at each position       RMSNorm over the last dim
+batchnorm      BatchNorm1d/2d/3d                            each hidden feature over batch and tokens
+groupnorm      GroupNorm (group channels x positions)       groups of hidden features at each token
+instancenorm   InstanceNorm (each channel over positions)   each hidden feature over the tokens of a
+                                                            sample (refused for 2-D inputs: no tokens)
+dyt            tanh(alpha x) w + b per channel              tanh(alpha x) w + b per feature
+identity       the norm removed, x w + b kept               the norm removed, x w + b kept
+============== ============================================ =============================================
+
+A LayerNorm <-> RMSNorm swap keeps eps, weight, the LayerNorm's bias (as an RMSNorm bias), casting mode
+and weight offset (Gemma's ``1 + w``). Every other swap carries the per-feature weight and bias (the
+offset applied) and eps. A new BatchNorm's running statistics come from the example inputs (from the
+calibration data when the caller calibrates afterwards). A norm over more than one dim (LayerNorm over
+(H, W)) has no per-feature meaning and is refused with the reason.
 
 Each change records how far the new norm moves that site's output on the example inputs (SQNR in dB
 of the new norm against the old one, applied to the same captured input).
@@ -19,11 +35,43 @@ import torch
 from torch import nn
 
 from normswap.discover import NormSite
+from normswap.modules.layout import (
+    DyT,
+    FeatureAffine,
+    FeatureBatchNorm,
+    FeatureGroupNorm,
+    FeatureInstanceNorm,
+    FeatureLayerNorm,
+)
 from normswap.modules.norms import LayerNorm, RMSNorm
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
 from normswap.validate.metrics import record_module_inputs, sqnr_db
 
-SWAP_TARGETS = {"rmsnorm": "rms", "layernorm": "layer"}
+SWAP_TARGETS = {
+    "rmsnorm": "rms",
+    "layernorm": "layer",
+    "batchnorm": "batch",
+    "groupnorm": "group",
+    "instancenorm": "instance",
+    "dyt": "dyt",
+    "identity": "identity",
+}
+_CHANNEL_FIRST = ("batch", "group", "instance")
+_BATCH_NORMS = {3: nn.BatchNorm1d, 2: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+_INSTANCE_NORMS = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}
+
+
+def feature_dim(site: NormSite) -> int | None:
+    """The dim holding the features a norm's weight scales: 1 (channel-first), -1 (last), None if neither."""
+    if site.kind in _CHANNEL_FIRST:
+        return 1
+    if site.normalized_shape is None or len(site.normalized_shape) != 1:
+        return None
+    if site.normalized_dims == (-1,):
+        return -1
+    if site.normalized_dims == (-3,):  # timm's LayerNorm2d: the channels of NCHW
+        return 1
+    return None
 
 
 def build_norm(target_kind: str, site: NormSite, like: nn.Module) -> nn.Module:
@@ -51,16 +99,80 @@ def build_norm(target_kind: str, site: NormSite, like: nn.Module) -> nn.Module:
     return new
 
 
+def _effective_affine(site: NormSite, module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The per-feature weight and bias a norm applies (Gemma's stored ``w`` means ``1 + w``)."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    weight = weight.detach().reshape(-1) + site.weight_offset if isinstance(weight, torch.Tensor) else None
+    bias = bias.detach().reshape(-1) if isinstance(bias, torch.Tensor) else None
+    return weight, bias
+
+
+def build_layout_norm(
+    target: str, site: NormSite, like: nn.Module, sample: torch.Tensor | None, groups: int | None
+) -> nn.Module:
+    """The ``target`` norm for ``site``'s features (see the module doc's table), parameters carried."""
+    dim = feature_dim(site)
+    assert dim is not None and site.normalized_shape is not None
+    features = site.normalized_shape[0]
+    eps = float(site.eps) if site.eps is not None else 1e-5
+    ndim = sample.ndim if sample is not None else None
+    if target in ("rms", "layer"):
+        if dim == -1:
+            return build_norm(target, site, like)
+        new: nn.Module = FeatureLayerNorm(features, eps, dim=1, rms=target == "rms")
+    elif target == "batch":
+        if dim == 1:
+            new = _BATCH_NORMS[ndim or 4](features, eps=eps)
+        else:
+            new = FeatureBatchNorm(features, eps=eps, dim=-1)
+        new.eval()
+        if sample is not None:
+            _statistics_from(new, sample, dim)
+    elif target == "group":
+        assert groups is not None
+        new = FeatureGroupNorm(groups, features, eps=eps, dim=dim)
+    elif target == "instance":
+        new = (
+            FeatureInstanceNorm(features, eps, dim=dim)
+            if dim == -1
+            else _INSTANCE_NORMS[ndim or 4](features, eps=eps, affine=True)
+        )
+    elif target == "dyt":
+        new = DyT(features, dim=dim)
+    else:
+        new = FeatureAffine(features, dim=dim)
+    weight, bias = _effective_affine(site, like)
+    with torch.no_grad():
+        if weight is not None and getattr(new, "weight", None) is not None:
+            new.weight.copy_(weight)
+        if bias is not None and getattr(new, "bias", None) is not None:
+            new.bias.copy_(bias)
+    params = [*like.parameters(recurse=False), *like.buffers(recurse=False)]
+    floating = next((t for t in params if t.is_floating_point()), None)
+    return new.to(floating.dtype) if floating is not None else new
+
+
+def _statistics_from(bn: nn.Module, sample: torch.Tensor, dim: int) -> None:
+    """Running mean/var of a new BatchNorm from one batch of its input (population variance)."""
+    x = sample.detach().double().movedim(dim, 0).reshape(sample.shape[dim], -1)
+    with torch.no_grad():
+        bn.running_mean.copy_(x.mean(1))
+        bn.running_var.copy_(x.var(1, unbiased=False))
+
+
 class SwapNorm(Pass):
     name = "swap_norm"
     kind = RewriteKind.ARCHITECTURAL
 
-    def __init__(self, to: str, from_kinds: tuple[str, ...] | None = None) -> None:
+    def __init__(self, to: str, from_kinds: tuple[str, ...] | None = None, groups: int | None = None) -> None:
         if to not in SWAP_TARGETS:
-            raise ValueError(f"unknown norm target {to!r}; choose from {sorted(SWAP_TARGETS)}")
+            raise ValueError(f"unknown norm target {to!r}; choose from {', '.join(SWAP_TARGETS)}")
+        if to == "groupnorm" and (groups is None or groups < 1):
+            raise ValueError("groupnorm needs the number of groups (groups >= 1)")
         self.to = to
         self.target_kind = SWAP_TARGETS[to]
         self.from_kinds = from_kinds
+        self.groups = groups
 
     def candidates(self, ctx: PassContext) -> list[NormSite]:
         return [
@@ -72,27 +184,49 @@ class SwapNorm(Pass):
     def check(self, site: NormSite, ctx: PassContext) -> str | None:
         if not site.is_module:
             return f"{site.source} norm computed inside a forward, not a module: swapping it needs a graph rewrite"
-        if site.kind not in ("layer", "rms"):
+        if site.normalized_shape is None:
+            return "its normalized shape could not be determined"
+        dim = feature_dim(site)
+        if dim is None:
             return (
-                f"{site.kind} norm normalizes over channels, not the trailing dims; "
-                f"a {site.kind} -> {self.to} swap needs a layout mapping"
+                f"normalizes dims {site.normalized_dims} of shape {site.normalized_shape}: no single feature "
+                f"dim, so a {self.to} has no defined meaning here"
             )
-        ndim = len(site.normalized_shape or ())
-        if site.normalized_dims != tuple(range(-ndim, 0)):
-            return f"normalizes dims {site.normalized_dims}, not the trailing {ndim} dim(s) its shape implies"
-        if site.normalized_shape is None or site.eps is None:
-            return "its normalized shape or eps could not be determined"
+        if site.kind in ("layer", "rms") and dim == -1 and self.target_kind in ("layer", "rms"):
+            ndim = len(site.normalized_shape)
+            if site.normalized_dims != tuple(range(-ndim, 0)):
+                return f"normalizes dims {site.normalized_dims}, not the trailing {ndim} dim(s) its shape implies"
+        if site.kind in ("layer", "rms") and site.eps is None:
+            return "its eps could not be determined"
+        features = site.normalized_shape[0]
+        if self.target_kind == "group" and features % (self.groups or 1):
+            return f"{features} features do not split into {self.groups} groups"
+        sample = _captured_input(ctx, site.module)
+        if self.target_kind == "instance" and dim == -1 and (sample is None or sample.ndim < 3):
+            what = "unknown (no example inputs)" if sample is None else f"{sample.ndim}-D"
+            return (
+                f"input is {what}: an instance norm needs positions (tokens) to normalize each feature over"
+            )
+        if self.target_kind in ("batch", "instance") and dim == 1 and sample is None and site.kind != "batch":
+            return f"the input rank is unknown (no example inputs), so the {self.to} class cannot be chosen"
         return None
 
     def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
         old = site.module
         assert old is not None
-        new = build_norm(self.target_kind, site, old)
-        details: dict[str, Any] = {"from_class": type(old).__name__, "to_class": type(new).__name__}
         sample = _captured_input(ctx, old)
+        new = build_layout_norm(self.target_kind, site, old, sample, self.groups)
+        details: dict[str, Any] = {
+            "from_class": type(old).__name__,
+            "to_class": type(new).__name__,
+            "feature_dim": feature_dim(site),
+        }
+        if self.target_kind == "batch":
+            details["statistics"] = "example inputs" if sample is not None else "defaults (mean 0, var 1)"
         if sample is not None:
+            new = new.to(sample.device)
             with torch.no_grad():
-                details["site_sqnr_db"] = sqnr_db(old(sample), new.to(sample.device)(sample))
+                details["site_sqnr_db"] = sqnr_db(old(sample), new(sample))
         replace_submodule(ctx.model, site.path, new)
         return Change(
             self.name, site.path, self.kind, f"{type(old).__name__} -> {type(new).__name__}", details
@@ -120,7 +254,8 @@ def swap_norm(
     example_args: tuple | None = None,
     example_kwargs: dict | None = None,
     *,
+    groups: int | None = None,
     inplace: bool = False,
 ) -> tuple[nn.Module, PassReport]:
     """Functional form of :class:`SwapNorm`."""
-    return SwapNorm(to)(model, example_args, example_kwargs, inplace=inplace)
+    return SwapNorm(to, groups=groups)(model, example_args, example_kwargs, inplace=inplace)

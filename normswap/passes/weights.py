@@ -1,15 +1,29 @@
 """Weight arithmetic of the rewrites, as plain functions on tensors (fp64 inside, cast back at the end).
 
-Folding an eval-mode BatchNorm into the layer before it. The BN computes, per output channel c,
+An eval-mode BatchNorm is a per-channel affine map. Per channel c,
 
-    y_c = (z_c - mean_c) * gamma_c / sqrt(var_c + eps) + beta_c,   with z = W x + b,
+    y_c = (z_c - mean_c) * gamma_c / sqrt(var_c + eps) + beta_c = s_c * z_c + t_c,
+    s_c = gamma_c / sqrt(var_c + eps),   t_c = beta_c - mean_c * s_c,
 
-so with s_c = gamma_c / sqrt(var_c + eps):
+with a missing gamma read as 1 and a missing beta (or layer bias) as 0 (:func:`bn_scale_shift`).
+
+Folding it into the layer **before** it (z = W x + b, c an output channel of W):
 
     W'_c = W_c * s_c          (every weight of output channel c)
-    b'_c = (b_c - mean_c) * s_c + beta_c
+    b'_c = b_c * s_c + t_c
 
-A missing gamma is 1, a missing beta or conv bias is 0.
+A Conv's output channel is weight dim 0. A ConvTranspose's weight is ``(in, out / groups, *k)``: output
+channel ``g * out_per_group + j`` owns the weights ``W[g * in_per_group : (g + 1) * in_per_group, j]``,
+so the scale runs along dim 1 *within each group* (:func:`fold_bn_into_conv_transpose_weights`).
+
+Folding it into the layer **after** it (the layer reads x' = s * x + t; c an input channel of W):
+
+    W'[o, c, k] = W[o, c, k] * s_c
+    b'_o        = b_o + sum_{c, k} W[o, c, k] * t_c
+
+which holds only when every input position the layer reads is s * x + t, i.e. no zero padding
+(:func:`fold_bn_into_next_layer_weights`; the legality is the pass's business). In a grouped conv the
+weight ``W[o, j]`` reads input channel ``(o // out_per_group) * in_per_group + j``.
 """
 
 from __future__ import annotations
@@ -50,3 +64,57 @@ def fold_bn_into_conv_weights(
     if conv_bias is not None:
         b = b + conv_bias.detach().double() * scale
     return w.to(conv_weight.dtype), b.to(conv_weight.dtype)
+
+
+def conv_transpose_output_channels(weight_shape: torch.Size | tuple[int, ...], groups: int) -> torch.Tensor:
+    """For each ``(i, j)`` of a ConvTranspose weight ``(in, out / groups, *k)``, its output channel."""
+    in_channels, out_per_group = int(weight_shape[0]), int(weight_shape[1])
+    in_per_group = in_channels // groups
+    group = torch.arange(in_channels) // in_per_group
+    return group[:, None] * out_per_group + torch.arange(out_per_group)[None, :]
+
+
+def fold_bn_into_conv_transpose_weights(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold a BN that reads a ConvTranspose's output into its weight ``(in, out / groups, *k)``."""
+    index = conv_transpose_output_channels(weight.shape, groups)
+    per_weight = scale[index].reshape(*index.shape, *([1] * (weight.ndim - 2)))
+    w = weight.detach().double() * per_weight
+    b = shift.clone()
+    if bias is not None:
+        b = b + bias.detach().double() * scale
+    return w.to(weight.dtype), b.to(weight.dtype)
+
+
+def layer_input_channels(weight_shape: torch.Size | tuple[int, ...], groups: int) -> torch.Tensor:
+    """For each ``(o, j)`` of a Conv/Linear weight ``(out, in / groups, *k)``, the input channel it reads."""
+    out_channels, in_per_group = int(weight_shape[0]), int(weight_shape[1])
+    out_per_group = out_channels // groups
+    group = torch.arange(out_channels) // out_per_group
+    return group[:, None] * in_per_group + torch.arange(in_per_group)[None, :]
+
+
+def fold_bn_into_next_layer_weights(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold a BN whose output a Conv (without zero padding) or Linear reads: scale the input channels,
+    push the shift through the weights into the bias. Returns ``(W', b')`` in W's dtype."""
+    index = layer_input_channels(weight.shape, groups)
+    spatial = [1] * (weight.ndim - 2)
+    w64 = weight.detach().double()
+    s = scale[index].reshape(*index.shape, *spatial)
+    t = shift[index].reshape(*index.shape, *spatial)
+    # the shift term uses the original weights: W (s x + t) + b = (W s) x + (W t + b)
+    b = (w64 * t).flatten(1).sum(1)
+    if bias is not None:
+        b = b + bias.detach().double()
+    return (w64 * s).to(weight.dtype), b.to(weight.dtype)

@@ -117,10 +117,6 @@ class _BNTwice(nn.Module):
         (_SharedConv(), "conv is called at 2 sites; folding would change the others"),
         (_ConvWithTwoReaders(), "conv output also feeds add"),
         (_BNTwice(), "BatchNorm is called at 2 sites; folding needs exactly one"),
-        (
-            nn.Sequential(nn.ReLU(), nn.BatchNorm2d(4)),
-            "input comes from 0 (ReLU), not a Conv1d/2d/3d or Linear",
-        ),
     ],
 )
 def test_illegal_folds_are_skipped_with_the_reason(model, reason):
@@ -141,12 +137,31 @@ def test_training_mode_and_missing_statistics_are_refused():
     assert _skip_reasons(report)["1"] == "BatchNorm has track_running_stats=False: no statistics to fold"
 
 
-def test_batchnorm_act_keeps_its_activation_by_refusing():
+def test_batchnorm_act_folds_and_keeps_its_activation():
     from timm.layers import BatchNormAct2d
 
     model = model_zoo.randomize_norms(nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormAct2d(4))).eval()
-    _, report = FoldBatchNorm()(model, (torch.randn(2, 3, 6, 6),))
-    assert "BatchNormAct2d.forward does more than normalize" in _skip_reasons(report)["1"]
+    x = torch.randn(2, 3, 6, 6)
+    folded, report = FoldBatchNorm()(model, (x,))
+    assert [c.description for c in report.changes] == ["folded into 0 (Conv2d); kept its act"]
+    assert isinstance(folded[1], nn.Sequential) and isinstance(folded[1].act, nn.ReLU)
+    ref = model(x)
+    assert (folded(x) - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+class _BatchNormTimesTwo(nn.BatchNorm2d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_an_unknown_batchnorm_subclass_that_does_more_is_refused():
+    model = model_zoo.randomize_norms(nn.Sequential(nn.Conv2d(3, 4, 3), _BatchNormTimesTwo(4))).eval()
+    x = torch.randn(2, 3, 6, 6)
+    out, report = FoldBatchNorm()(model, (x,))
+    assert _skip_reasons(report)["1"] == (
+        "_BatchNormTimesTwo.forward does more than normalize (e.g. an activation); folding it would drop that"
+    )
+    torch.testing.assert_close(out(x), model(x), rtol=0, atol=0)
 
 
 def test_frozen_batchnorm_folds_exactly():

@@ -1,0 +1,263 @@
+"""Calibrate swapped norms back towards the original: closed-form per-feature affine fits, layer by layer.
+
+After an architectural swap, site k's new norm sees inputs ``x`` (from the converted model, with the
+sites before it already calibrated, so their remaining error is compensated downstream) and should
+produce what the original norm produced on the same batch, ``y``. With the new norm's normalization
+``n = norm(x)`` (its affine set to identity), each feature c gets the least-squares fit
+
+    a_c = cov(n_c, y_c) / var(n_c),    b_c = mean(y_c) - a_c * mean(n_c)
+
+over every element of that feature in every batch, and the norm's weight and bias become ``a`` and
+``b``. A BatchNorm target first takes its running statistics from the same inputs (population mean and
+variance over the batches); a DyT target also picks its ``alpha`` from a grid by the residual of the fit.
+Everything is fp64 inside and cast back to the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from normswap.calibrate.data import ModelInputs, as_model_inputs
+from normswap.validate.metrics import flatten_outputs, sqnr_db
+
+# DyT's alpha candidates: log-spaced over the range trained models end up in (Zhu et al. 2025).
+DYT_ALPHAS = tuple(float(a) for a in torch.logspace(-2, 1, 31))
+
+
+@dataclass
+class SiteFit:
+    site: str
+    module_class: str
+    sqnr_before_db: float
+    sqnr_after_db: float
+    statistics: bool = False  # running statistics re-estimated (BatchNorm targets)
+    alpha: float | None = None  # DyT only
+    note: str = ""
+
+
+@dataclass
+class AffineCalibrationReport:
+    batches: int
+    sites: list[SiteFit] = field(default_factory=list)
+    model_sqnr_before_db: float | None = None
+    model_sqnr_after_db: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _feature_dim(module: nn.Module) -> int:
+    dim = getattr(module, "dim", None)
+    if isinstance(dim, int):
+        return dim
+    if isinstance(module, (_BatchNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)):
+        return 1
+    return -1
+
+
+def _per_feature(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """(C, everything else) view of ``t`` with features at ``dim``, in fp64."""
+    return t.detach().double().movedim(dim, 0).reshape(t.shape[dim], -1)
+
+
+def _run(model: nn.Module, batch: ModelInputs) -> Any:
+    with torch.no_grad():
+        return model(*batch.args, **batch.kwargs)
+
+
+@contextlib.contextmanager
+def _recording(model: nn.Module, paths: list[str], what: str) -> Iterator[dict[str, list[torch.Tensor]]]:
+    """Record the first input (``what="input"``) or the output of the modules at ``paths``, per call."""
+    seen: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
+    handles = []
+    for path in paths:
+        module = model.get_submodule(path)
+        if what == "input":
+
+            def pre(_m: nn.Module, args: tuple, path: str = path) -> None:
+                seen[path].append(args[0].detach().clone())  # later in-place ops must not reach it
+
+            handles.append(module.register_forward_pre_hook(pre))
+        else:
+
+            def post(_m: nn.Module, _a: tuple, out: Any, path: str = path) -> None:
+                seen[path].append(out.detach().clone())  # e.g. ResNet adds the shortcut in place
+
+            handles.append(module.register_forward_hook(post))
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _execution_order(model: nn.Module, paths: list[str], batch: ModelInputs) -> list[str]:
+    order: list[str] = []
+    handles = [
+        model.get_submodule(p).register_forward_pre_hook(
+            lambda _m, _a, p=p: order.append(p) if p not in order else None
+        )
+        for p in paths
+    ]
+    try:
+        _run(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return order + [p for p in paths if p not in order]
+
+
+def _set_statistics(bn: _BatchNorm, inputs: list[torch.Tensor], dim: int) -> None:
+    """Population mean and (biased) variance of each feature over every batch."""
+    count, total, total_sq = 0, 0.0, 0.0
+    for x in inputs:
+        f = _per_feature(x, dim)
+        count += f.shape[1]
+        total = total + f.sum(1)
+        total_sq = total_sq + (f * f).sum(1)
+    mean = total / count
+    var = (total_sq / count - mean * mean).clamp_min(0)
+    with torch.no_grad():
+        bn.running_mean.copy_(mean)
+        bn.running_var.copy_(var)
+
+
+@contextlib.contextmanager
+def _identity_affine(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` with weight 1 and bias 0 (its normalization alone), restoring them afterwards."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    saved = [t.detach().clone() if isinstance(t, torch.Tensor) else None for t in (weight, bias)]
+    offset = float(getattr(module, "weight_offset", 0.0))
+    try:
+        with torch.no_grad():
+            if isinstance(weight, torch.Tensor):
+                weight.fill_(1.0 - offset)
+            if isinstance(bias, torch.Tensor):
+                bias.zero_()
+        yield
+    finally:
+        with torch.no_grad():
+            for t, s in zip((weight, bias), saved, strict=True):
+                if isinstance(t, torch.Tensor) and s is not None:
+                    t.copy_(s)
+
+
+def _fit(n: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Per-feature least squares ``y ~ a n + b`` on (C, N) fp64 tensors; returns a, b and the residual."""
+    mn, my = n.mean(1, keepdim=True), y.mean(1, keepdim=True)
+    dn, dy = n - mn, y - my
+    var = (dn * dn).mean(1)
+    a = torch.where(var > 1e-20, (dn * dy).mean(1) / var.clamp_min(1e-20), torch.ones_like(var))
+    b = my.squeeze(1) - a * mn.squeeze(1)
+    residual = float(((a[:, None] * n + b[:, None] - y) ** 2).sum())
+    return a, b, residual
+
+
+def _normalized(module: nn.Module, inputs: list[torch.Tensor], dim: int) -> torch.Tensor:
+    with _identity_affine(module), torch.no_grad():
+        return torch.cat([_per_feature(module(x), dim) for x in inputs], dim=1)
+
+
+def _fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> SiteFit | str:
+    dim = _feature_dim(module)
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if not isinstance(weight, torch.Tensor) or not isinstance(bias, torch.Tensor):
+        return "the new norm has no weight and bias to fit"
+    y = torch.cat([_per_feature(t, dim) for t in targets], dim=1)
+    with torch.no_grad():
+        before = torch.cat([_per_feature(module(x), dim) for x in inputs], dim=1)
+    statistics = isinstance(module, _BatchNorm) and module.running_mean is not None
+    if statistics:
+        _set_statistics(module, inputs, dim)  # type: ignore[arg-type]
+    alpha = None
+    if hasattr(module, "alpha"):
+        best = None
+        for candidate in (*DYT_ALPHAS, float(module.alpha)):
+            with torch.no_grad():
+                module.alpha.fill_(candidate)
+            a, b, residual = _fit(_normalized(module, inputs, dim), y)
+            if best is None or residual < best[0]:
+                best = (residual, candidate, a, b)
+        assert best is not None
+        _, alpha, a, b = best
+        with torch.no_grad():
+            module.alpha.fill_(alpha)
+    else:
+        a, b, _ = _fit(_normalized(module, inputs, dim), y)
+    offset = float(getattr(module, "weight_offset", 0.0))
+    with torch.no_grad():
+        weight.copy_((a - offset).reshape(weight.shape).to(weight.dtype))
+        bias.copy_(b.reshape(bias.shape).to(bias.dtype))
+        after = torch.cat([_per_feature(module(x), dim) for x in inputs], dim=1)
+    return SiteFit(
+        site="",
+        module_class=type(module).__name__,
+        sqnr_before_db=sqnr_db(y, before),
+        sqnr_after_db=sqnr_db(y, after),
+        statistics=statistics,
+        alpha=alpha,
+    )
+
+
+def _model_sqnr(reference: list[Any], model: nn.Module, batches: list[ModelInputs]) -> float:
+    worst = math.inf
+    for ref, batch in zip(reference, batches, strict=True):
+        for (_, r), (_, o) in zip(flatten_outputs(ref), flatten_outputs(_run(model, batch)), strict=True):
+            worst = min(worst, sqnr_db(r, o))
+    return worst
+
+
+def calibrate_swapped_norms(
+    original: nn.Module,
+    converted: nn.Module,
+    sites: list[str],
+    batches: Iterable[Any],
+    *,
+    on_site: Callable[[str], None] | None = None,
+) -> AffineCalibrationReport:
+    """Fit the norms at ``sites`` of ``converted`` (in place) to the original norms' outputs.
+
+    ``original`` and ``converted`` share module paths (the swap replaced modules in place). ``batches``
+    are model inputs (tensors, tuples or dicts). Both models are run in eval mode; their modes are
+    restored. ``on_site`` is called with each site path as it is fitted (for a progress bar).
+    """
+    data = [as_model_inputs(b) for b in batches]
+    report = AffineCalibrationReport(batches=len(data))
+    if not data or not sites:
+        return report
+    modes = {m: m.training for m in (*original.modules(), *converted.modules())}
+    try:
+        original.eval()
+        converted.eval()
+        reference = [copy.deepcopy(_run(original, b)) for b in data]
+        report.model_sqnr_before_db = _model_sqnr(reference, converted, data)
+        with _recording(original, sites, "output") as outputs:
+            for batch in data:
+                _run(original, batch)
+        for site in _execution_order(converted, sites, data[0]):
+            if on_site is not None:
+                on_site(site)
+            with _recording(converted, [site], "input") as inputs:
+                for batch in data:
+                    _run(converted, batch)
+            module = converted.get_submodule(site)
+            fit = _fit_site(module, inputs[site], outputs[site])
+            if isinstance(fit, str):
+                report.sites.append(SiteFit(site, type(module).__name__, math.nan, math.nan, note=fit))
+                continue
+            fit.site = site
+            report.sites.append(fit)
+        report.model_sqnr_after_db = _model_sqnr(reference, converted, data)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    return report

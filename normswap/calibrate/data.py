@@ -1,0 +1,464 @@
+"""Calibration data: what ``--data`` names, read as a stream of model inputs.
+
+``DATA`` is one of
+
+- a folder of images (searched recursively, hidden files skipped): each image is decoded with
+  torchvision, resized so that it covers the model's example input H x W (aspect ratio kept), centre-cropped
+  to exactly H x W, scaled to [0, 1] and optionally normalized (``imagenet`` mean/std); every file must be a
+  JPEG, PNG, GIF or WEBP image, since silently skipping files would calibrate on less data than intended;
+- a ``.pt`` file read with the weights-only unpickler: one tensor ``(N, ...)`` split into batches of
+  ``batch_size`` rows, a list/tuple of tensors (each one batch), or a list/tuple of batches (each a tuple of
+  positional inputs or a dict of keyword inputs);
+- a factory ``package.module:callable`` or ``path/to/file.py:callable``, called with no arguments, returning
+  any iterable of batches (a DataLoader, a generator) or a tensor/list as above.
+
+A batch reaches the model as positional args (a tensor, a tuple/list) or kwargs (a dict). When the model's
+example inputs are known and a batch carries more positional items than the model takes, the extra ones
+(a DataLoader's labels) are dropped, and a note says so. Batches are streamed: a folder of a million images
+is never held in memory at once.
+
+Every problem with the data (no files, a file that is not an image, a batch whose layout differs from the
+others or from the model's example input) is one :class:`~normswap.errors.BadInputError` naming the batch
+or file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import BadInputError
+from normswap.load.model_file import (
+    _IDENTIFIER_PATH,
+    _describe,
+    _import_module_from_cwd,
+    _import_module_from_file,
+    _resolve_attribute,
+    read_tensor_file,
+)
+
+DEFAULT_BATCH_SIZE = 32
+
+# Per-channel (mean, std) of the datasets models are commonly trained on, for inputs scaled to [0, 1].
+NORMALIZATIONS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
+# What torchvision.io.decode_image reads, told apart by magic bytes so a folder is checked before decoding.
+_IMAGE_SIGNATURES: tuple[tuple[bytes, int, str], ...] = (
+    (b"\xff\xd8\xff", 0, "JPEG"),
+    (b"\x89PNG\r\n\x1a\n", 0, "PNG"),
+    (b"GIF87a", 0, "GIF"),
+    (b"GIF89a", 0, "GIF"),
+    (b"WEBP", 8, "WEBP"),
+)
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """One batch as the model is called with it: ``model(*args, **kwargs)``."""
+
+    args: tuple
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        named = [(f"args[{i}]", a) for i, a in enumerate(self.args)]
+        named += [(f"kwargs[{k!r}]", v) for k, v in self.kwargs.items()]
+        return [(name, t) for name, t in named if isinstance(t, torch.Tensor)]
+
+    def describe(self) -> str:
+        """Shapes of the tensors, for messages: ``args[0] (16, 3, 32, 32)``."""
+        return ", ".join(f"{name} {tuple(t.shape)}" for name, t in self.tensors()) or "no tensors"
+
+    @property
+    def num_samples(self) -> int:
+        """Rows of the first tensor: the batch size, as far as a model-agnostic reader can tell."""
+        tensors = self.tensors()
+        return int(tensors[0][1].shape[0]) if tensors and tensors[0][1].ndim else 0
+
+
+def as_model_inputs(batch: Any) -> ModelInputs:
+    """A batch in any accepted form: ModelInputs, a tensor, a tuple/list of positional args or a dict."""
+    if isinstance(batch, ModelInputs):
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return ModelInputs((batch,))
+    if isinstance(batch, Mapping) and all(isinstance(k, str) for k in batch):
+        return ModelInputs((), dict(batch))
+    if isinstance(batch, (tuple, list)):
+        return ModelInputs(tuple(batch))
+    raise BadInputError(
+        f"a batch of type {type(batch).__name__} cannot be fed to a model: expected a tensor, a tuple/list "
+        "of positional inputs or a dict of keyword inputs"
+    )
+
+
+def _layout(inputs: ModelInputs) -> tuple:
+    return (
+        len(inputs.args),
+        tuple(sorted(inputs.kwargs)),
+        tuple((name, t.ndim) for name, t in inputs.tensors()),
+    )
+
+
+class CalibrationData:
+    """An iterable of :class:`ModelInputs`, checked batch by batch as it is read.
+
+    ``num_batches`` is None when the source cannot tell in advance (a generator). ``first`` is the first
+    batch read, kept so a command can export the model with it when there are no example inputs.
+    """
+
+    def __init__(
+        self,
+        source: Callable[[], Iterable[Any]],
+        *,
+        description: str,
+        num_batches: int | None,
+        example_args: tuple | None = None,
+        example_kwargs: dict | None = None,
+    ) -> None:
+        self._source = source
+        self.description = description
+        self.num_batches = num_batches
+        self.first: ModelInputs | None = None
+        self.notes: list[str] = []
+        self._example = (
+            ModelInputs(tuple(example_args or ()), dict(example_kwargs or {}))
+            if example_args is not None or example_kwargs is not None
+            else None
+        )
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("this calibration data does not know its length in advance")
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[ModelInputs]:
+        reference: ModelInputs | None = None
+        for index, batch in enumerate(_guarded(self._source, self.description)):
+            inputs = self._fit_to_model(as_model_inputs(batch), index)
+            _check_not_empty(inputs, index)
+            if reference is None:
+                reference = inputs
+                self.first = inputs
+                self._check_against_example(inputs)
+            elif _layout(inputs) != _layout(reference):
+                raise BadInputError(
+                    f"calibration batch {index} ({inputs.describe()}) is laid out differently from batch 0 "
+                    f"({reference.describe()})"
+                )
+            yield inputs
+
+    def _fit_to_model(self, inputs: ModelInputs, index: int) -> ModelInputs:
+        example = self._example
+        if example is None or example.kwargs or inputs.kwargs:
+            return inputs
+        wanted = len(example.args)
+        if wanted and len(inputs.args) > wanted:
+            if index == 0:
+                self.notes.append(
+                    f"batches hold {len(inputs.args)} items and the model takes {wanted} input"
+                    f"{'s' if wanted > 1 else ''}: only the first {wanted} are fed (the rest, e.g. labels, "
+                    "are ignored)"
+                )
+            return ModelInputs(inputs.args[:wanted])
+        return inputs
+
+    def _check_against_example(self, inputs: ModelInputs) -> None:
+        example = self._example
+        if example is None:
+            return
+        mine, theirs = dict(inputs.tensors()), dict(example.tensors())
+        for name, tensor in mine.items():
+            ref = theirs.get(name)
+            if ref is not None and ref.ndim != tensor.ndim:
+                raise BadInputError(
+                    f"calibration batch 0 has {name} of shape {tuple(tensor.shape)} ({tensor.ndim}-D) where "
+                    f"the model's example input is {tuple(ref.shape)} ({ref.ndim}-D)"
+                )
+
+
+def _guarded(source: Callable[[], Iterable[Any]], description: str) -> Iterator[Any]:
+    """Iterate a user's iterable, turning its own exceptions into one-line BadInputErrors."""
+    try:
+        iterator = iter(source())
+    except BadInputError:
+        raise
+    except Exception as exc:
+        raise BadInputError(f"cannot iterate {description}: {_describe(exc)}") from None
+    index = 0
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except BadInputError:
+            raise
+        except Exception as exc:
+            raise BadInputError(
+                f"{description} raised while producing batch {index}: {_describe(exc)}"
+            ) from None
+        yield batch
+        index += 1
+
+
+def _check_not_empty(inputs: ModelInputs, index: int) -> None:
+    tensors = inputs.tensors()
+    if not tensors:
+        raise BadInputError(f"calibration batch {index} holds no tensors")
+    for name, tensor in tensors:
+        if tensor.ndim == 0 or tensor.shape[0] == 0:
+            raise BadInputError(
+                f"calibration batch {index} has {name} of shape {tuple(tensor.shape)}: it holds no samples"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources
+
+
+def _split_rows(tensor: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    return list(torch.split(tensor, batch_size, dim=0))
+
+
+def _batches_from_payload(
+    payload: Any, what: str, batch_size: int | None, strict: bool
+) -> tuple[list[Any], str]:
+    """Batches held by a loaded ``.pt`` payload or returned by a factory as a tensor or a sequence."""
+    if isinstance(payload, torch.Tensor):
+        if payload.ndim == 0 or payload.shape[0] == 0:
+            raise BadInputError(
+                f"{what} holds a tensor of shape {tuple(payload.shape)}: no samples to calibrate on"
+            )
+        size = batch_size or DEFAULT_BATCH_SIZE
+        batches = _split_rows(payload, size)
+        return (
+            batches,
+            f"{what}: {payload.shape[0]} samples of {tuple(payload.shape[1:])} in batches of {size}",
+        )
+    if isinstance(payload, (tuple, list)):
+        if not payload:
+            raise BadInputError(f"{what} holds an empty {type(payload).__name__}: no batches")
+        if batch_size is not None and strict:
+            raise BadInputError(
+                f"--batch-size applies to an image folder or a single tensor; {what} holds its own batches"
+            )
+        if all(isinstance(b, torch.Tensor) for b in payload):
+            return list(payload), f"{what}: {len(payload)} batches"
+        if all(isinstance(b, (tuple, list, Mapping)) for b in payload):
+            return list(payload), f"{what}: {len(payload)} batches"
+        kinds = sorted({type(b).__name__ for b in payload})
+        raise BadInputError(
+            f"{what} holds a {type(payload).__name__} of {', '.join(kinds)}: expected a list of batch tensors "
+            "or a list of batches (each a tuple of tensors or a dict of tensors)"
+        )
+    raise BadInputError(
+        f"{what} holds a {type(payload).__name__}: expected a tensor (N, ...), a list of batch tensors or a "
+        "list of batches (each a tuple of tensors or a dict of tensors)"
+    )
+
+
+def _tensor_file_data(path: Path, batch_size: int | None, strict: bool, **example: Any) -> CalibrationData:
+    payload = read_tensor_file(path, what="data file")
+    batches, description = _batches_from_payload(payload, f"data file {path}", batch_size, strict)
+    return CalibrationData(lambda: batches, description=description, num_batches=len(batches), **example)
+
+
+def _import_data_factory(spec: str) -> Callable[[], Any]:
+    target, _, attr_path = spec.rpartition(":")
+    usage = "expected a folder, a .pt file, or a factory package.module:callable or path/to/file.py:callable"
+    if not target or not _IDENTIFIER_PATH.match(attr_path):
+        raise BadInputError(f"data not found: {spec} ({usage})")
+    looks_like_file = target.endswith(".py") or "/" in target or os.sep in target or Path(target).is_file()
+    if looks_like_file:
+        module = _import_module_from_file(Path(target), spec)
+    elif _IDENTIFIER_PATH.match(target):
+        module = _import_module_from_cwd(target, spec)
+    else:
+        raise BadInputError(f"data not found: {spec} ({usage})")
+    factory = _resolve_attribute(module, attr_path, spec)
+    if not callable(factory):
+        raise BadInputError(f"data factory '{spec}' is a {type(factory).__name__}, not a callable")
+    return factory
+
+
+def _factory_data(spec: str, batch_size: int | None, strict: bool, **example: Any) -> CalibrationData:
+    factory = _import_data_factory(spec)
+    what = f"data factory '{spec}'"
+    try:
+        result = factory()
+    except Exception as exc:
+        raise BadInputError(f"{what} raised {_describe(exc)}") from None
+    if isinstance(result, (torch.Tensor, tuple, list)):
+        batches, description = _batches_from_payload(result, what, batch_size, strict)
+        return CalibrationData(lambda: batches, description=description, num_batches=len(batches), **example)
+    if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
+        raise BadInputError(
+            f"{what} returned a value of type {type(result).__name__}: expected an iterable of batches (a DataLoader, a "
+            "generator, a list) or a tensor (N, ...)"
+        )
+    if batch_size is not None and strict:
+        raise BadInputError(
+            f"--batch-size applies to an image folder or a single tensor; {what} yields its own batches"
+        )
+    try:
+        known = len(result)  # type: ignore[arg-type]
+    except TypeError:
+        known = None
+    return CalibrationData(lambda: result, description=what, num_batches=known, **example)
+
+
+def _image_kind(path: Path) -> str | None:
+    with path.open("rb") as f:
+        head = f.read(16)
+    for magic, offset, kind in _IMAGE_SIGNATURES:
+        if head[offset : offset + len(magic)] == magic:
+            return kind
+    return None
+
+
+def _image_files(folder: Path) -> list[Path]:
+    files = []
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files += [Path(root) / n for n in sorted(names) if not n.startswith(".")]
+    if not files:
+        raise BadInputError(f"data folder {folder} holds no files")
+    for path in files:
+        if not path.is_file():
+            raise BadInputError(f"data folder {folder}: {path.relative_to(folder)} is not a regular file")
+        if _image_kind(path) is None:
+            raise BadInputError(
+                f"data folder {folder}: {path.relative_to(folder)} is not a JPEG, PNG, GIF or WEBP image"
+            )
+    return files
+
+
+def _image_geometry(example_args: tuple | None, folder: Path) -> tuple[int, int, int]:
+    """(channels, H, W) of the model's first example input, which image batches must match."""
+    first = example_args[0] if example_args else None
+    if not isinstance(first, torch.Tensor) or first.ndim != 4 or first.shape[1] not in (1, 3):
+        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else None
+        got = (
+            f"the model's example input is {shape}" if shape is not None else "the model has no example input"
+        )
+        raise BadInputError(
+            f"data folder {folder}: images need the model's input size as a (N, 1 or 3, H, W) tensor, but "
+            f"{got}; pass --input-shape 1,3,H,W"
+        )
+    return int(first.shape[1]), int(first.shape[2]), int(first.shape[3])
+
+
+def load_image(path: Path, channels: int, height: int, width: int) -> torch.Tensor:
+    """One image as a float tensor (channels, height, width) in [0, 1]: resized to cover, centre-cropped."""
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.v2 import functional as TF
+
+    mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
+    try:
+        image = decode_image(str(path), mode=mode)
+    except Exception as exc:
+        raise BadInputError(f"cannot decode image {path}: {_describe(exc)}") from None
+    if image.ndim == 4:  # an animated GIF: its first frame
+        image = image[0]
+    h, w = image.shape[-2:]
+    # Scale so the image covers H x W with the aspect ratio kept, then crop the centre: no distortion.
+    scale = max(height / h, width / w)
+    size = [max(height, math.ceil(h * scale - 1e-6)), max(width, math.ceil(w * scale - 1e-6))]
+    if size != [h, w]:
+        image = TF.resize(image, size, antialias=True)
+    image = TF.center_crop(image, [height, width])
+    return image.float().div_(255.0)
+
+
+def _folder_data(
+    folder: Path,
+    batch_size: int | None,
+    normalize: str | None,
+    example_args: tuple | None,
+    example_kwargs: dict | None,
+) -> CalibrationData:
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        raise BadInputError("reading an image folder needs torchvision: pip install torchvision") from None
+    channels, height, width = _image_geometry(example_args, folder)
+    files = _image_files(folder)
+    size = batch_size or DEFAULT_BATCH_SIZE
+    first = example_args[0]  # type: ignore[index]  # _image_geometry checked it is a 4-D tensor
+    dtype = first.dtype if first.is_floating_point() else torch.float32
+    stats = None
+    if normalize is not None:
+        mean, std = NORMALIZATIONS[normalize]
+        if channels != len(mean):
+            raise BadInputError(
+                f"--normalize {normalize} is for {len(mean)}-channel images; the model takes {channels}"
+            )
+        stats = torch.tensor(mean).view(-1, 1, 1), torch.tensor(std).view(-1, 1, 1)
+
+    def batches() -> Iterator[torch.Tensor]:
+        for start in range(0, len(files), size):
+            images = torch.stack(
+                [load_image(p, channels, height, width) for p in files[start : start + size]]
+            )
+            if stats is not None:
+                images = (images - stats[0]) / stats[1]
+            yield images.to(dtype)
+
+    count = math.ceil(len(files) / size)
+    description = (
+        f"data folder {folder}: {len(files)} images at {channels}x{height}x{width} in batches of {size}"
+        + (f", {normalize}-normalized" if normalize else "")
+    )
+    return CalibrationData(
+        batches,
+        description=description,
+        num_batches=count,
+        example_args=example_args,
+        example_kwargs=example_kwargs,
+    )
+
+
+def load_calibration_data(
+    spec: str | Path,
+    *,
+    example_args: tuple | None = None,
+    example_kwargs: dict | None = None,
+    batch_size: int | None = None,
+    normalize: str | None = None,
+    ignore_inapplicable: bool = False,
+) -> CalibrationData:
+    """Open ``spec`` (a folder of images, a ``.pt`` file or a factory) as a stream of checked batches.
+
+    ``example_args``/``example_kwargs`` are the model's example inputs when known: they give the image size
+    and let batches be checked (and extra items such as labels dropped) before the model runs.
+    ``batch_size`` (default 32) splits an image folder or a single tensor; anything that yields its own
+    batches refuses it rather than ignore it. ``normalize`` names a mean/std from :data:`NORMALIZATIONS`.
+    ``ignore_inapplicable`` drops those two where they do not apply instead of refusing: for a second
+    source read with the options given for the first (a held-out batch).
+    """
+    if batch_size is not None and batch_size < 1:
+        raise BadInputError(f"--batch-size must be at least 1, got {batch_size}")
+    if normalize is not None and normalize not in NORMALIZATIONS:
+        raise BadInputError(f"--normalize {normalize!r}: choose from {', '.join(NORMALIZATIONS)}")
+    path = Path(spec)
+    if path.is_dir():
+        return _folder_data(path, batch_size, normalize, example_args, example_kwargs)
+    strict = not ignore_inapplicable
+    if normalize is not None and strict:
+        raise BadInputError("--normalize applies to an image folder; normalize tensors before saving them")
+    example = {"example_args": example_args, "example_kwargs": example_kwargs}
+    if path.exists():
+        return _tensor_file_data(path, batch_size, strict, **example)
+    if ":" not in str(spec):
+        raise BadInputError(
+            f"data not found: {spec} (give a folder of images, a .pt file of tensors or a factory "
+            "package.module:callable)"
+        )
+    return _factory_data(str(spec), batch_size, strict, **example)

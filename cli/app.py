@@ -55,6 +55,11 @@ ReportOpt = Annotated[
     Path | None, typer.Option("--report", help="Also write the report as JSON to this file.")
 ]
 
+DATA_SHORT_HELP = (
+    "DATA: a folder of images, a .pt file of tensors or batches, or a factory returning an iterable of "
+    "batches (see recalibrate --help)."
+)
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -173,12 +178,62 @@ def convert(
         typer.Option(
             "--to",
             help="Swap norms to this kind: rmsnorm (exact where the residual stream can be recentered, "
-            "architectural elsewhere), layernorm (architectural) or fused (the same norms on normswap's "
-            "fused kernels; exact).",
+            "architectural elsewhere), layernorm, batchnorm, groupnorm, instancenorm, dyt, identity "
+            "(architectural), or fused (the same norms on normswap's fused kernels; exact).",
         ),
     ] = None,
+    from_kinds: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--from",
+            help="Only replace norms of this kind (batch, layer, rms, group, instance); repeatable. "
+            "Default: every kind that differs from --to.",
+        ),
+    ] = None,
+    groups: Annotated[int | None, typer.Option("--groups", min=1, help="Groups of --to groupnorm.")] = None,
+    calibrate: Annotated[
+        str | None,
+        typer.Option(
+            "--calibrate",
+            help="Fit the swapped norms' affine parameters (and BatchNorm statistics) to the original "
+            "norms' outputs on this data, layer by layer. " + DATA_SHORT_HELP,
+        ),
+    ] = None,
+    calibrate_batches: Annotated[
+        int | None, typer.Option("--calibrate-batches", min=1, help="Use the first N batches of --calibrate.")
+    ] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", min=1, help="Batch size for an image folder or a single tensor [32]."),
+    ] = None,
     fold_bn: Annotated[
-        bool, typer.Option("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear before it.")
+        bool, typer.Option("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear beside it.")
+    ] = False,
+    fold_norm_affine: Annotated[
+        bool,
+        typer.Option(
+            "--fold-norm-affine",
+            help="Fold each norm's weight and bias into the Linear layers that read it (exact).",
+        ),
+    ] = False,
+    add_weight_norm: Annotated[
+        str | None,
+        typer.Option(
+            "--add-weight-norm",
+            help="Wrap these Conv/ConvTranspose/Linear layers in weight norm: comma-separated module "
+            "paths, or 'all' (exact).",
+        ),
+    ] = None,
+    weight_norm_dim: Annotated[
+        str,
+        typer.Option(
+            "--weight-norm-dim",
+            help="Weight-norm magnitude dim: 'output' (one per output channel), an int, or 'none'.",
+        ),
+    ] = "output",
+    remove_weight_norm: Annotated[
+        bool,
+        typer.Option("--remove-weight-norm", help="Fold every weight norm back into a plain weight (exact)."),
     ] = False,
     exact: Annotated[
         bool, typer.Option("--exact", help="Fail instead of applying any non-exact rewrite.")
@@ -191,30 +246,21 @@ def convert(
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
     from normswap.errors import BadInputError, CheckFailedError
-    from normswap.passes import SWAP_TARGETS, ExactOnlyError, FoldBatchNorm, Pipeline, SwapNorm
-    from normswap.passes.recenter_layernorm import RecenterLayerNorm
+    from normswap.passes import ExactOnlyError, Pipeline
 
-    if to is None and not fold_bn:
-        raise BadInputError("nothing to do: give --to KIND and/or --fold-bn")
-    targets = [*SWAP_TARGETS, "fused"]
-    if to is not None and to not in targets:
-        raise BadInputError(
-            f"--to {to!r} is not a norm kind normswap can swap to; choose from {', '.join(targets)}"
-        )
-    passes = []
-    if fold_bn:
-        passes.append(FoldBatchNorm())
-    if to == "rmsnorm":
-        # exact where the residual stream can be recentered; the generic swap takes the rest
-        passes.append(RecenterLayerNorm())
-        if not exact:
-            passes.append(SwapNorm(to))
-    elif to == "fused":
-        from normswap.passes.fuse_norm import FuseNorm
-
-        passes.append(FuseNorm())
-    elif to is not None:
-        passes.append(SwapNorm(to))
+    passes = _convert_passes(
+        to=to,
+        from_kinds=from_kinds,
+        groups=groups,
+        exact=exact,
+        fold_bn=fold_bn,
+        fold_norm_affine=fold_norm_affine,
+        add_weight_norm=add_weight_norm,
+        weight_norm_dim=weight_norm_dim,
+        remove_weight_norm=remove_weight_norm,
+    )
+    if calibrate is not None and not any(p.name == "swap_norm" for p in passes):
+        raise BadInputError("--calibrate fits swapped norms: give an architectural --to KIND")
     try:
         pipeline = Pipeline(passes, exact_only=exact)
     except ExactOnlyError as exc:
@@ -228,6 +274,11 @@ def convert(
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     converted, result = pipeline(loaded.model, args, kwargs)
     _print_pipeline(result)
+    extra: dict[str, Any] = {}
+    if calibrate is not None:
+        extra = _calibrate_swaps(
+            loaded.model, converted, result, calibrate, calibrate_batches, batch_size, args, kwargs
+        )
     not_exact = _not_exact_under_flag(result, to) if exact else None
 
     written = False
@@ -237,13 +288,148 @@ def convert(
         written = True
         out.print(f"wrote {output} ({label})")
     if report is not None:
-        _write_json(report, {"model": model, "output": str(output), "written": written, **result.to_dict()})
+        data = {"model": model, "output": str(output), "written": written, **result.to_dict(), **extra}
+        _write_json(report, data)
     if not result.ok:
         raise CheckFailedError(
             "exact rewrite changed the outputs: " + "; ".join(result.exact_failures) + "; nothing written"
         )
     if not_exact is not None:
         raise CheckFailedError(not_exact)
+
+
+def _convert_passes(
+    *,
+    to: str | None,
+    from_kinds: list[str] | None,
+    groups: int | None,
+    exact: bool,
+    fold_bn: bool,
+    fold_norm_affine: bool,
+    add_weight_norm: str | None,
+    weight_norm_dim: str,
+    remove_weight_norm: bool,
+) -> list[Any]:
+    """The passes of a convert run, in the order that lets each see what it needs."""
+    from normswap.discover.site import NORM_KINDS
+    from normswap.errors import BadInputError
+    from normswap.passes import (
+        SWAP_TARGETS,
+        AddWeightNorm,
+        FoldBatchNorm,
+        FoldNormAffine,
+        RecenterLayerNorm,
+        RemoveWeightNorm,
+        SwapNorm,
+    )
+
+    targets = [*SWAP_TARGETS, "fused"]
+    if to is not None and to not in targets:
+        raise BadInputError(
+            f"--to {to!r} is not a norm kind normswap can swap to; choose from {', '.join(targets)}"
+        )
+    if to == "groupnorm" and groups is None:
+        raise BadInputError("--to groupnorm needs --groups N")
+    if groups is not None and to != "groupnorm":
+        raise BadInputError("--groups applies to --to groupnorm only")
+    for kind in from_kinds or ():
+        if kind not in NORM_KINDS:
+            raise BadInputError(f"--from {kind!r}: choose from {', '.join(NORM_KINDS)}")
+    if from_kinds and to is None:
+        raise BadInputError("--from picks which norms --to replaces: give --to KIND")
+    passes: list[Any] = []
+    # plain weights first, so the folds see and rewrite real parameters
+    if remove_weight_norm:
+        passes.append(RemoveWeightNorm())
+    if fold_bn:
+        passes.append(FoldBatchNorm())
+    kinds = tuple(from_kinds) if from_kinds else None
+    if to == "rmsnorm" and (kinds is None or "layer" in kinds):
+        # exact where the residual stream can be recentered; the generic swap takes the rest
+        passes.append(RecenterLayerNorm())
+        if not exact:
+            passes.append(SwapNorm(to, kinds))
+    elif to == "fused":
+        from normswap.passes.fuse_norm import FuseNorm
+
+        passes.append(FuseNorm())
+    elif to is not None:
+        passes.append(SwapNorm(to, kinds, groups=groups))
+    if fold_norm_affine:
+        passes.append(FoldNormAffine())
+    if add_weight_norm is not None:
+        paths = (
+            None if add_weight_norm == "all" else [p.strip() for p in add_weight_norm.split(",") if p.strip()]
+        )
+        dim: Any = None if weight_norm_dim == "none" else weight_norm_dim
+        if isinstance(dim, str) and dim != "output":
+            try:
+                dim = int(dim)
+            except ValueError:
+                raise BadInputError(
+                    f"--weight-norm-dim {weight_norm_dim!r}: give output, an int or none"
+                ) from None
+        passes.append(AddWeightNorm(targets=paths, dim=dim))
+    if not passes:
+        raise BadInputError(
+            "nothing to do: give --to KIND, --fold-bn, --fold-norm-affine, --add-weight-norm or "
+            "--remove-weight-norm"
+        )
+    return passes
+
+
+def _calibrate_swaps(
+    original: Any,
+    converted: Any,
+    result: Any,
+    data: str,
+    max_batches: int | None,
+    batch_size: int | None,
+    args: tuple,
+    kwargs: dict,
+) -> dict[str, Any]:
+    """Fit the swapped norms to the original's outputs on DATA; print and return the figures."""
+    import itertools
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from normswap.calibrate import load_calibration_data
+    from normswap.calibrate.affine_fit import calibrate_swapped_norms
+    from normswap.validate.compare import compare_models
+
+    sites = [c.site for p in result.passes if p.pass_name == "swap_norm" for c in p.changes]
+    source = load_calibration_data(data, example_args=args, example_kwargs=kwargs, batch_size=batch_size)
+    batches = list(itertools.islice(source, max_batches))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("calibrating", total=len(sites))
+        fitted = calibrate_swapped_norms(
+            original, converted, sites, batches, on_site=lambda _s: progress.advance(task)
+        )
+    table = Table(title=f"Calibration on {fitted.batches} batches (site SQNR dB vs the original norm)")
+    for column in ("site", "new norm", "before", "after", "note"):
+        table.add_column(column, overflow="fold")
+    for site in fitted.sites:
+        note = site.note or ("statistics re-estimated" if site.statistics else "")
+        if site.alpha is not None:
+            note = f"alpha {site.alpha:.3g}"
+        table.add_row(
+            site.site,
+            site.module_class,
+            _fmt_float(site.sqnr_before_db),
+            _fmt_float(site.sqnr_after_db),
+            note,
+        )
+    out.print(table)
+    out.print(
+        f"calibration: whole model on the calibration data SQNR {_fmt_float(fitted.model_sqnr_before_db)} dB "
+        f"-> {_fmt_float(fitted.model_sqnr_after_db)} dB"
+    )
+    overall = compare_models(original, converted, args, kwargs)
+    out.print(
+        f"after calibration, whole model vs original on the example inputs: SQNR {_fmt_float(overall.worst_sqnr_db)} dB"
+    )
+    return {"calibration": fitted.to_dict(), "overall_after_calibration": overall.to_dict()}
 
 
 def _not_exact_under_flag(result: Any, to: str | None) -> str | None:

@@ -208,3 +208,41 @@ def test_malicious_pickle_is_not_executed_without_trust_pickle(tmp_path):
     assert result.exit_code == 2
     assert "--trust-pickle" in result.output and "arbitrary code" in result.output
     assert not marker.exists()
+
+
+def test_convert_groupnorm_with_calibration_reports_the_gain(tmp_path):
+    data = tmp_path / "calib.pt"
+    torch.save(torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0)), data)
+    out, report = tmp_path / "gn.pt2", tmp_path / "r.json"
+    result = _run(
+        "convert", f"{ZOO}:resnet18_factory", "--to", "groupnorm", "--groups", "8", "--calibrate", str(data),
+        "--batch-size", "8", "-o", str(out), "--report", str(report),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "Calibration on 2 batches" in result.output and out.exists()
+    data_out = json.loads(report.read_text())
+    fit = data_out["calibration"]
+    assert len(fit["sites"]) == 20
+    assert fit["model_sqnr_after_db"] > fit["model_sqnr_before_db"] + 15
+    after = data_out["overall_after_calibration"]["worst_sqnr_db"]
+    assert after > data_out["overall"]["worst_sqnr_db"] + 15  # on the example inputs, held out
+
+
+def test_convert_option_mistakes_are_usage_errors(tmp_path):
+    out = tmp_path / "x.pt2"
+    cases = [
+        (["--to", "groupnorm"], "--to groupnorm needs --groups N"),
+        (["--to", "layernorm", "--groups", "4"], "--groups applies to --to groupnorm only"),
+        (
+            ["--fold-bn", "--calibrate", "x.pt"],
+            "--calibrate fits swapped norms: give an architectural --to KIND",
+        ),
+        (["--to", "dyt", "--from", "conv"], "--from 'conv': choose from batch, layer"),
+        (["--from", "batch"], "--from picks which norms --to replaces: give --to KIND"),
+        ([], "nothing to do: give --to KIND, --fold-bn"),
+    ]
+    for extra, message in cases:
+        result = _run("convert", f"{ZOO}:resnet18_factory", "-o", str(out), *extra)
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in result.output.replace("\n", " "), (extra, result.output)
+    assert not out.exists()

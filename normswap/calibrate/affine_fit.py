@@ -181,7 +181,7 @@ def _fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch
     alpha = None
     if hasattr(module, "alpha"):
         best = None
-        for candidate in (*DYT_ALPHAS, float(module.alpha)):
+        for candidate in (*DYT_ALPHAS, float(module.alpha.detach())):
             with torch.no_grad():
                 module.alpha.fill_(candidate)
             a, b, residual = _fit(_normalized(module, inputs, dim), y)

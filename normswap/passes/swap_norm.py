@@ -207,6 +207,10 @@ class SwapNorm(Pass):
             return (
                 f"input is {what}: an instance norm needs positions (tokens) to normalize each feature over"
             )
+        if self.target_kind == "instance" and sample is not None and sample.ndim >= 3:
+            positions = sample[0].numel() // sample.shape[dim]
+            if positions == 1:
+                return "its input has one position per feature: an instance norm would output its bias alone"
         if self.target_kind in ("batch", "instance") and dim == 1 and sample is None and site.kind != "batch":
             return f"the input rank is unknown (no example inputs), so the {self.to} class cannot be chosen"
         return None

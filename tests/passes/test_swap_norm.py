@@ -82,17 +82,16 @@ def test_gemma_offset_weights_keep_their_meaning():
     torch.testing.assert_close(new(xc), norm(xc), rtol=1e-5, atol=1e-5)
 
 
-def test_channel_norms_and_layernorm2d_are_refused_with_the_reason():
+def test_layernorm2d_and_batchnorm_map_to_a_norm_over_the_channels():
     model, args, _ = model_zoo.convnext_tiny()
-    _, report = SwapNorm("rmsnorm")(model, args)
-    reasons = {s.site: s.reason for s in report.skips}
-    assert reasons["stem.1"] == "normalizes dims (-3,), not the trailing 1 dim(s) its shape implies"
-    assert len(report.changes) == 18  # the per-block LayerNorms over the last dim
+    swapped, report = SwapNorm("rmsnorm")(model, args)
+    assert report.skips == [] and len(report.changes) == 23
+    stem = swapped.get_submodule("stem.1")
+    assert type(stem).__name__ == "FeatureLayerNorm" and stem.dim == 1 and stem.rms
     bn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
-    _, report = SwapNorm("layernorm")(bn, (torch.randn(1, 3, 5, 5),))
-    assert report.skips[0].reason == (
-        "batch norm normalizes over channels, not the trailing dims; a batch -> layernorm swap needs a layout mapping"
-    )
+    swapped, report = SwapNorm("layernorm")(bn, (torch.randn(1, 3, 5, 5),))
+    assert report.changes[0].description == "BatchNorm2d -> FeatureLayerNorm"
+    assert swapped[1].dim == 1 and not swapped[1].rms
 
 
 def test_inline_norms_are_skipped_not_silently_ignored():
@@ -103,5 +102,5 @@ def test_inline_norms_are_skipped_not_silently_ignored():
 
 
 def test_unknown_target_is_a_value_error():
-    with pytest.raises(ValueError, match="unknown norm target 'batchnorm'"):
-        SwapNorm("batchnorm")
+    with pytest.raises(ValueError, match="unknown norm target 'batchnorm2d'"):
+        SwapNorm("batchnorm2d")

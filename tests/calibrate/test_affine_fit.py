@@ -1,0 +1,89 @@
+"""Calibration of architectural swaps: closed-form affine fits (and BN statistics) layer by layer."""
+
+from __future__ import annotations
+
+import copy
+
+import model_zoo
+import torch
+
+from normswap.calibrate.affine_fit import DYT_ALPHAS, _fit, calibrate_swapped_norms
+from normswap.passes import Pipeline, SwapNorm
+from normswap.validate.compare import compare_models
+
+
+def _batches(shape: tuple[int, ...], count: int = 2, seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g) for _ in range(count)]
+
+
+def _swap(build, to: str, **options):
+    model, args, kwargs = build()
+    converted, report = Pipeline([SwapNorm(to, **options)])(model, args, kwargs)
+    return model, converted, [c.site for c in report.passes[0].changes], args, kwargs
+
+
+def test_least_squares_recovers_an_affine_map_exactly():
+    n = torch.randn(3, 50, dtype=torch.float64)
+    a, b = (
+        torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64),
+        torch.tensor([1.0, 0.0, -4.0], dtype=torch.float64),
+    )
+    fit_a, fit_b, residual = _fit(n, a[:, None] * n + b[:, None])
+    torch.testing.assert_close(fit_a, a)
+    torch.testing.assert_close(fit_b, b)
+    assert residual < 1e-20
+
+
+def test_removing_eval_batchnorms_is_undone_exactly_by_calibration():
+    # An eval BatchNorm is a per-channel affine map, so fitting the affine left after removing it
+    # recovers it: the calibrated model must equal the original up to float rounding.
+    model, converted, sites, args, kwargs = _swap(lambda: model_zoo.resnet18(size=32), "identity")
+    assert compare_models(model, converted, args, kwargs).worst_sqnr_db < 20
+    report = calibrate_swapped_norms(model, converted, sites, _batches((4, 3, 32, 32)))
+    assert [s.site for s in report.sites][:2] == ["bn1", "layer1.0.bn1"]  # execution order
+    assert min(s.sqnr_after_db for s in report.sites) > 80
+    assert report.model_sqnr_after_db > 80
+    assert compare_models(model, converted, args, kwargs).worst_sqnr_db > 80  # held-out inputs too
+
+
+def test_resnet18_groupnorm_and_layernorm_calibrate_measurably_closer():
+    for to, options in (("groupnorm", {"groups": 8}), ("layernorm", {})):
+        model, converted, sites, args, kwargs = _swap(lambda: model_zoo.resnet18(size=32), to, **options)
+        before = compare_models(model, converted, args, kwargs).worst_sqnr_db
+        report = calibrate_swapped_norms(model, converted, sites, _batches((8, 3, 32, 32)))
+        after = compare_models(model, converted, args, kwargs).worst_sqnr_db
+        assert before < 5 and after > before + 15, (to, before, after)
+        assert report.model_sqnr_after_db > report.model_sqnr_before_db + 15
+        assert all(s.sqnr_after_db > s.sqnr_before_db for s in report.sites)
+
+
+def test_vit_batchnorm_target_takes_population_statistics_from_the_data():
+    model, converted, sites, _, _ = _swap(model_zoo.small_vit, "batchnorm")
+    batches = _batches((4, 3, 32, 32))
+    report = calibrate_swapped_norms(model, converted, sites, batches)
+    first = converted.encoder.layers[0].ln_1
+    seen: list[torch.Tensor] = []
+    hook = first.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    with torch.no_grad():
+        for b in batches:
+            converted(b)
+    hook.remove()
+    flat = torch.cat([x.reshape(-1, 64) for x in seen]).double()
+    torch.testing.assert_close(first.running_mean.double(), flat.mean(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first.running_var.double(), flat.var(0, unbiased=False), rtol=1e-4, atol=1e-5)
+    assert all(s.statistics for s in report.sites)
+    assert report.model_sqnr_after_db > report.model_sqnr_before_db + 5
+
+
+def test_dyt_alpha_is_chosen_by_the_fit_and_modes_are_restored():
+    model, converted, sites, _, _ = _swap(model_zoo.small_vit, "dyt")
+    model.train()
+    snapshot = copy.deepcopy(model.state_dict())
+    report = calibrate_swapped_norms(model, converted, sites, _batches((4, 3, 32, 32)))
+    assert model.training and not converted.training
+    assert all(torch.equal(snapshot[k], v) for k, v in model.state_dict().items())  # original untouched
+    alphas = [s.alpha for s in report.sites]
+    assert all(a in DYT_ALPHAS for a in alphas)
+    assert float(converted.encoder.layers[0].ln_1.alpha) == alphas[0]
+    assert all(s.sqnr_after_db >= s.sqnr_before_db for s in report.sites)

@@ -25,7 +25,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False)
+# Piped output (logs, CI, tests) gets 120 columns instead of rich's 80, so tables stay readable.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, highlight=False)
 
 MODEL_HELP = (
@@ -486,6 +487,163 @@ def _print_pipeline(result: Any) -> None:
             f"whole model vs original: SQNR {_fmt_float(result.overall.worst_sqnr_db)} dB, "
             f"max abs / max|ref| {_fmt_float(result.overall.worst_rel)}"
         )
+
+
+@app.command()
+@_handles_errors
+def validate(
+    original: Annotated[
+        str, typer.Argument(help="The reference model (same forms as MODEL).", show_default=False)
+    ],
+    converted: Annotated[str, typer.Argument(help="The model to check against it.", show_default=False)],
+    exact: Annotated[
+        bool, typer.Option("--exact", help="Fail (exit 1) unless every output is within the exact tolerance.")
+    ] = False,
+    min_sqnr: Annotated[
+        float | None,
+        typer.Option(
+            "--min-sqnr",
+            help="Fail (exit 1) if an output's SQNR is below this many dB; also the "
+            "per-layer threshold for the first divergent layer [40].",
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write a PNG of the per-layer SQNR, norm sites marked.")
+    ] = None,
+    data: Annotated[
+        str | None, typer.Option("--data", help="Compare on the batches of DATA. " + DATA_SHORT_HELP)
+    ] = None,
+    batches: Annotated[
+        int | None, typer.Option("--batches", min=1, help="Use the first N batches of --data.")
+    ] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", min=1, help="Batch size for an image folder or a single tensor [32]."),
+    ] = None,
+    weights: WeightsOpt = None,
+    converted_weights: Annotated[
+        Path | None, typer.Option("--converted-weights", help="Weights for a factory CONVERTED model.")
+    ] = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    report: ReportOpt = None,
+) -> None:
+    """Compare CONVERTED with ORIGINAL on the same inputs: per output, per layer, per norm site."""
+    import itertools
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from normswap.errors import BadInputError, CheckFailedError
+    from normswap.validate.layerwise import DEFAULT_MIN_SQNR_DB, plot_norm_sites, validate_models
+
+    if exact and min_sqnr is not None:
+        raise BadInputError("--exact and --min-sqnr are two different checks: give one")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise BadInputError(f"--plot {plot}: the plot is a PNG file")
+    reference = _load(original, weights, trust_pickle)
+    candidate = _load(converted, converted_weights, trust_pickle)
+    if data is not None:
+        from normswap.calibrate import load_calibration_data
+        from normswap.load import resolve_inputs
+
+        resolved = resolve_inputs(reference, inputs_file=inputs, input_shapes=input_shape)
+        args, kwargs = resolved if resolved is not None else (None, None)
+        source = load_calibration_data(data, example_args=args, example_kwargs=kwargs, batch_size=batch_size)
+        pairs = [(b.args, b.kwargs) for b in itertools.islice(source, batches)]
+        if not pairs:
+            raise BadInputError(f"--data {data} yields no batch")
+    else:
+        from normswap.load import require_inputs
+
+        pairs = [require_inputs(reference, inputs_file=inputs, input_shapes=input_shape)]
+    norm_paths = _norm_paths(reference.model, pairs[0])
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(
+        *columns, console=err, transient=True, disable=not err.is_terminal or len(pairs) < 4
+    ) as bar:
+        task = bar.add_task("comparing", total=len(pairs))
+        try:
+            result = validate_models(
+                reference.model,
+                candidate.model,
+                pairs,
+                exact=exact,
+                min_sqnr_db=DEFAULT_MIN_SQNR_DB if min_sqnr is None else min_sqnr,
+                norm_paths=norm_paths,
+                on_batch=lambda _i: bar.advance(task),
+            )
+        except ValueError as exc:
+            raise BadInputError(f"cannot compare: {exc}") from None
+    _print_validation(result)
+    if plot is not None:
+        from normswap.load import atomic_write
+
+        try:
+            atomic_write(
+                plot, lambda tmp: plot_norm_sites(result, str(tmp), title=f"{converted} vs {original}")
+            )
+        except ImportError:
+            raise BadInputError("--plot needs matplotlib: pip install 'normswap[plot]'") from None
+        out.print(f"wrote {plot}")
+    if report is not None:
+        _write_json(report, {"original": original, "converted": converted, **result.to_dict()})
+    if (exact or min_sqnr is not None) and not result.passed:
+        what = "exact tolerance" if exact else f"{min_sqnr:g} dB"
+        where = f"; first divergent layer: {result.first_divergent}" if result.first_divergent else ""
+        raise CheckFailedError(f"outputs are not within the {what}{where}")
+
+
+def _norm_paths(model: Any, pair: tuple) -> list[str]:
+    from normswap.discover import find_norms
+
+    inventory = find_norms(model, *pair)
+    return [site.path for site in inventory if site.is_module]
+
+
+def _print_validation(result: Any) -> None:
+    table = Table(title=f"Outputs ({result.batches} batch{'es' if result.batches != 1 else ''})")
+    for column in ("output", "shape", "max abs", "max rel", "SQNR dB", "cosine", "top-1", "top-5"):
+        table.add_column(column, overflow="fold")
+    for figures in result.outputs:
+        o = figures.comparison
+        table.add_row(
+            o.name,
+            "x".join(map(str, o.shape)),
+            _fmt_float(o.max_abs),
+            _fmt_float(o.max_rel),
+            _fmt_float(o.sqnr_db),
+            _fmt_float(o.cosine, 6),
+            "" if o.top1_agreement is None else f"{o.top1_agreement:.1%}",
+            "" if figures.top5_agreement is None else f"{figures.top5_agreement:.1%}",
+        )
+    out.print(table)
+    norms = Table(title="Norm sites, in execution order (SQNR of each site's output vs the original)")
+    for column in ("site", "original", "converted", "SQNR dB", "max rel"):
+        norms.add_column(column, overflow="fold")
+    for layer in result.norm_sites:
+        norms.add_row(
+            layer.path,
+            layer.original_class,
+            layer.converted_class,
+            _fmt_float(layer.sqnr_db),
+            _fmt_float(layer.max_rel),
+        )
+    if norms.row_count:
+        out.print(norms)
+    rule = "the exact tolerance" if result.exact else f"{result.min_sqnr_db:g} dB"
+    if result.first_divergent is None:
+        out.print(f"{result.shared_modules} shared modules compared; none diverges past {rule}")
+    else:
+        layer = next(x for x in result.layers if x.path == result.first_divergent)
+        out.print(
+            f"{result.shared_modules} shared modules compared; first divergent past {rule}: "
+            f"{layer.path} ({layer.original_class} -> {layer.converted_class}, SQNR {_fmt_float(layer.sqnr_db)} dB)"
+        )
+    verdict = "[green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
+    out.print(
+        f"verdict ({'exact tolerance' if result.exact else f'min SQNR {result.min_sqnr_db:g} dB'}): {verdict}"
+    )
 
 
 DATA_HELP = (

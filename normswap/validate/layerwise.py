@@ -1,0 +1,298 @@
+"""Where two models part ways: per-output figures, and per-layer divergence of the modules they share.
+
+Two models that share module paths (a model and its converted copy: every pass edits modules in place
+and keeps their paths) are run on the same batches with forward hooks on every shared module. Each
+module's outputs are compared in execution order, so the first layer whose output drifts past the
+threshold is where a rewrite starts to hurt; norm sites are listed on their own, in order, because
+they are what normswap changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.load.mode import set_inference_mode
+from normswap.validate.metrics import (
+    TensorComparison,
+    compare_tensors,
+    exact_tolerance,
+    flatten_outputs,
+    sqnr_db,
+)
+
+DEFAULT_MIN_SQNR_DB = 40.0
+
+
+@dataclass
+class LayerDivergence:
+    path: str
+    original_class: str
+    converted_class: str
+    is_norm: bool
+    calls: int
+    sqnr_db: float
+    max_abs: float
+    max_rel: float
+    cosine: float
+    note: str = ""
+
+
+@dataclass
+class OutputFigures:
+    comparison: TensorComparison
+    top5_agreement: float | None = None
+
+
+@dataclass
+class ValidationReport:
+    batches: int
+    exact: bool
+    min_sqnr_db: float
+    outputs: list[OutputFigures] = field(default_factory=list)
+    layers: list[LayerDivergence] = field(default_factory=list)
+    first_divergent: str | None = None
+    shared_modules: int = 0
+
+    @property
+    def norm_sites(self) -> list[LayerDivergence]:
+        return [layer for layer in self.layers if layer.is_norm]
+
+    @property
+    def passed(self) -> bool:
+        """Exact: every output within the dtype's tolerance. Otherwise: every output above min SQNR."""
+        if self.exact:
+            return all(o.comparison.within_tolerance for o in self.outputs)
+        return all(o.comparison.sqnr_db >= self.min_sqnr_db for o in self.outputs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batches": self.batches,
+            "exact": self.exact,
+            "min_sqnr_db": self.min_sqnr_db,
+            "passed": self.passed,
+            "first_divergent": self.first_divergent,
+            "shared_modules": self.shared_modules,
+            "outputs": [{**asdict(o.comparison), "top5_agreement": o.top5_agreement} for o in self.outputs],
+            "layers": [asdict(layer) for layer in self.layers],
+        }
+
+
+@contextlib.contextmanager
+def _eval_mode(*models: nn.Module) -> Iterator[None]:
+    """Validation is about inference: eval mode while comparing, every module's mode restored after."""
+    modes = {m: m.training for model in models for m in model.modules()}
+    try:
+        for model in models:
+            set_inference_mode(model)
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _call(model: nn.Module, what: str, args: tuple, kwargs: dict) -> Any:
+    try:
+        return model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    except Exception as exc:  # a model fails in its own ways; the caller needs one sentence
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ValueError(f"{what} fails on these inputs: {type(exc).__name__}: {first}") from exc
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    found = flatten_outputs(value)
+    return found[0][1] if found else None
+
+
+@contextlib.contextmanager
+def _record_outputs(
+    model: nn.Module, paths: list[str]
+) -> Iterator[tuple[dict[str, list[torch.Tensor]], list[str]]]:
+    outputs: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
+    order: list[str] = []
+    handles = []
+    for path in paths:
+
+        def hook(_m: nn.Module, _a: tuple, out: Any, path: str = path) -> None:
+            tensor = _first_tensor(out)
+            if tensor is not None:
+                # clone: the caller may modify the output in place afterwards (ResNet's shortcut add)
+                outputs[path].append(tensor.detach().clone())
+                if path not in order:
+                    order.append(path)
+
+        handles.append(model.get_submodule(path).register_forward_hook(hook))
+    try:
+        yield outputs, order
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _topk_agreement(reference: torch.Tensor, output: torch.Tensor, k: int = 5) -> float | None:
+    """Fraction of rows whose top-1 class of ``output`` is among the reference's top-k."""
+    if reference.ndim < 2 or reference.shape[-1] < k or not reference.is_floating_point():
+        return None
+    top = reference.topk(k, dim=-1).indices
+    pred = output.argmax(-1, keepdim=True)
+    return float((top == pred).any(-1).double().mean())
+
+
+def _shared_paths(original: nn.Module, converted: nn.Module) -> list[str]:
+    theirs = dict(converted.named_modules())
+    return [p for p, _ in original.named_modules() if p and p in theirs]
+
+
+def validate_models(
+    original: nn.Module,
+    converted: nn.Module,
+    batches: Iterable[tuple[tuple, dict]],
+    *,
+    exact: bool = False,
+    min_sqnr_db: float = DEFAULT_MIN_SQNR_DB,
+    norm_paths: Iterable[str] = (),
+    on_batch: Callable[[int], None] | None = None,
+) -> ValidationReport:
+    """Compare ``converted`` with ``original`` on ``batches`` of ``(args, kwargs)``; neither is changed.
+
+    ``norm_paths`` marks which shared modules are norm sites (from :func:`normswap.find_norms` on the
+    original). The first divergent layer is the first shared module, in execution order, whose output
+    leaves the exact tolerance (``exact``) or falls below ``min_sqnr_db``.
+    """
+    norms = set(norm_paths)
+    paths = _shared_paths(original, converted)
+    batches = list(batches)
+    report = ValidationReport(batches=len(batches), exact=exact, min_sqnr_db=min_sqnr_db)
+    report.shared_modules = len(paths)
+    ref_outputs: list[Any] = []
+    new_outputs: list[Any] = []
+    with (
+        _eval_mode(original, converted),
+        _record_outputs(original, paths) as (ref_layers, order),
+        _record_outputs(converted, paths) as (new_layers, _),
+        torch.no_grad(),
+    ):
+        for i, (args, kwargs) in enumerate(batches):
+            ref_outputs.append(_call(original, "the original model", args, kwargs))
+            new_outputs.append(_call(converted, "the converted model", args, kwargs))
+            if on_batch is not None:
+                on_batch(i)
+    report.outputs = _compare_outputs(ref_outputs, new_outputs)
+    originals, convs = dict(original.named_modules()), dict(converted.named_modules())
+    for path in order:
+        layer = _compare_layer(
+            path, ref_layers[path], new_layers[path], originals[path], convs[path], path in norms
+        )
+        report.layers.append(layer)
+        if report.first_divergent is None and _diverges(layer, exact, min_sqnr_db, ref_layers[path]):
+            report.first_divergent = path
+    return report
+
+
+def _compare_outputs(ref_outputs: list[Any], new_outputs: list[Any]) -> list[OutputFigures]:
+    """Per named output, over all batches concatenated along a new leading dim."""
+    by_name: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for ref, new in zip(ref_outputs, new_outputs, strict=True):
+        ref_flat, new_flat = flatten_outputs(ref), flatten_outputs(new)
+        if [n for n, _ in ref_flat] != [n for n, _ in new_flat]:
+            raise ValueError(
+                f"the two models return different outputs: {[n for n, _ in ref_flat]} vs {[n for n, _ in new_flat]}"
+            )
+        for (name, r), (_, o) in zip(ref_flat, new_flat, strict=True):
+            by_name.setdefault(name, ([], []))
+            by_name[name][0].append(r.reshape(-1, *r.shape[-1:]) if r.ndim else r.reshape(1))
+            by_name[name][1].append(o.reshape(-1, *o.shape[-1:]) if o.ndim else o.reshape(1))
+    figures = []
+    for name, (refs, news) in by_name.items():
+        ref, new = torch.cat(refs), torch.cat(news)
+        figures.append(OutputFigures(compare_tensors(name, ref, new), _topk_agreement(ref, new)))
+    return figures
+
+
+def _compare_layer(
+    path: str,
+    refs: list[torch.Tensor],
+    news: list[torch.Tensor],
+    old: nn.Module,
+    new: nn.Module,
+    is_norm: bool,
+) -> LayerDivergence:
+    common = dict(
+        path=path,
+        original_class=type(old).__name__,
+        converted_class=type(new).__name__,
+        is_norm=is_norm,
+        calls=len(refs),
+    )
+    shapes_ok = len(refs) == len(news) and all(r.shape == n.shape for r, n in zip(refs, news, strict=False))
+    if not shapes_ok:
+        return LayerDivergence(**common, sqnr_db=math.nan, max_abs=math.nan, max_rel=math.nan, cosine=math.nan,
+                               note="outputs differ in number or shape")  # fmt: skip
+    ref = torch.cat([r.reshape(-1) for r in refs]).double()
+    out = torch.cat([n.reshape(-1) for n in news]).double()
+    diff = (ref - out).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    max_ref = float(ref.abs().max()) if ref.numel() else 0.0
+    denom = ref.norm() * out.norm()
+    return LayerDivergence(
+        **common,
+        sqnr_db=sqnr_db(ref, out),
+        max_abs=max_abs,
+        max_rel=max_abs / max_ref if max_ref > 0 else (0.0 if max_abs == 0 else math.inf),
+        cosine=float(ref @ out / denom) if denom > 0 else (1.0 if max_abs == 0 else 0.0),
+    )
+
+
+def _diverges(layer: LayerDivergence, exact: bool, min_sqnr_db: float, refs: list[torch.Tensor]) -> bool:
+    if layer.note:
+        return True
+    if exact:
+        return layer.max_rel > exact_tolerance(refs[0].dtype)
+    return layer.sqnr_db < min_sqnr_db
+
+
+def plot_norm_sites(report: ValidationReport, path: str, title: str = "") -> None:
+    """PNG of the SQNR of every shared layer in execution order, norm sites marked (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never open a window
+    import matplotlib.pyplot as plt
+
+    finite = [(i, layer) for i, layer in enumerate(report.layers) if math.isfinite(layer.sqnr_db)]
+    cap = max([layer.sqnr_db for _, layer in finite] + [report.min_sqnr_db + 20])
+    fig, ax = plt.subplots(figsize=(max(6.0, len(report.layers) * 0.12), 4.0))
+    xs = list(range(len(report.layers)))
+    ys = [layer.sqnr_db if math.isfinite(layer.sqnr_db) else cap for layer in report.layers]
+    ax.plot(xs, ys, color="0.75", linewidth=1, label="every shared layer")
+    norm_points = [
+        (i, y) for i, (layer, y) in enumerate(zip(report.layers, ys, strict=True)) if layer.is_norm
+    ]
+    if norm_points:
+        ax.scatter(*zip(*norm_points, strict=True), color="tab:red", s=14, zorder=3, label="norm sites")
+    if not report.exact:
+        ax.axhline(report.min_sqnr_db, color="tab:orange", linestyle="--", linewidth=1, label="threshold")
+    if report.first_divergent is not None:
+        index = next(i for i, layer in enumerate(report.layers) if layer.path == report.first_divergent)
+        ax.axvline(
+            index,
+            color="tab:blue",
+            linestyle=":",
+            linewidth=1,
+            label=f"first divergent: {report.first_divergent}",
+        )
+    ax.set_xlabel("layer, in execution order")
+    ax.set_ylabel("SQNR vs original (dB)")  # identical layers (inf) are drawn at the top
+    ax.set_title(title or "Divergence of the converted model by layer")
+    ax.legend(loc="best", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -7,7 +7,6 @@ A pass declares its kind (exact, architectural, data-driven; DESIGN.md), never m
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from enum import Enum
@@ -18,6 +17,7 @@ from torch import nn
 from normswap.discover import NormInventory, NormSite, find_norms
 from normswap.graph.analysis import GraphView
 from normswap.graph.capture import CapturedGraph, capture_graph
+from normswap.modules.copying import copy_model
 
 
 class RewriteKind(str, Enum):
@@ -94,7 +94,7 @@ class Pass(ABC):
         *,
         inplace: bool = False,
     ) -> tuple[nn.Module, PassReport]:
-        target = model if inplace else copy.deepcopy(model)
+        target = model if inplace else copy_model(model)
         ctx = build_context(target, example_args, example_kwargs)
         report = PassReport(
             self.name, self.kind, graph_method=ctx.captured.method, graph_error=ctx.captured.reason

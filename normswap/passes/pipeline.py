@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from normswap.modules.copying import copy_model
 from normswap.passes.base import Pass, PassReport, RewriteKind
 from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
 
@@ -64,8 +65,8 @@ class Pipeline:
     ) -> tuple[nn.Module, PipelineReport]:
         has_inputs = example_args is not None or bool(example_kwargs)
         check = self.validate and has_inputs
-        original = model if inplace or not check else copy.deepcopy(model)
-        current = model if inplace else copy.deepcopy(model)
+        original = model if inplace or not check else copy_model(model)
+        current = model if inplace else copy_model(model)
         report = PipelineReport()
         for p in self.passes:
             before = (

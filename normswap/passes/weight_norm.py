@@ -28,7 +28,6 @@ These are not norm sites: candidates come from the modules, and no graph is capt
 
 from __future__ import annotations
 
-import copy
 import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,11 +36,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.weight_norm import WeightNorm
 
 from normswap.discover import NormInventory
 from normswap.errors import BadInputError
 from normswap.graph.capture import CapturedGraph
+from normswap.modules.copying import copy_model, weight_norm_hooks
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, Skip
 from normswap.validate import exact_tolerance
 
@@ -89,10 +88,6 @@ def weight_from_weight_norm(g: torch.Tensor, v: torch.Tensor, dim: int) -> torch
 # --- finding weight norms ---------------------------------------------------------------------------
 
 
-def _weight_norm_hooks(module: nn.Module) -> list[tuple[Any, WeightNorm]]:
-    return [(k, h) for k, h in module._forward_pre_hooks.items() if isinstance(h, WeightNorm)]
-
-
 def _parametrization_names(module: nn.Module, name: str) -> list[str]:
     if not parametrize.is_parametrized(module, name):
         return []
@@ -102,25 +97,6 @@ def _parametrization_names(module: nn.Module, name: str) -> list[str]:
 def _is_weight_norm(parametrization: nn.Module) -> bool:
     # torch's private class; recognized by name and the dim it carries so a rename cannot mislead us
     return type(parametrization).__name__ == "_WeightNorm" and hasattr(parametrization, "dim")
-
-
-def copy_model(model: nn.Module) -> nn.Module:
-    """``copy.deepcopy`` that also copies models using the deprecated ``torch.nn.utils.weight_norm``.
-
-    That API keeps the computed weight as a non-leaf tensor attribute, which deepcopy refuses; it is
-    left out of the copy and recomputed from the copied ``g`` and ``v``, as the hook would do.
-    """
-    memo: dict[int, Any] = {}
-    for module in model.modules():
-        for _, hook in _weight_norm_hooks(module):
-            computed = module.__dict__.get(hook.name)
-            if isinstance(computed, torch.Tensor):
-                memo[id(computed)] = None
-    copied = copy.deepcopy(model, memo)
-    for module in copied.modules():
-        for _, hook in _weight_norm_hooks(module):
-            setattr(module, hook.name, hook.compute_weight(module))
-    return copied
 
 
 def _tied_names(model: nn.Module, tensor: torch.Tensor) -> list[str]:
@@ -247,7 +223,7 @@ class AddWeightNorm(_LayerPass):
         layer = site.module
         if not isinstance(layer, WEIGHT_NORM_LAYERS):
             return f"{type(layer).__name__}, not a {_LAYER_NAMES}"
-        if any(_is_weight_norm(p) for p in _parametrizations(layer, "weight")) or _weight_norm_hooks(layer):
+        if any(_is_weight_norm(p) for p in _parametrizations(layer, "weight")) or weight_norm_hooks(layer):
             return "already has weight norm"
         if parametrize.is_parametrized(layer, "weight"):
             names = ", ".join(_parametrization_names(layer, "weight"))
@@ -331,7 +307,7 @@ class RemoveWeightNorm(_LayerPass):
                 continue
             if named is None and not _matches(self.targets, module, path):
                 continue
-            names = [h.name for _, h in _weight_norm_hooks(module)]
+            names = [h.name for _, h in weight_norm_hooks(module)]
             names += [
                 n
                 for n in (getattr(module, "parametrizations", None) or {})
@@ -356,7 +332,7 @@ class RemoveWeightNorm(_LayerPass):
 
     def rewrite(self, site: LayerSite, ctx: PassContext) -> Change:  # type: ignore[override]
         module, name = site.module, site.name
-        hooks = [(k, h) for k, h in _weight_norm_hooks(module) if h.name == name]
+        hooks = [(k, h) for k, h in weight_norm_hooks(module) if h.name == name]
         if hooks:
             key, hook = hooks[0]
             g, v = getattr(module, f"{name}_g"), getattr(module, f"{name}_v")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.modules.copying import copy_model
 from normswap.validate.metrics import TensorComparison, compare_tensors, flatten_outputs
 
 
@@ -40,7 +41,7 @@ def run_model(model: nn.Module, args: tuple | None, kwargs: dict | None) -> Any:
     """Run ``model`` without changing it: a model in training mode runs on a copy, since BatchNorm
     would otherwise update its running statistics."""
     if any(m.training for m in model.modules()):
-        model = copy.deepcopy(model)
+        model = copy_model(model)
     with torch.no_grad():
         return model(*(args or ()), **(kwargs or {}))
 

@@ -25,3 +25,9 @@ def test_lossless_rmsnorm_example_is_exact():
     assert "5 LayerNorms -> RMSNorm" in out and out.rstrip().endswith("; exact")
     assert "LayerNorm modules left: 0" in out
     assert "untied: transformer.wte.weight (kept the original for lm_head.weight)" in out
+
+
+@pytest.mark.slow
+def test_fuse_norms_example_is_exact_and_exports_standard_onnx():
+    out = _run("fuse_norms.py")
+    assert "logits vs original: max abs 0; exact" in out and "RMSNormalization" in out

@@ -54,15 +54,14 @@ def _last_axis() -> Any:
     return op.Constant(value=ir.tensor([-1], dtype=ir.DataType.INT64))
 
 
-def _cast(value: Any, dtype: ir.DataType) -> Any:
-    return value if value.dtype == dtype else op.Cast(value, to=dtype)
+def _cast(value: Any, to: ir.DataType, from_: ir.DataType) -> Any:
+    # Values made inside a translation carry no type yet, so the caller says what ``value`` holds.
+    return value if from_ == to else op.Cast(value, to=to)
 
 
 def _ones_like_last_dim(x: Any) -> Any:
     """A scale of ones, [N], of x's type: the standard ops require a scale input."""
-    n = op.Shape(x, start=-1)
-    one = op.CastLike(_scalar(1.0), x)
-    return op.Expand(one, n)
+    return op.Expand(op.CastLike(_scalar(1.0), x), op.Shape(x, start=-1))
 
 
 def _mean_last(x: Any, keepdims: int) -> Any:
@@ -71,8 +70,11 @@ def _mean_last(x: Any, keepdims: int) -> Any:
     return op.ReduceMean(x, _last_axis(), keepdims=keepdims, noop_with_empty_axes=None)
 
 
-def _normalize(kind: str, x: Any, scale: Any, bias: Any, eps: float, opset: int) -> Any:
-    """The standard op with stash_type=1 (or its written-out body below opset 23, for RMS)."""
+def _normalize(kind: str, x: Any, dtype: ir.DataType, scale: Any, bias: Any, eps: float, opset: int) -> Any:
+    """The standard op with stash_type=1 (or its written-out body below opset 23, for RMS).
+
+    ``x``, ``scale`` and ``bias`` all hold ``dtype``.
+    """
     if kind == "layer":
         inputs = (x, scale) if bias is None else (x, scale, bias)
         # The exporter gives the node all three outputs (Y, Mean, InvStdDev); only Y is used here.
@@ -80,15 +82,20 @@ def _normalize(kind: str, x: Any, scale: Any, bias: Any, eps: float, opset: int)
     if opset >= RMS_NORMALIZATION_OPSET:
         y = op23.RMSNormalization(x, scale, axis=-1, epsilon=eps, stash_type=1)
     else:
-        x32 = _cast(x, _FLOAT)
+        x32 = _cast(x, _FLOAT, dtype)
         rms = op.Sqrt(op.Add(_mean_last(op.Mul(x32, x32), keepdims=1), _scalar(eps)))
-        y = op.Mul(_cast(op.Div(x32, rms), x.dtype), scale)
+        y = op.Mul(_cast(op.Div(x32, rms), dtype, _FLOAT), scale)
     return y if bias is None else op.Add(y, bias)
+
+
+def _with_offset(weight: Any, weight_offset: float) -> Any:
+    return op.Add(weight, op.CastLike(_scalar(weight_offset), weight)) if weight_offset else weight
 
 
 def _norm(
     kind: str,
     x: Any,
+    dtype: ir.DataType,
     weight: Any,
     bias: Any,
     eps: float,
@@ -96,35 +103,32 @@ def _norm(
     weight_offset: float,
     opset: int,
 ) -> Any:
-    """y of the fused op, with the casting semantics of ``normswap.modules.functional``."""
+    """y of the fused op on ``x`` (holding ``dtype``), with the casting semantics of
+    ``normswap.modules.functional``."""
     params = [t.dtype for t in (weight, bias) if t is not None]
     if casting == "llama":
-        # Round the normalized value to x's type, then multiply in the promoted type.
-        out = _promote(x.dtype, *params)
-        if out == x.dtype:
-            scale = weight if weight is not None else _ones_like_last_dim(x)
-            if weight is not None and weight_offset:
-                scale = op.Add(scale, op.CastLike(_scalar(weight_offset), scale))
-            return _normalize(kind, x, scale, bias, eps, opset)
-        y = _cast(_normalize(kind, x, _ones_like_last_dim(x), None, eps, opset), out)
+        # Round the normalized value to x's type, then (offset + w) * n + b in the promoted type, the
+        # offset added in w's own type.
+        if all(p == dtype for p in params):
+            scale = _with_offset(weight, weight_offset) if weight is not None else _ones_like_last_dim(x)
+            return _normalize(kind, x, dtype, scale, bias, eps, opset)
+        out = _promote(dtype, *params)
+        y = _cast(_normalize(kind, x, dtype, _ones_like_last_dim(x), None, eps, opset), out, dtype)
         if weight is not None:
-            w = _cast(weight, out)
-            if weight_offset:
-                w = op.Add(w, op.CastLike(_scalar(weight_offset), w))
-            y = op.Mul(y, w)
-        return y if bias is None else op.Add(y, _cast(bias, out))
-    # "none" / "gemma": everything in fp32 (no-op casts for an fp32 model), one cast to x's type at the end.
-    x32 = _cast(x, _FLOAT)
-    scale = _cast(weight, _FLOAT) if weight is not None else _ones_like_last_dim(x32)
-    if weight is not None and weight_offset:
-        scale = op.Add(scale, _scalar(weight_offset))
-    b32 = _cast(bias, _FLOAT) if bias is not None else None
-    return _cast(_normalize(kind, x32, scale, b32, eps, opset), x.dtype)
+            y = op.Mul(y, _cast(_with_offset(weight, weight_offset), out, weight.dtype))
+        return y if bias is None else op.Add(y, _cast(bias, out, bias.dtype))
+    # "none" / "gemma": everything in fp32 (no casts for an fp32 model), one cast to x's type at the end.
+    x32 = _cast(x, _FLOAT, dtype)
+    scale = _ones_like_last_dim(x32)
+    if weight is not None:
+        scale = _with_offset(_cast(weight, _FLOAT, weight.dtype), weight_offset)
+    b32 = _cast(bias, _FLOAT, bias.dtype) if bias is not None else None
+    return _cast(_normalize(kind, x32, _FLOAT, scale, b32, eps, opset), dtype, _FLOAT)
 
 
-def _statistics(kind: str, x: Any, eps: float) -> tuple[Any, ...]:
+def _statistics(kind: str, x: Any, dtype: ir.DataType, eps: float) -> tuple[Any, ...]:
     """(mean,) rstd in fp32 with shape x.shape[:-1], as the op returns them for its backward."""
-    x32 = _cast(x, _FLOAT)
+    x32 = _cast(x, _FLOAT, dtype)
     if kind == "rms":
         centered = x32
     else:
@@ -140,11 +144,15 @@ def _translation(kind: str, with_residual: bool, opset: int) -> Callable[..., tu
     def translate(*args: Any) -> tuple:
         if with_residual:
             x, residual, weight, bias, eps, casting, weight_offset = args
-            h = op.Add(x, residual)
-            y = _norm(kind, h, weight, bias, eps, casting, weight_offset, opset)
-            return (y, h, *_statistics(kind, h, eps))
-        x, weight, bias, eps, casting, weight_offset = args
-        return (_norm(kind, x, weight, bias, eps, casting, weight_offset, opset), *_statistics(kind, x, eps))
+            # h = x + residual, rounded to x's type like the kernels' h.
+            normalized = op.Add(x, residual)
+            outputs: tuple = (normalized,)
+        else:
+            x, weight, bias, eps, casting, weight_offset = args
+            normalized, outputs = x, ()
+        dtype = x.dtype
+        y = _norm(kind, normalized, dtype, weight, bias, eps, casting, weight_offset, opset)
+        return (y, *outputs, *_statistics(kind, normalized, dtype, eps))
 
     translate.__name__ = f"normswap_{'add_' if with_residual else ''}{kind}_norm_fwd"
     return translate
@@ -153,8 +161,9 @@ def _translation(kind: str, with_residual: bool, opset: int) -> Callable[..., tu
 def translation_table(opset: int | None = None) -> dict[torch._ops.OpOverload, Callable[..., tuple]]:
     """``custom_translation_table`` for ``torch.onnx.export(dynamo=True)`` of a model with fused norms.
 
-    ``opset`` is the one passed to the export (None: the exporter's default, 18). Below 17 the exporter
-    still builds at 18 and converts down, so LayerNormalization needs 17 or more.
+    ``opset`` is the one passed to the export; None stands for the exporter's default, which is below 23
+    (20 in torch 2.14), so RMSNorm is written out. Below 18 the exporter builds at 18 and converts down;
+    LayerNormalization needs 17 or more.
     """
     import normswap.kernels.ops  # noqa: F401  (registers the ops the table is keyed by)
 

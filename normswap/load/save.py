@@ -92,9 +92,19 @@ def _write_pickle(model: nn.Module, temp: Path) -> None:
 def _write_onnx(
     model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path, opset: int | None
 ) -> None:
+    from normswap.export.onnx_ops import LAYER_NORMALIZATION_OPSET, translation_table
+
+    # normswap's fused-norm ops become standard ONNX ops (LayerNormalization, RMSNormalization); the
+    # table only adds translations, so models without fused norms export as before.
+    table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
     try:
         program = torch.onnx.export(
-            model, tuple(example_args), kwargs=example_kwargs or None, dynamo=True, opset_version=opset
+            model,
+            tuple(example_args),
+            kwargs=example_kwargs or None,
+            dynamo=True,
+            opset_version=opset,
+            custom_translation_table=table,
         )
     except Exception as exc:
         raise BadInputError(f"ONNX export of the model failed: {_describe(exc)}") from None

@@ -3,6 +3,7 @@
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, Skip, build_context
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
 from normswap.passes.fold_norm_affine import FoldNormAffine, fold_norm_affine
+from normswap.passes.fuse_add_norm import FuseAddNorm, fuse_add_norm
 from normswap.passes.fuse_norm import FuseNorm, fuse_norm
 from normswap.passes.pipeline import ExactOnlyError, Pipeline, PipelineReport
 from normswap.passes.recenter_layernorm import RecenterLayerNorm, recenter_layernorm
@@ -16,6 +17,7 @@ __all__ = [
     "ExactOnlyError",
     "FoldBatchNorm",
     "FoldNormAffine",
+    "FuseAddNorm",
     "FuseNorm",
     "Pass",
     "PassContext",
@@ -31,6 +33,7 @@ __all__ = [
     "build_context",
     "fold_batchnorm",
     "fold_norm_affine",
+    "fuse_add_norm",
     "fuse_norm",
     "recenter_layernorm",
     "remove_weight_norm",

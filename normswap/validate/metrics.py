@@ -107,7 +107,9 @@ def record_module_inputs(
 
     def hook(module: nn.Module, inputs: tuple) -> None:
         if id(module) not in seen and inputs and isinstance(inputs[0], torch.Tensor):
-            seen[id(module)] = inputs[0].detach().clone()  # in-place ops later in the forward must not reach it
+            seen[id(module)] = (
+                inputs[0].detach().clone()
+            )  # in-place ops later in the forward must not reach it
 
     handles = [m.register_forward_pre_hook(hook) for m in modules]
     try:

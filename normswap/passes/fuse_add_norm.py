@@ -1,0 +1,201 @@
+"""Fuse a residual add into the fused norm that reads it. A graph rewrite: the result is a GraphModule.
+
+In a pre-norm transformer block the residual stream is added and normalized, and the sum is carried on
+as the next residual::
+
+    h = x + r            (aten.add.Tensor)
+    y = norm(h)          (normswap::{rms,layer}_norm_fwd, put in by :mod:`normswap.passes.fuse_norm`)
+    ... h + f(y) ...     (the next residual reads h)
+
+``normswap::add_{rms,layer}_norm_fwd(x, r, ...)`` returns ``(y, h, stats)``: the sum and its norm in one
+pass over memory. Every reader of the add's output (the next residual included) reads the fused op's
+``h`` instead, every reader of the norm's outputs the fused op's ``y`` and statistics. The function is
+unchanged: the kernels round ``h`` to x's dtype, as the add does, and normalize that rounded ``h``.
+
+No module edit can express this (the add is not a module), so the pass works on the graph of
+``torch.export.export(model, ..., strict=False)`` and returns that program's module: a
+``torch.fx.GraphModule`` with the model's parameters under the same state_dict keys, not the user's class.
+Every change says so. A model with nothing to fuse is returned as it came.
+
+Legal when the norm op's input is an ``aten.add.Tensor`` of two tensors with the add's own shape and
+dtype (no broadcasting, no type promotion) and ``alpha`` 1. Needs example inputs to capture the graph.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, ClassVar
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.tools_common import legalize_graph
+
+from normswap.graph.analysis import normalize_module_path
+from normswap.modules.copying import copy_model
+from normswap.passes.base import Change, PassReport, RewriteKind, Skip
+
+_NORM_TO_ADD_NORM = {
+    "rms_norm_fwd": "add_rms_norm_fwd",
+    "layer_norm_fwd": "add_layer_norm_fwd",
+}
+_OUTPUT = "torch.fx.GraphModule"
+
+
+class FuseAddNorm:
+    """``add -> fused norm`` into one ``normswap::add_*_norm_fwd`` op; the same contract as
+    :class:`normswap.passes.base.Pass` (``name``, ``kind``, ``__call__`` returning ``(model, report)``),
+    but over a captured graph instead of the module tree."""
+
+    name: ClassVar[str] = "fuse_add_norm"
+    kind: ClassVar[RewriteKind] = RewriteKind.EXACT
+
+    def __call__(
+        self,
+        model: nn.Module,
+        example_args: tuple | None = None,
+        example_kwargs: dict[str, Any] | None = None,
+        *,
+        inplace: bool = False,
+    ) -> tuple[nn.Module, PassReport]:
+        report = PassReport(self.name, self.kind)
+        if example_args is None and not example_kwargs:
+            return model, _unfused(report, "no example inputs: fusing adds into norms needs a captured graph")
+        source = model if inplace else copy_model(model)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = torch.export.export(
+                    source, tuple(example_args or ()), kwargs=dict(example_kwargs or {}), strict=False
+                )
+        except Exception as exc:  # export fails in many ways; the reason is what matters
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            return model, _unfused(report, f"torch.export failed: {type(exc).__name__}: {first}")
+        report.graph_method = "export"
+        gm = program.module()
+        for norm in candidates(gm.graph):
+            site = _site_name(norm)
+            reason = check(norm)
+            if reason is not None:
+                report.skips.append(Skip(self.name, site, reason))
+                continue
+            report.changes.append(rewrite(norm, site))
+        if not report.changes:
+            return model, report
+        legalize_graph(gm)  # the fused op may sit after readers of the add it replaced
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+        # The graph was captured in the model's mode and stays in it (an exported module refuses
+        # .eval()); the flags say which mode that was, so tools that check them (export, run_model) agree.
+        for module in gm.modules():
+            module.training = model.training
+        return gm, report
+
+
+def fuse_add_norm(
+    model: nn.Module,
+    example_args: tuple | None = None,
+    example_kwargs: dict | None = None,
+    *,
+    inplace: bool = False,
+) -> tuple[nn.Module, PassReport]:
+    """Functional form of :class:`FuseAddNorm`."""
+    return FuseAddNorm()(model, example_args, example_kwargs, inplace=inplace)
+
+
+def candidates(graph: fx.Graph) -> list[fx.Node]:
+    """The fused norm ops of the graph (each one fuses with the add before it, or is skipped)."""
+    return [n for n in graph.nodes if _norm_op_name(n) in _NORM_TO_ADD_NORM]
+
+
+def check(norm: fx.Node) -> str | None:
+    """None when the norm's input is an add that can move into the fused op, else why not."""
+    add = norm.args[0]
+    if not isinstance(add, fx.Node) or add.target is not torch.ops.aten.add.Tensor:
+        return f"its input comes from {_describe(add)}, not a residual add"
+    if add.kwargs.get("alpha", 1) != 1:
+        return f"the add scales its second operand (alpha={add.kwargs['alpha']})"
+    if len(add.args) != 2 or not all(isinstance(a, fx.Node) for a in add.args):
+        return "the add has a constant operand, not a residual stream"
+    values = [a.meta.get("val") for a in (*add.args, add)]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return "the add's operands have no recorded shape"
+    shapes = [tuple(v.shape) for v in values]
+    dtypes = [v.dtype for v in values]
+    if len(set(shapes)) != 1:
+        return f"the add broadcasts {shapes[0]} + {shapes[1]}: the fused op adds two tensors of one shape"
+    if len(set(dtypes)) != 1:
+        return f"the add promotes {dtypes[0]} + {dtypes[1]}: the fused op adds two tensors of one dtype"
+    return None
+
+
+def rewrite(norm: fx.Node, site: str) -> Change:
+    """Replace ``add`` and ``norm`` by one fused op; readers of either read the fused op's outputs."""
+    graph = norm.graph
+    add = norm.args[0]
+    assert isinstance(add, fx.Node)
+    norm_name = _norm_op_name(norm)
+    fused_name = _NORM_TO_ADD_NORM[norm_name]
+    target = getattr(torch.ops.normswap, fused_name).default
+    with graph.inserting_before(norm):
+        fused = graph.call_function(target, (*add.args, *norm.args[1:]), dict(norm.kwargs))
+        h = graph.call_function(operator.getitem, (fused, 1))
+    fused.meta.update({k: v for k, v in norm.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    # Shapes for the next check: the next add may read h.
+    h.meta["val"] = add.meta.get("val")
+    norm_val = norm.meta.get("val")
+    if isinstance(norm_val, tuple | list):
+        fused.meta["val"] = (norm_val[0], add.meta.get("val"), *norm_val[1:])
+    add.replace_all_uses_with(h, delete_user_cb=lambda user: user is not norm)
+    # The fused outputs are (y, h, stats...): the norm's stats move one place along.
+    for user in list(norm.users):
+        assert user.target is operator.getitem, user
+        index = user.args[1]
+        user.args = (fused, index if index == 0 else index + 1)
+    graph.erase_node(norm)
+    if not add.users:
+        graph.erase_node(add)
+    return Change(
+        FuseAddNorm.name,
+        site,
+        FuseAddNorm.kind,
+        f"{add.name} + normswap::{norm_name} -> normswap::{fused_name} (the model is now a {_OUTPUT})",
+        {"add": add.name, "norm_op": norm_name, "fused_op": fused_name, "output": _OUTPUT},
+    )
+
+
+def _norm_op_name(node: fx.Node) -> str | None:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace != "normswap":
+        return None
+    return target._opname
+
+
+def _site_name(norm: fx.Node) -> str:
+    """The module path of the norm (its innermost ``nn_module_stack`` entry), else the node's name."""
+    stack = norm.meta.get("nn_module_stack") or {}
+    if stack:
+        path = normalize_module_path(list(stack.values())[-1][0])
+        if path:
+            return path
+    return norm.name
+
+
+def _describe(value: object) -> str:
+    if not isinstance(value, fx.Node):
+        return repr(value)
+    if value.op == "placeholder":
+        return "a model input"
+    target = value.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname  # "embedding", "dropout"
+    return getattr(target, "__name__", str(target))
+
+
+def _unfused(report: PassReport, reason: str) -> PassReport:
+    report.graph_error = reason
+    report.skips.append(Skip(FuseAddNorm.name, "<model>", reason))
+    return report

@@ -6,6 +6,7 @@ imports neither triton nor onnx (nor torch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -50,6 +51,12 @@ InputShapeOpt = Annotated[
     typer.Option(
         "--input-shape",
         help="Example input shape, e.g. 1,3,224,224 or int64:1,16 for token ids. Repeat for several inputs.",
+    ),
+]
+OpsetOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--opset", min=7, help="ONNX opset of a .onnx output (RMSNormalization needs 23) [exporter default]."
     ),
 ]
 ReportOpt = Annotated[
@@ -239,6 +246,7 @@ def convert(
     exact: Annotated[
         bool, typer.Option("--exact", help="Fail instead of applying any non-exact rewrite.")
     ] = False,
+    opset: OpsetOpt = None,
     weights: WeightsOpt = None,
     trust_pickle: TrustPickleOpt = False,
     inputs: InputsOpt = None,
@@ -285,9 +293,12 @@ def convert(
     written = False
     if result.ok and not_exact is None:
         source = Path(model) if Path(model).exists() else None
-        label = save_model(converted, output, args, kwargs, refuse_path=source)
+        if output.suffix.lower() == ".onnx":
+            extra["onnx"] = _export_checked(converted, output, args, kwargs, opset, False, source)
+        else:
+            label = save_model(converted, output, args, kwargs, refuse_path=source)
+            out.print(f"wrote {output} ({label})")
         written = True
-        out.print(f"wrote {output} ({label})")
     if report is not None:
         data = {"model": model, "output": str(output), "written": written, **result.to_dict(), **extra}
         _write_json(report, data)
@@ -487,6 +498,58 @@ def _print_pipeline(result: Any) -> None:
             f"whole model vs original: SQNR {_fmt_float(result.overall.worst_sqnr_db)} dB, "
             f"max abs / max|ref| {_fmt_float(result.overall.worst_rel)}"
         )
+
+
+@app.command()
+@_handles_errors
+def export(
+    model: ModelArg,
+    output: Annotated[Path, typer.Option("-o", "--output", help="The .onnx file to write.")],
+    opset: OpsetOpt = None,
+    dynamic_batch: Annotated[
+        bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input a dynamic batch dim.")
+    ] = False,
+    weights: WeightsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    report: ReportOpt = None,
+) -> None:
+    """Export MODEL to ONNX and check the file in onnxruntime against PyTorch before writing it."""
+    from normswap.load import require_inputs
+
+    loaded = _load(model, weights, trust_pickle)
+    args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
+    source = Path(model) if Path(model).exists() else None
+    checked = _export_checked(loaded.model, output, args, kwargs, opset, dynamic_batch, source)
+    if report is not None:
+        _write_json(report, {"model": model, "output": str(output), "written": True, "onnx": checked})
+
+
+def _export_checked(
+    model: Any, output: Path, args: tuple, kwargs: dict, opset: int | None, dynamic_batch: bool, source: Any
+) -> dict[str, Any]:
+    """Export to ONNX, check in onnxruntime, print the figures; returns them for the JSON report."""
+    import torch
+
+    from normswap.export.onnx import ONNX_TOLERANCE, export_onnx
+
+    with contextlib.redirect_stdout(sys.stderr) if not err.is_terminal else contextlib.nullcontext():
+        # torch.onnx prints progress lines to stdout; keep stdout for normswap's own report
+        result = export_onnx(
+            model, output, args, kwargs, opset=opset, dynamic_batch=dynamic_batch, refuse_path=source
+        )
+    ops = ", ".join(f"{name} {count}" for name, count in result.op_counts.items())
+    out.print(f"ONNX opset {result.opset}: {sum(result.op_counts.values())} nodes ({ops})")
+    worst = max(result.outputs, key=lambda o: o.max_rel)
+    sizes = " and ".join(str(b) for b in result.checked_batch_sizes)
+    tol = ONNX_TOLERANCE.get(getattr(torch, worst.dtype), 1e-4)
+    out.print(
+        f"onnxruntime vs PyTorch on batch size {sizes}: max abs {_fmt_float(worst.max_abs)} = "
+        f"{_fmt_float(worst.max_rel)} x max|ref| (tolerance {tol:g}) [green]PASS[/]"
+    )
+    out.print(f"wrote {output} (onnx)")
+    return result.to_dict()
 
 
 @app.command()
@@ -795,6 +858,216 @@ def _print_recalibration(result: Any, notes: list[str]) -> None:
         f"held-out batch ({result.holdout_samples} samples, {result.holdout_source}), outputs after vs "
         f"before: SQNR {_fmt_float(worst.sqnr_db)} dB, cosine {_fmt_float(worst.cosine, 6)}, max abs "
         f"{_fmt_float(worst.max_abs)} ({_fmt_float(worst.max_rel)} x max|before|){top1}",
+        soft_wrap=True,
+    )
+
+
+@app.command()
+@_handles_errors
+def distill(
+    original: Annotated[
+        str,
+        typer.Argument(help="The model to match, the teacher (same forms as MODEL).", show_default=False),
+    ],
+    converted: Annotated[
+        str,
+        typer.Argument(
+            help="The model to fine-tune, the student: e.g. convert's output (.pt2, or .pt with "
+            "--trust-pickle).",
+            show_default=False,
+        ),
+    ],
+    data: Annotated[str, typer.Option("--data", help=DATA_HELP, show_default=False)],
+    steps: Annotated[
+        int,
+        typer.Option("--steps", help="Optimizer steps; the training batches are cycled.", show_default=False),
+    ],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output file: .pt2, .pt or .onnx.")],
+    lr: Annotated[
+        float, typer.Option("--lr", help="AdamW learning rate (constant, no weight decay).")
+    ] = 1e-4,
+    loss: Annotated[
+        str,
+        typer.Option(
+            "--loss",
+            help="mse: mean squared error on the outputs; kl: KL divergence of the softmax over the last "
+            "dim (classifier or LM logits). An HF output's logits are used alone.",
+        ),
+    ] = "mse",
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Softmax temperature of --loss kl [1].")
+    ] = None,
+    train: Annotated[
+        str,
+        typer.Option(
+            "--train", help="all: every floating-point parameter; norms: only the norms' parameters."
+        ),
+    ] = "all",
+    holdout: Annotated[
+        str | None,
+        typer.Option(
+            "--holdout",
+            help="Measure before/after on the first batch of this data (same forms as --data) instead of "
+            "holding out the last batch of --data.",
+        ),
+    ] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", min=1, help="Batch size for an image folder or a single tensor [32]."),
+    ] = None,
+    normalize: Annotated[
+        str | None, typer.Option("--normalize", help="Normalize images with a dataset's mean/std: imagenet.")
+    ] = None,
+    weights: WeightsOpt = None,
+    converted_weights: Annotated[
+        Path | None, typer.Option("--converted-weights", help="Weights for a factory CONVERTED model.")
+    ] = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    report: ReportOpt = None,
+) -> None:
+    """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o."""
+    import os
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from normswap.calibrate import load_calibration_data
+    from normswap.calibrate.distill import check_options
+    from normswap.calibrate.distill import distill as distill_model
+    from normswap.errors import BadInputError, CheckFailedError
+    from normswap.load import SAVE_FORMATS, resolve_inputs, save_model
+
+    if output.suffix not in SAVE_FORMATS:
+        raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
+    if temperature is not None and loss != "kl":
+        raise BadInputError("--temperature applies to --loss kl")
+    check_options(steps=steps, lr=lr, loss=loss, temperature=temperature or 1.0, train=train)
+    for given in (original, converted):
+        # Checked before training, not only at save time: minutes of training must not end in a refusal.
+        if Path(given).exists() and (
+            output.resolve() == Path(given).resolve() or (output.exists() and os.path.samefile(output, given))
+        ):
+            raise BadInputError(f"refusing to overwrite the input model {given}: choose another output path")
+    teacher = _load(original, weights, trust_pickle)
+    student = _load(converted, converted_weights, trust_pickle)
+    resolved = resolve_inputs(teacher, inputs_file=inputs, input_shapes=input_shape) or resolve_inputs(
+        student
+    )
+    args, kwargs = resolved if resolved is not None else (None, None)
+    data_options: dict[str, Any] = {
+        "example_args": args,
+        "example_kwargs": kwargs,
+        "batch_size": batch_size,
+        "normalize": normalize,
+    }
+    batches = load_calibration_data(data, **data_options)
+    held_out = None
+    if holdout is not None:
+        held_out = next(iter(load_calibration_data(holdout, **data_options, ignore_inapplicable=True)), None)
+        if held_out is None:
+            raise BadInputError(f"--holdout {holdout} yields no batch")
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    # The bar goes to stderr and only to a terminal, so piped output and logs stay clean.
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("distilling", total=steps)
+        distilled, result = distill_model(
+            teacher.model,
+            student.model,
+            batches,
+            steps=steps,
+            lr=lr,
+            loss=loss,
+            temperature=temperature if temperature is not None else 1.0,
+            train=train,
+            holdout=held_out,
+            inplace=True,
+            on_step=lambda done, _total, value: progress.update(
+                task, completed=done, description=f"distilling (loss {value:.4g})"
+            ),
+            example_args=args,
+            example_kwargs=kwargs,
+        )
+    notes = batches.notes + result.notes
+    out.print(batches.description, soft_wrap=True)
+    _print_distillation(result, notes)
+
+    written = False
+    if result.ok:
+        if resolved is None and batches.first is not None:
+            # No example inputs given: a data batch shows export what the model takes.
+            args, kwargs = batches.first.args, batches.first.kwargs
+        source = Path(converted) if Path(converted).exists() else None
+        label = save_model(distilled, output, args or (), kwargs, refuse_path=source)
+        written = True
+        out.print(f"wrote {output} ({label})", soft_wrap=True)
+    if report is not None:
+        _write_json(
+            report,
+            {
+                "original": original,
+                "converted": converted,
+                "data": data,
+                "data_description": batches.description,
+                "output": str(output),
+                "written": written,
+                **result.to_dict(),
+                "notes": notes,
+            },
+        )
+    if not result.ok:
+        raise CheckFailedError(
+            "distillation produced non-finite values (loss or held-out outputs); nothing written"
+        )
+
+
+def _print_distillation(result: Any, notes: list[str]) -> None:
+    for note in notes:
+        out.print(f"note: {note}", soft_wrap=True)
+    what = f"{result.loss}" + (f" at T={result.temperature:g}" if result.temperature is not None else "")
+    trained = (
+        (f"{len(result.trained_modules)} norm modules, " if result.train == "norms" else "")
+        + f"{result.trained_tensors} tensors, {result.trained_elements:,} of {result.total_elements:,} parameters"
+    )
+    out.print(
+        f"distill ({result.kind.value}): {result.steps_done} AdamW steps, lr {result.lr:g}, {what} loss on "
+        f"{', '.join(result.loss_outputs)}; {result.batches} training batches ({result.samples} samples); "
+        f"trained {trained}; {result.seconds:.1f} s",
+        soft_wrap=True,
+    )
+    out.print(
+        f"training loss: first {_fmt_float(result.loss_first)}, last {_fmt_float(result.loss_last)}, "
+        f"min {_fmt_float(result.loss_min)}",
+        soft_wrap=True,
+    )
+    if result.before is None or result.after is None:
+        out.print("held-out batch: none, no comparison")
+        return
+    table = Table(
+        title=f"Held-out batch ({result.holdout_samples} samples, {result.holdout_source}): converted vs "
+        "original, before -> after"
+    )
+    for column in ("output", "SQNR dB", "cosine", "max abs", "top-1"):
+        table.add_column(column, overflow="fold")
+    for before, after in zip(result.before.outputs, result.after.outputs, strict=True):
+        top1 = (
+            f"{before.top1_agreement:.1%} -> {after.top1_agreement:.1%}"
+            if before.top1_agreement is not None and after.top1_agreement is not None
+            else ""
+        )
+        table.add_row(
+            before.name,
+            f"{_fmt_float(before.sqnr_db)} -> {_fmt_float(after.sqnr_db)}",
+            f"{_fmt_float(before.cosine, 4)} -> {_fmt_float(after.cosine, 4)}",
+            f"{_fmt_float(before.max_abs)} -> {_fmt_float(after.max_abs)}",
+            top1,
+        )
+    out.print(table)
+    out.print(
+        f"held-out {result.loss} loss {_fmt_float(result.holdout_loss_before)} -> "
+        f"{_fmt_float(result.holdout_loss_after)}; SQNR {_fmt_float(result.sqnr_before_db)} dB -> "
+        f"{_fmt_float(result.sqnr_after_db)} dB",
         soft_wrap=True,
     )
 

@@ -1,4 +1,4 @@
-"""Data-driven rewrites: parameters re-estimated from calibration data (BatchNorm statistics)."""
+"""Data-driven rewrites: parameters re-estimated from data (BatchNorm statistics, distillation)."""
 
 from normswap.calibrate.batchnorm import (
     LayerRecalibration,
@@ -14,9 +14,13 @@ from normswap.calibrate.data import (
     load_calibration_data,
 )
 
+# The function stays at normswap.calibrate.distill.distill: exporting it here would shadow the submodule.
+from normswap.calibrate.distill import DistillReport
+
 __all__ = [
     "NORMALIZATIONS",
     "CalibrationData",
+    "DistillReport",
     "LayerRecalibration",
     "ModelInputs",
     "RecalibrationReport",

@@ -60,7 +60,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
     if a.resolve() == b.resolve():
         return True
     try:
@@ -140,7 +140,7 @@ def save_model(
     if label is None:
         accepted = ", ".join(SAVE_FORMATS)
         raise BadInputError(f"cannot save to {path}: unknown suffix {path.suffix!r} (accepted: {accepted})")
-    if refuse_path is not None and _same_file(path, Path(refuse_path)):
+    if refuse_path is not None and same_file(path, Path(refuse_path)):
         raise BadInputError(
             f"refusing to overwrite the input model {refuse_path}: choose another output path"
         )

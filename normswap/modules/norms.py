@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from normswap.modules.functional import CASTING_MODES, layer_norm_reference, rms_norm_reference
@@ -52,6 +53,9 @@ class _AffineNorm(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def _plain_fp32(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and self.casting == "none" and not self.weight_offset
+
     def extra_repr(self) -> str:
         return (
             f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
@@ -78,6 +82,10 @@ class RMSNorm(_AffineNorm):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._plain_fp32(x):
+            # same fp32 math as the reference; as one aten op it exports to ONNX RMSNormalization (opset 23)
+            y = F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+            return y + self.bias if self.bias is not None else y
         return rms_norm_reference(
             x, len(self.normalized_shape), self.weight, self.bias, self.eps, self.casting, self.weight_offset
         )
@@ -102,6 +110,9 @@ class LayerNorm(_AffineNorm):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._plain_fp32(x):
+            # same fp32 math as the reference; as one aten op it exports to ONNX LayerNormalization
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return layer_norm_reference(
             x, len(self.normalized_shape), self.weight, self.bias, self.eps, self.casting, self.weight_offset
         )

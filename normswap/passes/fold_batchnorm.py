@@ -6,8 +6,9 @@ An eval BN is the per-channel affine ``y = s * x + t`` with ``s = gamma / sqrt(v
 1. **backward** into the Conv1d/2d/3d, ConvTranspose1d/2d/3d (grouped included) or Linear whose output
    it normalizes: ``W' = W * s`` per output channel, ``b' = b * s + t``; the BN becomes ``nn.Identity``
    (for timm's BatchNormAct2d / FrozenBatchNormAct2d: its ``drop`` and ``act``, so the forward keeps them);
-2. **forward** into the Conv1d/2d/3d or Linear that is the only reader of its output:
-   ``W'[:, c] = W[:, c] * s_c``, ``b' = b + sum_{c,k} W[:, c, k] * t_c``; the BN becomes ``nn.Identity``;
+2. **forward**, only when it cannot fold backward, into the Conv1d/2d/3d (grouped and depthwise
+   included) or Linear that is the only reader of its output: ``W'[:, c] = W[:, c] * s_c``,
+   ``b' = b + sum_{c,k} W[:, c, k] * t_c``; the BN becomes ``nn.Identity``;
 3. when it has no conv/linear on either side: a :class:`~normswap.modules.affine.ChannelAffine`
    (``x * scale + shift``), which computes the same function without statistics or eps.
 
@@ -28,11 +29,14 @@ Legality, each refused with a reason:
 
 A functional ``F.batch_norm`` call cannot be removed from someone's forward by editing modules. Its
 owner module (the one whose forward makes the call) is replaced by a ``torch.fx.GraphModule`` of its
-own forward with the call removed and the BN folded into the conv feeding it; the Change says so. The
+own forward with the call removed and the BN folded into the conv feeding it; the Change says so. (A
+call in the root module's forward is refused: replacing the whole model is not this pass's call.) The
 alternative, keeping the call and turning its statistics into an identity (mean 0, var 1 - eps,
-gamma 1, beta 0), is not exact in general: it relies on ``rsqrt(var + eps)`` rounding to exactly 1,
-which a bf16/fp16 copy of the model breaks (1 - eps rounds to 1, so var + eps > 1) and approximate GPU
-rsqrt need not honour. Removing the node is exact by construction.
+gamma 1, beta 0), is not sound: it needs ``fl(fl(1 - eps) + eps) == 1`` and ``rsqrt(1) == 1`` in
+whatever dtype and kernel later run it. The model's var rounds to exactly 1 once it passes through
+bf16/fp16 (a half-precision checkpoint loaded back into fp32), after which var + eps > 1 and the
+"identity" scales every activation; approximate GPU rsqrt promises nothing about 1; and the call stays in
+the forward, the very cost folding exists to remove. Removing the node is exact by construction.
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.nn.utils import parametrize
 
 from normswap.discover import NormSite
 from normswap.graph.analysis import ModuleCall
 from normswap.graph.ops import arg, rank
 from normswap.modules.affine import ChannelAffine
+from normswap.modules.copying import weight_norm_hooks
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
 from normswap.passes.weights import (
     bn_scale_shift,
@@ -161,6 +167,24 @@ def _scale_shift(site: NormSite, bn: nn.Module) -> tuple[torch.Tensor, torch.Ten
     )
 
 
+def _bn_rank(value: fx.Node, bn: nn.Module) -> int | None:
+    """Rank of the tensor a BN normalizes: recorded in the graph (export), else implied by the BN's
+    class where it accepts only one rank (fx tracing without example inputs records no shapes)."""
+    known = rank(value)
+    if known is None and isinstance(bn, (nn.BatchNorm2d, nn.BatchNorm3d)):
+        return 4 if isinstance(bn, nn.BatchNorm2d) else 5
+    return known
+
+
+def _unbatched(layer_path: str, value_rank: int | None) -> str:
+    if value_rank is None:
+        return (
+            f"the graph records no shapes (no example inputs), so whether BatchNorm's dim 1 is the channel "
+            f"dim of {layer_path} is unknown"
+        )
+    return f"{layer_path} runs on an unbatched input, so its channels are not BatchNorm's dim 1"
+
+
 def _shared_weight(layer_path: str, layer: nn.Module, ctx: PassContext) -> str | None:
     """Name of another module's parameter that is the same tensor as the layer's weight or bias."""
     own = {id(p) for p in (layer.weight, layer.bias) if p is not None}
@@ -176,6 +200,9 @@ def _layer_call_guard(layer_path: str, layer: nn.Module, ctx: PassContext) -> st
     base = _base_class(layer)
     if type(layer).forward is not base.forward:
         return f"{_named(layer_path, layer)} overrides forward; its output is not a plain {base.__name__}"
+    if parametrize.is_parametrized(layer) or weight_norm_hooks(layer):
+        # writing into a computed weight changes a temporary, not the parameters it is computed from
+        return f"{layer_path}'s weight is computed by a parametrization (e.g. weight norm); remove it first"
     layer_calls = ctx.view.calls.get(layer_path, [])
     if len(layer_calls) != 1:
         return f"{layer_path} is called at {len(layer_calls)} sites; folding would change the others"
@@ -186,7 +213,7 @@ def _layer_call_guard(layer_path: str, layer: nn.Module, ctx: PassContext) -> st
 
 
 def _backward(
-    bn_call: ModuleCall, producer: fx.Node, channels: int | None, ctx: PassContext
+    bn: nn.Module, bn_call: ModuleCall, producer: fx.Node, channels: int | None, ctx: PassContext
 ) -> str | _Plan | None:
     """Fold into the layer whose output the BN reads; None when no such layer is there at all."""
     view = ctx.view
@@ -203,7 +230,7 @@ def _backward(
     readers = [u for u in layer_call.consumers() if u not in bn_call.node_set]
     if readers:
         return f"{layer_path} output also feeds {view.describe(readers[0], ctx.modules)}"
-    out_rank = rank(producer)
+    out_rank = _bn_rank(producer, bn)
     if isinstance(layer, nn.Linear):
         if out_rank != 2:
             ndim = "an unknown rank" if out_rank is None else f"a {out_rank}-D"
@@ -213,7 +240,7 @@ def _backward(
         out_channels = layer.out_features
     else:
         if out_rank != layer.weight.ndim:
-            return f"{layer_path} ran on an unbatched input, so its channels are not BatchNorm's dim 1"
+            return _unbatched(layer_path, out_rank)
         out_channels = layer.out_channels
     if channels != out_channels:
         return f"BatchNorm has {channels} channels but {layer_path} produces {out_channels}"
@@ -234,12 +261,12 @@ def _zero_padding(conv: nn.Module) -> tuple[int, ...] | None:
 
 
 def _forward(
-    bn_call: ModuleCall, bn_input: fx.Node, channels: int | None, tail: list, ctx: PassContext
+    bn: nn.Module, bn_call: ModuleCall, bn_input: fx.Node, channels: int | None, ctx: PassContext
 ) -> str | _Plan | None:
     """Fold into the layer that reads the BN's output; None when no such layer is there at all."""
     view = ctx.view
     assert view is not None
-    if not _is_identity(tail):
+    if not _is_identity(_norm_act_tail(bn) or []):
         return None  # the layer after reads the activation's output, not the BN's
     consumers = bn_call.consumers()
     layers = [
@@ -266,7 +293,7 @@ def _forward(
         return layer_call
     if layer_call.inputs(view) != outputs:
         return f"{layer_path} reads more than the BatchNorm's output"
-    in_rank = rank(bn_input)
+    in_rank = _bn_rank(bn_input, bn)
     if isinstance(layer, nn.Linear):
         if in_rank != 2:
             ndim = "an unknown rank" if in_rank is None else f"a {in_rank}-D"
@@ -276,7 +303,7 @@ def _forward(
         in_channels = layer.in_features
     else:
         if in_rank != layer.weight.ndim:
-            return f"{layer_path} runs on an unbatched input, so its channels are not BatchNorm's dim 1"
+            return _unbatched(layer_path, in_rank)
         pads = _zero_padding(layer)
         if pads is not None:
             return (
@@ -304,10 +331,10 @@ def _plan_module_site(site: NormSite, ctx: PassContext) -> str | _Plan:
     if len(inputs) != 1:
         return "BatchNorm input could not be traced to a single producer"
     channels = site.normalized_shape[0] if site.normalized_shape else None
-    backward = _backward(calls[0], inputs[0], channels, ctx)
+    backward = _backward(bn, calls[0], inputs[0], channels, ctx)
     if isinstance(backward, _Plan):
         return backward
-    forward = _forward(calls[0], inputs[0], channels, _norm_act_tail(bn) or [], ctx)
+    forward = _forward(bn, calls[0], inputs[0], channels, ctx)
     if isinstance(forward, _Plan):
         return forward
     if backward is None and forward is None:
@@ -392,6 +419,8 @@ def _plan_functional(site: NormSite, ctx: PassContext) -> str | _Plan:
         return f"{layer_path} output also feeds something besides F.batch_norm"
     out_rank = rank(producer)
     if out_rank != layer.weight.ndim:  # Linear included: BN's dim 1 is its output dim only in 2-D
+        if out_rank is None:
+            return _unbatched(layer_path, None)
         return f"F.batch_norm normalizes dim 1 of {layer_path}'s output, which is not its channel dim"
     eps = args["eps"]
     if not isinstance(eps, (int, float)):
@@ -403,7 +432,7 @@ def _plan_functional(site: NormSite, ctx: PassContext) -> str | _Plan:
     found = _find_owner_bn(graph, rel["running_mean"] or "")
     if len(found) != 1:
         return f"the fx trace of {owner} holds {len(found)} batch_norm calls on {rel['running_mean']}"
-    traced_input = found[0].args[0]
+    traced_input = (_batch_norm_args(found[0]) or {}).get("input")
     if not (
         isinstance(traced_input, fx.Node)
         and traced_input.op == "call_module"
@@ -528,7 +557,7 @@ class FoldBatchNorm(Pass):
         prefix = plan.owner + "."
         (bn_node,) = _find_owner_bn(graph, names["running_mean"][len(prefix) :])
         read = bn_node.all_input_nodes
-        bn_node.replace_all_uses_with(bn_node.args[0])
+        bn_node.replace_all_uses_with((_batch_norm_args(bn_node) or {})["input"])
         graph.erase_node(bn_node)
         for n in read:
             if n.op == "get_attr" and not n.users:

@@ -82,7 +82,7 @@ def fold_bn_into_conv_transpose_weights(
     groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold a BN that reads a ConvTranspose's output into its weight ``(in, out / groups, *k)``."""
-    index = conv_transpose_output_channels(weight.shape, groups)
+    index = conv_transpose_output_channels(weight.shape, groups).to(scale.device)
     per_weight = scale[index].reshape(*index.shape, *([1] * (weight.ndim - 2)))
     w = weight.detach().double() * per_weight
     b = shift.clone()
@@ -108,7 +108,7 @@ def fold_bn_into_next_layer_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold a BN whose output a Conv (without zero padding) or Linear reads: scale the input channels,
     push the shift through the weights into the bias. Returns ``(W', b')`` in W's dtype."""
-    index = layer_input_channels(weight.shape, groups)
+    index = layer_input_channels(weight.shape, groups).to(scale.device)
     spatial = [1] * (weight.ndim - 2)
     w64 = weight.detach().double()
     s = scale[index].reshape(*index.shape, *spatial)

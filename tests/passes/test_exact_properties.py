@@ -3,8 +3,10 @@
 Random ``nn.Sequential`` stacks of Conv1d/Conv2d/ConvTranspose2d/Linear/BatchNorm/LayerNorm blocks, with
 random channels, groups, kernels, strides, padding (and padding modes), biases, BN affine flags and
 statistics, go through each exact pass. Every site the pass must consider is either changed or skipped
-with a non-empty reason, every change is recorded as exact, and the output matches the original within
-the exact tolerance in every case (a skipped site stays as it was, so the whole model must still match).
+with a non-empty reason, every change is recorded as exact, the input model is left untouched, and the
+output matches the original in every case (a skipped site stays as it was, so the whole model must still
+match): within the exact tolerance, or within the rounding noise the stack amplifies on its own where
+that is larger (measured as the fp32 model against its fp64 copy).
 
 To cover another exact pass, add an :class:`ExactPassCase` to ``EXACT_PASSES``.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import model_zoo
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -113,12 +115,12 @@ def stacks(draw) -> tuple[tuple[int, ...], list[Spec]]:
     """Blocks of ``[ReLU | LayerNorm | Flatten] [BN] layer [BN]``: a BN after a layer folds backward, one
     after a ReLU/LayerNorm/BN or at the start folds forward or becomes an affine, and every kind of
     refusal shows up (zero padding, ConvTranspose after, Linear over the last dim, no statistics)."""
-    rank = draw(st.sampled_from([2, 3, 4]))
-    shape = _Shape(rank, draw(st.integers(1, 6)), [draw(st.integers(4, 8)) for _ in range(rank - 2)])
+    rank = draw(st.sampled_from([4, 3, 4, 2]))
+    shape = _Shape(rank, draw(st.integers(2, 6)), [draw(st.integers(4, 8)) for _ in range(rank - 2)])
     start = (shape.channels, *shape.spatial)
     specs: list[Spec] = []
-    for _ in range(draw(st.integers(1, 4))):
-        pre = draw(st.sampled_from(["none", "relu", "ln", "flatten"]))
+    for _ in range(draw(st.integers(1, 5))):
+        pre = draw(st.sampled_from(["relu", "none", "ln", "relu", "flatten"]))
         if pre == "relu":
             specs.append(("relu",))
         elif pre == "ln":
@@ -158,9 +160,30 @@ def _build(spec: Spec) -> nn.Module:
     return nn.ConvTranspose2d(cin, cout, k, stride, pad, out_pad, groups, bias, dil)
 
 
+# Known traps of other tools, always tried first (spec layouts as in _build).
+_REGRESSIONS = [
+    # grouped ConvTranspose -> BN: the scale runs along dim 1 within each group
+    ((4, 5, 5), [("convT", 4, 6, 3, 2, 1, 1, 1, 2, True), ("bn", 4, 6, True, True)]),
+    # BN -> grouped conv without padding: folds forward, each group reading its own input channels
+    ((4, 7, 7), [("relu",), ("bn", 4, 4, True, True), ("conv", 4, 4, 8, 3, 1, 0, 1, 2, False, "zeros")]),
+    # BN -> zero-padded conv: refused; BN -> reflect-padded conv: folds
+    ((4, 7, 7), [("bn", 4, 4, False, True), ("conv", 4, 4, 4, 3, 1, 1, 1, 1, True, "zeros")]),
+    ((4, 7, 7), [("bn", 4, 4, True, True), ("conv", 4, 4, 4, 3, 1, 1, 1, 4, True, "reflect")]),
+    # Linear over the last dim of (N, C, L), then BatchNorm1d over C: refused
+    ((3, 8), [("linear", 8, 5, True), ("bn", 3, 3, True, True)]),
+]
+
+
+def _with_regressions(test: Callable) -> Callable:
+    for stack in _REGRESSIONS:
+        test = example(stack=stack, seed=0)(test)
+    return test
+
+
 @pytest.mark.parametrize("case", EXACT_PASSES, ids=lambda c: c.name)
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stack=stacks(), seed=st.integers(0, 2**16))
+@_with_regressions
 def test_exact_pass_changes_or_explains_and_never_changes_the_output(case, stack, seed):
     start, specs = stack
     torch.manual_seed(seed)
@@ -183,6 +206,7 @@ def test_exact_pass_changes_or_explains_and_never_changes_the_output(case, stack
     assert all(s.reason.strip() for s in report.skips), report.skips
     with torch.no_grad():
         out = out_model(x)
+        assert torch.equal(model(x), ref)  # the pass worked on a copy
     err = float((out.double() - ref.double()).abs().max())
     scale = float(ref.double().abs().max())
     assert err <= max(exact_tolerance(ref.dtype) * scale, 100 * noise), (err, scale, noise, specs, report)

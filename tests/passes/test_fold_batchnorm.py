@@ -198,3 +198,19 @@ def test_pipeline_validates_each_exact_pass():
     validation = report.passes[0].validation
     assert validation["within_tolerance"] and validation["outputs"][0]["max_rel"] <= 1e-5
     assert report.overall.worst_sqnr_db > 100
+
+
+def test_without_example_inputs_fx_tracing_still_folds_what_its_shapes_allow():
+    # fx records no shapes: BatchNorm2d implies a 4-D input, so resnet18 folds; a BatchNorm1d could
+    # read (N, C) or (N, C, L), so next to a Linear or Conv1d it is refused with the reason
+    model, args, _ = model_zoo.resnet18(size=32)
+    folded, report = FoldBatchNorm()(model)
+    assert report.graph_method == "fx" and len(report.changes) == 20 and report.skips == []
+    ref = model(*args)
+    assert (folded(*args) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    seq = model_zoo.randomize_norms(nn.Sequential(nn.Conv1d(4, 5, 1), nn.BatchNorm1d(5))).eval()
+    _, report = FoldBatchNorm()(seq)
+    assert _skip_reasons(report) == {
+        "1": "the graph records no shapes (no example inputs), so whether BatchNorm's dim 1 is the channel "
+        "dim of 0 is unknown"
+    }

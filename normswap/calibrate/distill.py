@@ -1,0 +1,469 @@
+"""Distil a converted model back towards the original: a short fine-tune on the original's outputs.
+
+Why: an architectural swap (BatchNorm -> GroupNorm, LayerNorm -> DyT) changes the function on purpose.
+Calibration (:mod:`normswap.calibrate.affine_fit`) refits each new norm's affine parameters in closed
+form, one layer at a time, and can move nothing else. Distillation trains the converted model (the
+student) end to end so that its outputs match the original's (the teacher's) on data: the starting point
+for a user who will train the swapped architecture further.
+
+Loss, per batch, on the loss targets: the ``logits`` entry when the output is a mapping that has one (an
+HF ModelOutput, whose other entries are caches and hidden states), else every floating-point output.
+With student outputs ``s`` and teacher outputs ``t``:
+
+- ``mse``: ``mean((s - t)^2)`` over every element of every target, pooled;
+- ``kl``: ``T^2 * KL(softmax(t / T) || softmax(s / T))`` over the last dim (classes, vocabulary), summed
+  over it, averaged over every other position (samples, tokens) and then over targets. The ``T^2`` keeps
+  the gradient's scale independent of the temperature (Hinton et al., 2015).
+
+Both are computed in fp32 whatever the model's dtype. The optimizer is AdamW with a constant learning
+rate and no weight decay: the goal is the teacher's function, and decay would pull norm gains away from
+it.
+
+Modes: the teacher runs in eval mode without gradients. The student runs with gradients but with every
+module's training flag off, so dropout is off and a BatchNorm normalizes with, and keeps, its running
+statistics: only parameters move. Switching off only the Dropout modules would not do: HF attention
+layers apply dropout functionally, keyed on their own training flag. The selected parameters get
+``requires_grad=True`` for the run and every other parameter ``False``; modes and ``requires_grad`` flags
+are restored afterwards, on failure too.
+
+Data: the training batches are cycled in order for ``steps`` steps. Without an explicit ``holdout`` the
+last batch read is held out (never trained on) and the figures before and after (SQNR, cosine, max abs,
+top-1 agreement of student vs teacher) are measured on it. At most ``steps + 1`` batches are read
+(``steps`` with a holdout given), since no more can be used: with more data than that, the batch after
+the first ``steps`` is the held-out one, as with ``recalibrate --batches``. The batches read are kept in
+memory to be cycled.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normswap.calibrate.batchnorm import _device_and_dtype, _Modes, _run, _to_model
+from normswap.calibrate.data import ModelInputs, as_model_inputs
+from normswap.errors import BadInputError
+from normswap.passes.base import RewriteKind
+from normswap.validate import ModelComparison, compare_outputs
+from normswap.validate.metrics import flatten_outputs
+
+PASS_NAME = "distill"
+LOSSES = ("mse", "kl")
+TRAIN_SETS = ("all", "norms")
+
+# Called after each step with (steps done, steps in all, that step's training loss).
+StepCallback = Callable[[int, int, float], None]
+
+
+@dataclass
+class DistillReport:
+    """What :func:`distill` did. ``before``/``after`` compare the student to the teacher on the held-out
+    batch; ``losses`` holds each step's training loss, measured before that step's update."""
+
+    steps: int
+    lr: float
+    loss: str
+    temperature: float | None
+    train: str
+    trained_tensors: int = 0
+    trained_elements: int = 0
+    total_elements: int = 0  # floating-point parameter elements of the student
+    trained_modules: list[str] = field(default_factory=list)  # --train norms: the norm modules trained
+    batches: int = 0  # distinct training batches (cycled)
+    samples: int = 0  # samples in those batches
+    loss_outputs: list[str] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    holdout_samples: int = 0
+    holdout_source: str = ""
+    holdout_loss_before: float | None = None
+    holdout_loss_after: float | None = None
+    before: ModelComparison | None = None
+    after: ModelComparison | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    pass_name: str = PASS_NAME
+    kind: RewriteKind = RewriteKind.DATA_DRIVEN
+
+    @property
+    def loss_first(self) -> float | None:
+        return self.losses[0] if self.losses else None
+
+    @property
+    def loss_last(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    @property
+    def loss_min(self) -> float | None:
+        finite = [v for v in self.losses if math.isfinite(v)]
+        return min(finite) if finite else None
+
+    @property
+    def steps_done(self) -> int:
+        return len(self.losses)
+
+    def _worst_target_sqnr(self, comparison: ModelComparison | None) -> float | None:
+        if comparison is None:
+            return None
+        values = [o.sqnr_db for o in comparison.outputs if o.name in self.loss_outputs]
+        return min(values) if values else None
+
+    @property
+    def sqnr_before_db(self) -> float | None:
+        """Worst held-out SQNR over the loss targets, student vs teacher, before training."""
+        return self._worst_target_sqnr(self.before)
+
+    @property
+    def sqnr_after_db(self) -> float | None:
+        return self._worst_target_sqnr(self.after)
+
+    @property
+    def ok(self) -> bool:
+        """False when a loss or a held-out output is not finite: the model must not be shipped."""
+        losses_finite = all(math.isfinite(v) for v in self.losses) and self.steps_done == self.steps
+        after_finite = self.after is None or all(math.isfinite(o.max_abs) for o in self.after.outputs)
+        return losses_finite and after_finite
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pass_name": self.pass_name,
+            "kind": self.kind.value,
+            "ok": self.ok,
+            "steps": self.steps,
+            "steps_done": self.steps_done,
+            "lr": self.lr,
+            "loss": self.loss,
+            "temperature": self.temperature,
+            "train": self.train,
+            "trained_tensors": self.trained_tensors,
+            "trained_elements": self.trained_elements,
+            "total_elements": self.total_elements,
+            "trained_modules": list(self.trained_modules),
+            "batches": self.batches,
+            "samples": self.samples,
+            "loss_outputs": list(self.loss_outputs),
+            "loss_curve": {"first": self.loss_first, "last": self.loss_last, "min": self.loss_min},
+            "losses": list(self.losses),
+            "holdout_samples": self.holdout_samples,
+            "holdout_source": self.holdout_source,
+            "holdout_loss_before": self.holdout_loss_before,
+            "holdout_loss_after": self.holdout_loss_after,
+            "sqnr_before_db": self.sqnr_before_db,
+            "sqnr_after_db": self.sqnr_after_db,
+            "before": self.before.to_dict() if self.before is not None else None,
+            "after": self.after.to_dict() if self.after is not None else None,
+            "seconds": self.seconds,
+            "notes": list(self.notes),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Outputs and losses
+
+
+def _describe_outputs(items: list[tuple[str, torch.Tensor]]) -> str:
+    return ", ".join(f"{name} {tuple(t.shape)}" for name, t in items) or "no floating-point output"
+
+
+def _check_same_structure(teacher_out: Any, student_out: Any, what: str) -> None:
+    """The two models must return the same floating outputs (names and shapes) to be compared."""
+    mine, theirs = flatten_outputs(student_out), flatten_outputs(teacher_out)
+    if not theirs:
+        raise BadInputError(
+            f"the original model returns no floating-point output on {what}: nothing to distil"
+        )
+    layout = [(n, tuple(t.shape)) for n, t in theirs]
+    if [(n, tuple(t.shape)) for n, t in mine] != layout:
+        raise BadInputError(
+            f"the two models' outputs differ on {what}: the original returns {_describe_outputs(theirs)}; "
+            f"the converted model returns {_describe_outputs(mine)}"
+        )
+
+
+def loss_targets(output: Any) -> list[tuple[str, torch.Tensor]]:
+    """The outputs the loss compares: a mapping's ``logits`` when it has them, else every floating output."""
+    if isinstance(output, Mapping):
+        logits = output.get("logits")
+        if isinstance(logits, torch.Tensor) and logits.is_floating_point():
+            return [("output.logits", logits)]
+    return flatten_outputs(output)
+
+
+def _check_kl_targets(targets: list[tuple[str, torch.Tensor]]) -> None:
+    for name, t in targets:
+        if t.ndim < 1 or t.shape[-1] < 2:
+            raise BadInputError(
+                f"--loss kl reads the last dim as classes, but output {name} has shape {tuple(t.shape)}: "
+                "use --loss mse"
+            )
+
+
+def distillation_loss(
+    student: list[tuple[str, torch.Tensor]],
+    teacher: list[tuple[str, torch.Tensor]],
+    loss: str,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The module doc's loss between matching (name, tensor) lists; a 0-d fp32 tensor."""
+    pairs = [
+        (s.float(), t.detach().to(s.device).float()) for (_, s), (_, t) in zip(student, teacher, strict=True)
+    ]
+    if loss == "mse":
+        diff = torch.cat([(s - t).reshape(-1) for s, t in pairs])
+        return diff.pow(2).mean()
+    terms = []
+    for s, t in pairs:
+        log_p_student = F.log_softmax(s / temperature, dim=-1)
+        log_p_teacher = F.log_softmax(t / temperature, dim=-1)
+        kl = F.kl_div(log_p_student, log_p_teacher, reduction="none", log_target=True).sum(-1)
+        terms.append(kl.mean() * temperature**2)
+    return torch.stack(terms).mean()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which parameters
+
+
+def _is_normswap_norm(module: nn.Module) -> bool:
+    # DyT, FeatureAffine (a removed norm's affine), FeatureLayerNorm/InstanceNorm: what normswap puts in
+    # for a norm, and which discovery does not classify as norms (DyT computes no statistics).
+    from normswap.modules.layout import _PerFeature
+
+    return isinstance(module, _PerFeature)
+
+
+def norm_modules(model: nn.Module, example: ModelInputs | None = None) -> list[tuple[str, nn.Module]]:
+    """The modules that are norms: what :func:`normswap.discover.find_norms` finds as whole modules (on
+    the captured graph when ``example`` is given, so HF RMSNorm classes count) plus the modules normswap
+    puts in for a norm. Functional norms inside a larger module own no parameters of their own: left out."""
+    from normswap.discover import find_norms
+
+    args, kwargs = (example.args, example.kwargs) if example is not None else (None, None)
+    paths = {site.path for site in find_norms(model, args, kwargs) if site.is_module}
+    found = []
+    for path, module in model.named_modules():
+        if path in paths or _is_normswap_norm(module):
+            found.append((path, module))
+    return found
+
+
+def _floating_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for p in module.parameters():
+            if p.is_floating_point() and id(p) not in seen:
+                seen[id(p)] = p
+    return list(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+
+
+def _read_batches(
+    batches: Iterable[Any], steps: int, holdout: Any | None
+) -> tuple[list[ModelInputs], ModelInputs | None, str, bool]:
+    """(training batches, held-out batch, where it came from, whether the data may hold more)."""
+    wanted = steps if holdout is not None else steps + 1
+    read = [as_model_inputs(b) for b in itertools.islice(iter(batches), wanted)]
+    try:
+        available: int | None = len(batches)  # type: ignore[arg-type]
+    except TypeError:
+        available = None
+    more = len(read) == wanted and (available is None or available > wanted)
+    if holdout is not None:
+        return read, as_model_inputs(holdout), "separate held-out batch", more
+    if not read:
+        return [], None, "", more
+    source = f"the batch after the first {steps} of the data" if more else "last batch of the data"
+    return read[:-1], read[-1], source, more
+
+
+# ---------------------------------------------------------------------------------------------------
+# Distillation
+
+
+def check_options(*, steps: int, lr: float, loss: str, temperature: float, train: str) -> None:
+    """Refuse options :func:`distill` cannot use, before anything slow (loading, reading data) runs."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise BadInputError(f"--steps must be at least 1, got {steps}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise BadInputError(f"--lr must be a positive number, got {lr}")
+    if loss not in LOSSES:
+        raise BadInputError(f"--loss {loss!r}: choose from {', '.join(LOSSES)}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise BadInputError(f"--temperature must be a positive number, got {temperature}")
+    if train not in TRAIN_SETS:
+        raise BadInputError(f"--train {train!r}: choose from {', '.join(TRAIN_SETS)}")
+
+
+def distill(
+    teacher: nn.Module,
+    student: nn.Module,
+    batches: Iterable[Any],
+    *,
+    steps: int,
+    lr: float = 1e-4,
+    loss: str = "mse",
+    temperature: float = 1.0,
+    train: str = "all",
+    holdout: Any | None = None,
+    inplace: bool = False,
+    on_step: StepCallback | None = None,
+    example_args: tuple | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+) -> tuple[nn.Module, DistillReport]:
+    """Fine-tune ``student`` for ``steps`` AdamW steps so its outputs match ``teacher``'s (module doc).
+
+    ``batches`` yields tensors, tuples/lists of positional inputs, dicts of keyword inputs or
+    :class:`ModelInputs`; ``holdout`` is one batch, or None to hold out the last batch read.
+    ``train="norms"`` trains only the parameters of the student's norm modules, found on a graph captured
+    with ``example_args``/``example_kwargs`` (default: the first training batch). Returns the student (a
+    copy unless ``inplace``; with ``inplace`` a failure mid-way leaves it partly trained) and the report.
+    Raises BadInputError on bad options, when there are no training batches, when the two models'
+    outputs differ in structure or shape, or when no parameter is selected for training.
+    """
+    check_options(steps=steps, lr=lr, loss=loss, temperature=temperature, train=train)
+    if teacher is student:
+        raise BadInputError("the original and the converted model are the same object: nothing to distil")
+    target = student if inplace else copy.deepcopy(student)
+    teacher_ids = {id(p) for p in teacher.parameters()}
+    if any(id(p) in teacher_ids for p in target.parameters()):
+        raise BadInputError(
+            "the converted model shares parameters with the original: training it would change both"
+        )
+
+    train_batches, held_out, holdout_source, more = _read_batches(batches, steps, holdout)
+    if not train_batches:
+        if held_out is not None and holdout is None:
+            detail = "a single batch, which is held out to compare outputs; give more data or a holdout"
+        else:
+            detail = "no batches"
+        raise BadInputError(f"nothing to distil on: the data yields {detail}")
+
+    report = DistillReport(
+        steps=steps,
+        lr=float(lr),
+        loss=loss,
+        temperature=float(temperature) if loss == "kl" else None,
+        train=train,
+    )
+    report.batches = len(train_batches)
+    report.samples = sum(b.num_samples for b in train_batches)
+    report.holdout_source = holdout_source
+    if more:
+        report.notes.append(
+            f"{steps} steps use at most {report.batches} training batches: the data was read no further"
+        )
+    elif report.batches < steps:
+        report.notes.append(f"{report.batches} training batches cycled over {steps} steps")
+
+    everything = _floating_parameters([target])
+    report.total_elements = sum(p.numel() for p in everything)
+    if train == "norms":
+        if example_args is not None or example_kwargs is not None:
+            example = ModelInputs(tuple(example_args or ()), dict(example_kwargs or {}))
+        else:
+            example = train_batches[0]
+        norms = norm_modules(target, _to_model(example, *_device_and_dtype(target)))
+        params = _floating_parameters(m for _, m in norms)
+        report.trained_modules = [path for path, m in norms if _floating_parameters([m])]
+        if not params:
+            raise BadInputError(
+                "--train norms: the converted model has no norm module with floating-point parameters to train"
+                + (f" (norms found: {', '.join(p or '(root)' for p, _ in norms[:5])})" if norms else "")
+            )
+    else:
+        params = everything
+        if not params:
+            raise BadInputError("the converted model has no floating-point parameters to train")
+    report.trained_tensors = len(params)
+    report.trained_elements = sum(p.numel() for p in params)
+
+    grad_flags = [(p, p.requires_grad) for p in target.parameters()]
+    student_modes, teacher_modes = _Modes(target), _Modes(teacher)
+    s_device, s_dtype = _device_and_dtype(target)
+    t_device, t_dtype = _device_and_dtype(teacher)
+
+    def teacher_outputs(batch: ModelInputs, what: str) -> Any:
+        with torch.no_grad():
+            return _run(teacher, _to_model(copy.deepcopy(batch), t_device, t_dtype), what)
+
+    def student_outputs(batch: ModelInputs, what: str) -> Any:
+        return _run(target, _to_model(batch, s_device, s_dtype), what)
+
+    def targets_of(output: Any) -> list[tuple[str, torch.Tensor]]:
+        found = loss_targets(output)
+        if loss == "kl":
+            _check_kl_targets(found)
+        return found
+
+    def holdout_figures(reference: Any) -> tuple[ModelComparison, float]:
+        with torch.no_grad():
+            out = student_outputs(held_out, "held-out batch")  # type: ignore[arg-type]
+            value = distillation_loss(targets_of(out), targets_of(reference), loss, temperature)
+        return compare_outputs(reference, out), float(value)
+
+    start = time.perf_counter()
+    try:
+        teacher_modes.all_eval()
+        student_modes.all_eval()
+        for p in target.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+
+        reference = None
+        if held_out is not None:
+            report.holdout_samples = held_out.num_samples
+            reference = teacher_outputs(held_out, "held-out batch")
+            with torch.no_grad():
+                _check_same_structure(
+                    reference, student_outputs(held_out, "held-out batch"), "the held-out batch"
+                )
+            report.loss_outputs = [name for name, _ in targets_of(reference)]
+            report.before, report.holdout_loss_before = holdout_figures(reference)
+
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        for step in range(steps):
+            index = step % len(train_batches)
+            batch = train_batches[index]
+            what = f"training batch {index}"
+            wanted = teacher_outputs(batch, what)
+            got = student_outputs(batch, what)
+            if step < len(train_batches):
+                _check_same_structure(wanted, got, what)
+            value = distillation_loss(targets_of(got), targets_of(wanted), loss, temperature)
+            if not report.loss_outputs:
+                report.loss_outputs = [name for name, _ in targets_of(got)]
+            current = float(value.detach())
+            report.losses.append(current)
+            if not math.isfinite(current):
+                report.notes.append(f"the training loss is {current} at step {step + 1}: training stopped")
+                break
+            optimizer.zero_grad(set_to_none=True)
+            value.backward()
+            optimizer.step()
+            if on_step is not None:
+                on_step(step + 1, steps, current)
+        # the optimizer's state and the last graph are no longer needed; the holdout runs without them
+        del optimizer
+        for p in params:
+            p.grad = None
+
+        if reference is not None:
+            report.after, report.holdout_loss_after = holdout_figures(reference)
+    finally:
+        for p, flag in grad_flags:
+            p.requires_grad_(flag)
+        student_modes.restore()
+        teacher_modes.restore()
+    report.seconds = time.perf_counter() - start
+    return target, report

@@ -1,0 +1,215 @@
+"""ONNX export that proves itself: export with torch.onnx (dynamo), run the file in onnxruntime, compare.
+
+The file is written to a temporary path, loaded in onnxruntime and run on the example inputs; only if
+its outputs agree with PyTorch's (tolerance by dtype, :data:`ONNX_TOLERANCE`) is it moved to the
+destination. normswap's fused-norm ops become standard ops through :mod:`normswap.export.onnx_ops`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from normswap.errors import BadInputError, CheckFailedError
+from normswap.load.mode import set_inference_mode
+from normswap.load.save import atomic_write, same_file
+from normswap.validate.metrics import TensorComparison, compare_tensors
+
+# |onnxruntime - torch|max <= tol * |torch|max, by output dtype. Looser than the exact-rewrite table:
+# onnxruntime fuses and reorders reductions (e.g. its LayerNormalization kernel) on purpose.
+ONNX_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class OnnxExport:
+    path: str
+    opset: int
+    op_counts: dict[str, int] = field(default_factory=dict)
+    outputs: list[TensorComparison] = field(default_factory=list)
+    dynamic_batch: bool = False
+    checked_batch_sizes: list[int] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def within_tolerance(self) -> bool:
+        return all(o.max_rel <= ONNX_TOLERANCE.get(_dtype(o.dtype), 1e-4) for o in self.outputs)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["within_tolerance"] = self.within_tolerance
+        return data
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name, torch.float32)
+
+
+def _failing_op(message: str) -> str:
+    """The op the exporter could not translate, from its message ("No ONNX function found for ...")."""
+    found = re.search(r"OpOverload\(op='([\w.]+)', overload='(\w+)'\)", message)
+    if found:
+        return f"{found.group(1)}.{found.group(2)}"
+    found = re.search(r"target=(?:torch\.ops\.)?([\w]+\.[\w]+(?:\.[\w]+)?)", message)
+    return found.group(1) if found else ""
+
+
+def _describe(exc: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # the exporter colours its messages
+    first = text.splitlines()[0][:300] if text else ""
+    op = _failing_op(text)
+    return (
+        f"no ONNX translation for op {op} ({type(exc).__name__})" if op else f"{type(exc).__name__}: {first}"
+    )
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[Any, ...] | dict[str, Any]:
+    batch = torch.export.Dim("batch", min=1, max=1024)
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {0: batch} if value.ndim else None
+        return None
+
+    if kwargs:
+        return {**{f"arg{i}": spec(a) for i, a in enumerate(args)}, **{k: spec(v) for k, v in kwargs.items()}}
+    return tuple(spec(a) for a in args)
+
+
+def _op_counts(path: Path) -> dict[str, int]:
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    counts = Counter(node.op_type for node in proto.graph.node)
+    for function in proto.functions:  # ops inside local functions count too
+        counts.update(node.op_type for node in function.node)
+    return dict(sorted(counts.items()))
+
+
+def _repeat_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The same inputs with the batch dim doubled, to check a dynamic batch dim really is dynamic."""
+
+    def twice(value: Any) -> Any:
+        return torch.cat([value, value]) if isinstance(value, torch.Tensor) and value.ndim else value
+
+    return tuple(twice(a) for a in args), {k: twice(v) for k, v in kwargs.items()}
+
+
+def run_onnx(path: Path, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Run an .onnx file in onnxruntime (CPU) on torch inputs; outputs as torch tensors."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    leaves = _tensor_leaves((args, kwargs))
+    if len(leaves) != len(names):
+        raise BadInputError(
+            f"the .onnx graph takes {len(names)} inputs ({', '.join(names)}) but the example inputs hold "
+            f"{len(leaves)} tensors"
+        )
+    feeds = {name: leaf.detach().cpu().numpy() for name, leaf in zip(names, leaves, strict=True)}
+    return [torch.from_numpy(o) for o in session.run(None, feeds)]
+
+
+def _compare(model: nn.Module, path: Path, args: tuple, kwargs: dict) -> list[TensorComparison]:
+    with torch.no_grad():
+        expected = _tensor_leaves(model(*args, **kwargs))
+    try:
+        got = run_onnx(path, args, kwargs)
+    except BadInputError:
+        raise
+    except Exception as exc:  # e.g. a dtype onnxruntime's CPU build has no kernel for (bf16)
+        raise CheckFailedError(
+            f"onnxruntime cannot run the exported file: {_describe(exc)}; nothing written"
+        ) from None
+    if len(got) != len(expected):
+        raise CheckFailedError(f"onnxruntime returned {len(got)} outputs, PyTorch {len(expected)}")
+    return [
+        compare_tensors(f"output[{i}]", ref, out.to(ref.dtype))
+        for i, (ref, out) in enumerate(zip(expected, got, strict=True))
+        if ref.is_floating_point()
+    ]
+
+
+def export_onnx(
+    model: nn.Module,
+    path: Path,
+    example_args: tuple,
+    example_kwargs: dict | None = None,
+    *,
+    opset: int | None = None,
+    dynamic_batch: bool = False,
+    refuse_path: Path | None = None,
+) -> OnnxExport:
+    """Export ``model`` to ``path`` and check the file in onnxruntime; nothing is written if either fails.
+
+    Raises :class:`BadInputError` when the export fails (naming the failing op when the exporter does)
+    and :class:`CheckFailedError` when onnxruntime's outputs leave :data:`ONNX_TOLERANCE`.
+    """
+    from normswap.export.onnx_ops import LAYER_NORMALIZATION_OPSET, translation_table
+
+    path = Path(path)
+    if path.suffix.lower() != ".onnx":
+        raise BadInputError(f"-o {path}: an ONNX export is written to a .onnx file")
+    if refuse_path is not None and same_file(path, Path(refuse_path)):
+        raise BadInputError(
+            f"refusing to overwrite the input model {refuse_path}: choose another output path"
+        )
+    args, kwargs = tuple(example_args), dict(example_kwargs or {})
+    table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
+    result = OnnxExport(path=str(path), opset=0, dynamic_batch=dynamic_batch)
+    set_inference_mode(model)
+
+    def write(temp: Path) -> None:
+        try:
+            program = torch.onnx.export(
+                model,
+                args,
+                kwargs=kwargs or None,
+                dynamo=True,
+                opset_version=opset,
+                custom_translation_table=table,
+                dynamic_shapes=_dynamic_shapes(args, kwargs) if dynamic_batch else None,
+                verbose=False,
+            )
+        except Exception as exc:  # the exporter raises many types; the user needs the op that failed
+            raise BadInputError(f"ONNX export failed: {_describe(exc)}") from None
+        if program is None:
+            raise BadInputError("ONNX export produced no program")
+        # weights inside the file: an external data file would be named after the temp file
+        program.save(str(temp), external_data=False)
+        if temp.with_name(temp.name + ".data").exists():
+            temp.with_name(temp.name + ".data").unlink()
+            raise BadInputError("the model's weights exceed the 2 GB limit of a single .onnx file")
+        result.opset = int(program.model.opset_imports.get("", 0))
+        result.op_counts = _op_counts(temp)
+        result.outputs = _compare(model, temp, args, kwargs)
+        result.checked_batch_sizes = [_batch_size(args, kwargs)]
+        if dynamic_batch:
+            bigger_args, bigger_kwargs = _repeat_batch(args, kwargs)
+            result.outputs += _compare(model, temp, bigger_args, bigger_kwargs)
+            result.checked_batch_sizes.append(_batch_size(bigger_args, bigger_kwargs))
+        if not result.within_tolerance:
+            worst = max(result.outputs, key=lambda o: o.max_rel)
+            raise CheckFailedError(
+                f"onnxruntime disagrees with PyTorch: {worst.name} max abs {worst.max_abs:.3g} "
+                f"({worst.max_rel:.3g} x max|ref|); nothing written"
+            )
+
+    atomic_write(path, write)
+    return result
+
+
+def _batch_size(args: tuple, kwargs: dict) -> int:
+    leaves = [t for t in _tensor_leaves((args, kwargs)) if t.ndim]
+    return int(leaves[0].shape[0]) if leaves else 0

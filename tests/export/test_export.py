@@ -1,0 +1,89 @@
+"""normswap export / convert -o x.onnx: the file is checked in onnxruntime before it is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import model_zoo
+import pytest
+import torch
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+import normswap.export.onnx as onnx_export
+from normswap.errors import BadInputError, CheckFailedError
+from normswap.export.onnx import export_onnx
+
+ZOO = str(Path(model_zoo.__file__))
+
+
+def _run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def test_export_resnet18_with_a_dynamic_batch(tmp_path):
+    out, report = tmp_path / "r18.onnx", tmp_path / "r.json"
+    result = _run(
+        "export", f"{ZOO}:resnet18_factory", "-o", str(out), "--dynamic-batch", "--report", str(report)
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())["onnx"]
+    assert data["within_tolerance"] and data["checked_batch_sizes"] == [2, 4]
+    assert max(o["max_rel"] for o in data["outputs"]) <= 1e-4
+    assert data["op_counts"]["Conv"] == 20 and "BatchNormalization" not in data["op_counts"]
+
+
+@pytest.mark.parametrize(("opset", "rms_ops"), [(18, 0), (23, 5)])
+def test_recentered_gpt2_exports_rmsnorm_as_the_standard_op_at_opset_23(tmp_path, opset, rms_ops):
+    out, report = tmp_path / "g.onnx", tmp_path / "r.json"
+    result = _run(
+        "convert", f"{ZOO}:gpt2_factory", "--to", "rmsnorm", "--exact", "-o", str(out), "--opset", str(opset),
+        "--report", str(report),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    ops = data["onnx"]["op_counts"]
+    assert data["onnx"]["opset"] == opset and ops.get("RMSNormalization", 0) == rms_ops
+    assert "LayerNormalization" not in ops
+    assert data["onnx"]["within_tolerance"]
+
+
+def test_folded_and_swapped_vit_exports_and_matches(tmp_path):
+    model, args, kwargs = model_zoo.small_vit()
+    from normswap.passes import Pipeline, SwapNorm
+
+    converted, _ = Pipeline([SwapNorm("batchnorm")])(model, args, kwargs)
+    result = export_onnx(converted, tmp_path / "vit.onnx", args, kwargs, opset=18)
+    assert result.within_tolerance and result.outputs[0].shape == (2, 10)
+    assert result.op_counts.get("LayerNormalization", 0) == 0  # every LayerNorm became a BatchNorm
+
+
+def test_an_untranslatable_op_is_named_and_nothing_is_written(tmp_path):
+    @torch.library.custom_op("nstest::mystery", mutates_args=())
+    def mystery(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @mystery.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.nstest.mystery(x) + 1
+
+    out = tmp_path / "m.onnx"
+    with pytest.raises(BadInputError, match=r"no ONNX translation for op nstest\.mystery\.default"):
+        export_onnx(Model(), out, (torch.randn(2, 3),))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_onnxruntime_disagreement_fails_the_check_and_writes_nothing(tmp_path, monkeypatch):
+    real = onnx_export.run_onnx
+    monkeypatch.setattr(onnx_export, "run_onnx", lambda *a: [t * 1.01 for t in real(*a)])
+    model, args, _ = model_zoo.resnet18(size=32)
+    with pytest.raises(CheckFailedError, match="onnxruntime disagrees with PyTorch: output"):
+        export_onnx(model, tmp_path / "x.onnx", args)
+    assert list(tmp_path.iterdir()) == []
+    result = _run("export", f"{ZOO}:resnet18_factory", "-o", str(tmp_path / "y.pt2"))
+    assert result.exit_code == 2 and "an ONNX export is written to a .onnx file" in result.output

@@ -25,7 +25,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from normswap.passes import FoldBatchNorm, Pass, RewriteKind
+from normswap.passes import (
+    AddWeightNorm,
+    FoldBatchNorm,
+    FoldNormAffine,
+    Pass,
+    RecenterLayerNorm,
+    RewriteKind,
+)
 from normswap.validate.metrics import exact_tolerance
 
 
@@ -41,7 +48,21 @@ def _batchnorm_paths(model: nn.Module) -> set[str]:
     return {p for p, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
 
 
-EXACT_PASSES = [ExactPassCase("fold_batchnorm", FoldBatchNorm, _batchnorm_paths)]
+def _layernorm_paths(model: nn.Module) -> set[str]:
+    return {p for p, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
+
+
+def _weight_layer_paths(model: nn.Module) -> set[str]:
+    kinds = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d)
+    return {p for p, m in model.named_modules() if isinstance(m, kinds)}
+
+
+EXACT_PASSES = [
+    ExactPassCase("fold_batchnorm", FoldBatchNorm, _batchnorm_paths),
+    ExactPassCase("recenter_layernorm", RecenterLayerNorm, _layernorm_paths),
+    ExactPassCase("fold_norm_affine", FoldNormAffine, _layernorm_paths),
+    ExactPassCase("add_weight_norm", AddWeightNorm, _weight_layer_paths),
+]
 
 
 # A stack is a start shape and a list of plain-tuple layer specs, so a failing example prints readably.

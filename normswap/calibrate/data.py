@@ -34,14 +34,7 @@ from typing import Any
 import torch
 
 from normswap.errors import BadInputError
-from normswap.load.model_file import (
-    _IDENTIFIER_PATH,
-    _describe,
-    _import_module_from_cwd,
-    _import_module_from_file,
-    _resolve_attribute,
-    read_tensor_file,
-)
+from normswap.load.model_file import _describe, import_callable, read_tensor_file
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -271,21 +264,8 @@ def _tensor_file_data(path: Path, batch_size: int | None, strict: bool, **exampl
 
 
 def _import_data_factory(spec: str) -> Callable[[], Any]:
-    target, _, attr_path = spec.rpartition(":")
     usage = "expected a folder, a .pt file, or a factory package.module:callable or path/to/file.py:callable"
-    if not target or not _IDENTIFIER_PATH.match(attr_path):
-        raise BadInputError(f"data not found: {spec} ({usage})")
-    looks_like_file = target.endswith(".py") or "/" in target or os.sep in target or Path(target).is_file()
-    if looks_like_file:
-        module = _import_module_from_file(Path(target), spec)
-    elif _IDENTIFIER_PATH.match(target):
-        module = _import_module_from_cwd(target, spec)
-    else:
-        raise BadInputError(f"data not found: {spec} ({usage})")
-    factory = _resolve_attribute(module, attr_path, spec)
-    if not callable(factory):
-        raise BadInputError(f"data factory '{spec}' is a {type(factory).__name__}, not a callable")
-    return factory
+    return import_callable(spec, "data factory", bad_spec=f"data not found: {spec} ({usage})")
 
 
 def _factory_data(spec: str, batch_size: int | None, strict: bool, **example: Any) -> CalibrationData:

@@ -347,22 +347,31 @@ def _unpack_model_and_inputs(result: Any, origin: str) -> tuple[nn.Module, tuple
     )
 
 
-def _load_factory(spec: str) -> tuple[nn.Module, tuple | None, dict | None]:
+def import_callable(spec: str, what: str = "factory", bad_spec: str | None = None) -> Any:
+    """The callable named by ``package.module:attr`` or ``path/to/file.py:attr`` (a dotted attr path).
+
+    ``what`` names it in messages ("factory", "data factory"); ``bad_spec`` replaces the message for a
+    spec that is neither form.
+    """
     target, _, attr_path = spec.rpartition(":")
-    usage = "expected package.module:callable or path/to/file.py:callable"
+    usage = bad_spec or f"bad {what} '{spec}': expected package.module:callable or path/to/file.py:callable"
     if not target or not _IDENTIFIER_PATH.match(attr_path):
-        raise BadInputError(f"bad factory '{spec}': {usage}")
+        raise BadInputError(usage)
     looks_like_file = target.endswith(".py") or "/" in target or os.sep in target or Path(target).is_file()
     if looks_like_file:
         module = _import_module_from_file(Path(target), spec)
     elif _IDENTIFIER_PATH.match(target):
         module = _import_module_from_cwd(target, spec)
     else:
-        raise BadInputError(f"bad factory '{spec}': {usage}")
+        raise BadInputError(usage)
+    found = _resolve_attribute(module, attr_path, spec)
+    if not callable(found):
+        raise BadInputError(f"{what} '{spec}' is a {type(found).__name__}, not a callable")
+    return found
 
-    factory = _resolve_attribute(module, attr_path, spec)
-    if not callable(factory):
-        raise BadInputError(f"factory '{spec}' is a {type(factory).__name__}, not a callable")
+
+def _load_factory(spec: str) -> tuple[nn.Module, tuple | None, dict | None]:
+    factory = import_callable(spec)
     try:
         result = factory()
     except Exception as exc:

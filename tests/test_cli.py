@@ -170,7 +170,7 @@ def test_inspect_pt2_with_its_recorded_inputs(tmp_path):
 def test_usage_errors_exit_2_with_one_line(tmp_path):
     out = str(tmp_path / "o.pt2")
     cases = [
-        (("convert", f"{ZOO}:gpt2_factory", "-o", out), "nothing to do: give --to KIND and/or --fold-bn"),
+        (("convert", f"{ZOO}:gpt2_factory", "-o", out), "nothing to do: give --to KIND, --fold-bn"),
         (("convert", f"{ZOO}:gpt2_factory", "--to", "dyt", "-o", out), "--to 'dyt' is not a norm kind"),
         (("inspect", str(tmp_path / "missing.pt2")), "missing.pt2"),
         (

@@ -1050,7 +1050,11 @@ def _print_distillation(result: Any, notes: list[str]) -> None:
     )
     for column in ("output", "SQNR dB", "cosine", "max abs", "top-1"):
         table.add_column(column, overflow="fold")
+    others = 0
     for before, after in zip(result.before.outputs, result.after.outputs, strict=True):
+        if before.name not in result.loss_outputs:
+            others += 1  # an HF model's caches and hidden states: not what was distilled
+            continue
         top1 = (
             f"{before.top1_agreement:.1%} -> {after.top1_agreement:.1%}"
             if before.top1_agreement is not None and after.top1_agreement is not None
@@ -1064,6 +1068,8 @@ def _print_distillation(result: Any, notes: list[str]) -> None:
             top1,
         )
     out.print(table)
+    if others:
+        out.print(f"{others} other outputs, not in the loss, are compared in --report", soft_wrap=True)
     out.print(
         f"held-out {result.loss} loss {_fmt_float(result.holdout_loss_before)} -> "
         f"{_fmt_float(result.holdout_loss_after)}; SQNR {_fmt_float(result.sqnr_before_db)} dB -> "

@@ -405,9 +405,11 @@ def distill(
             _check_kl_targets(found)
         return found
 
-    def holdout_figures(reference: Any) -> tuple[ModelComparison, float]:
+    def holdout_figures(reference: Any, check: bool = False) -> tuple[ModelComparison, float]:
         with torch.no_grad():
             out = student_outputs(held_out, "held-out batch")  # type: ignore[arg-type]
+            if check:
+                _check_same_structure(reference, out, "the held-out batch")
             value = distillation_loss(targets_of(out), targets_of(reference), loss, temperature)
         return compare_outputs(reference, out), float(value)
 
@@ -424,35 +426,40 @@ def distill(
         if held_out is not None:
             report.holdout_samples = held_out.num_samples
             reference = teacher_outputs(held_out, "held-out batch")
-            with torch.no_grad():
-                _check_same_structure(
-                    reference, student_outputs(held_out, "held-out batch"), "the held-out batch"
-                )
+            report.before, report.holdout_loss_before = holdout_figures(reference, check=True)
             report.loss_outputs = [name for name, _ in targets_of(reference)]
-            report.before, report.holdout_loss_before = holdout_figures(reference)
 
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        for step in range(steps):
-            index = step % len(train_batches)
-            batch = train_batches[index]
-            what = f"training batch {index}"
-            wanted = teacher_outputs(batch, what)
-            got = student_outputs(batch, what)
-            if step < len(train_batches):
-                _check_same_structure(wanted, got, what)
-            value = distillation_loss(targets_of(got), targets_of(wanted), loss, temperature)
-            if not report.loss_outputs:
-                report.loss_outputs = [name for name, _ in targets_of(got)]
-            current = float(value.detach())
-            report.losses.append(current)
-            if not math.isfinite(current):
-                report.notes.append(f"the training loss is {current} at step {step + 1}: training stopped")
-                break
-            optimizer.zero_grad(set_to_none=True)
-            value.backward()
-            optimizer.step()
-            if on_step is not None:
-                on_step(step + 1, steps, current)
+        # A caller inside torch.no_grad() would otherwise leave no graph to step on.
+        with torch.enable_grad():
+            for step in range(steps):
+                index = step % len(train_batches)
+                batch = train_batches[index]
+                what = f"training batch {index}"
+                wanted = teacher_outputs(batch, what)
+                got = student_outputs(batch, what)
+                if step < len(train_batches):
+                    _check_same_structure(wanted, got, what)
+                value = distillation_loss(targets_of(got), targets_of(wanted), loss, temperature)
+                if not report.loss_outputs:
+                    report.loss_outputs = [name for name, _ in targets_of(got)]
+                current = float(value.detach())
+                report.losses.append(current)
+                if not math.isfinite(current):
+                    report.notes.append(
+                        f"the training loss is {current} at step {step + 1}: training stopped"
+                    )
+                    break
+                if not value.requires_grad:
+                    raise BadInputError(
+                        f"the outputs the loss compares ({', '.join(report.loss_outputs)}) do not depend on "
+                        "the parameters selected for training"
+                    )
+                optimizer.zero_grad(set_to_none=True)
+                value.backward()
+                optimizer.step()
+                if on_step is not None:
+                    on_step(step + 1, steps, current)
         # the optimizer's state and the last graph are no longer needed; the holdout runs without them
         del optimizer
         for p in params:

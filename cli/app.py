@@ -123,6 +123,36 @@ def _fmt_float(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
+def _progress(disable: bool = False) -> Any:
+    """A progress bar on stderr, shown only on a terminal, so piped output and logs stay clean."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=err, transient=True, disable=disable or not err.is_terminal)
+
+
+def _data_and_holdout(
+    data: str, holdout: str | None, args: Any, kwargs: Any, batch_size: int | None, normalize: str | None
+) -> tuple[Any, Any]:
+    """The batches of --data, and the first batch of --holdout when given (read with the same options)."""
+    from normswap.calibrate import load_calibration_data
+    from normswap.errors import BadInputError
+
+    options: dict[str, Any] = {
+        "example_args": args,
+        "example_kwargs": kwargs,
+        "batch_size": batch_size,
+        "normalize": normalize,
+    }
+    source = load_calibration_data(data, **options)
+    held_out = None
+    if holdout is not None:
+        held_out = next(iter(load_calibration_data(holdout, **options, ignore_inapplicable=True)), None)
+        if held_out is None:
+            raise BadInputError(f"--holdout {holdout} yields no batch")
+    return source, held_out
+
+
 @app.command()
 @_handles_errors
 def inspect(
@@ -403,17 +433,13 @@ def _calibrate_swaps(
     """Fit the swapped norms to the original's outputs on DATA; print and return the figures."""
     import itertools
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from normswap.calibrate import load_calibration_data
     from normswap.calibrate.affine_fit import calibrate_swapped_norms
     from normswap.validate.compare import compare_models
 
     sites = [c.site for p in result.passes if p.pass_name == "swap_norm" for c in p.changes]
-    source = load_calibration_data(data, example_args=args, example_kwargs=kwargs, batch_size=batch_size)
+    source, _ = _data_and_holdout(data, None, args, kwargs, batch_size, None)
     batches = list(itertools.islice(source, max_batches))
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+    with _progress() as progress:
         task = progress.add_task("calibrating", total=len(sites))
         fitted = calibrate_swapped_norms(
             original, converted, sites, batches, on_site=lambda _s: progress.advance(task)
@@ -595,8 +621,6 @@ def validate(
     """Compare CONVERTED with ORIGINAL on the same inputs: per output, per layer, per norm site."""
     import itertools
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from normswap.errors import BadInputError, CheckFailedError
     from normswap.validate.layerwise import DEFAULT_MIN_SQNR_DB, plot_norm_sites, validate_models
 
@@ -607,12 +631,11 @@ def validate(
     reference = _load(original, weights, trust_pickle)
     candidate = _load(converted, converted_weights, trust_pickle)
     if data is not None:
-        from normswap.calibrate import load_calibration_data
         from normswap.load import resolve_inputs
 
         resolved = resolve_inputs(reference, inputs_file=inputs, input_shapes=input_shape)
         args, kwargs = resolved if resolved is not None else (None, None)
-        source = load_calibration_data(data, example_args=args, example_kwargs=kwargs, batch_size=batch_size)
+        source, _ = _data_and_holdout(data, None, args, kwargs, batch_size, None)
         pairs = [(b.args, b.kwargs) for b in itertools.islice(source, batches)]
         if not pairs:
             raise BadInputError(f"--data {data} yields no batch")
@@ -621,10 +644,7 @@ def validate(
 
         pairs = [require_inputs(reference, inputs_file=inputs, input_shapes=input_shape)]
     norm_paths = _norm_paths(reference.model, pairs[0])
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(
-        *columns, console=err, transient=True, disable=not err.is_terminal or len(pairs) < 4
-    ) as bar:
+    with _progress(disable=len(pairs) < 4) as bar:
         task = bar.add_task("comparing", total=len(pairs))
         try:
             result = validate_models(
@@ -752,9 +772,7 @@ def recalibrate(
     report: ReportOpt = None,
 ) -> None:
     """Re-estimate MODEL's BatchNorm statistics as averages over the batches of DATA; write it to -o."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from normswap.calibrate import load_calibration_data, recalibrate_batchnorm
+    from normswap.calibrate import recalibrate_batchnorm
     from normswap.errors import BadInputError, CheckFailedError
     from normswap.load import SAVE_FORMATS, resolve_inputs, save_model
 
@@ -763,22 +781,8 @@ def recalibrate(
     loaded = _load(model, weights, trust_pickle)
     resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     args, kwargs = resolved if resolved is not None else (None, None)
-    data_options: dict[str, Any] = {
-        "example_args": args,
-        "example_kwargs": kwargs,
-        "batch_size": batch_size,
-        "normalize": normalize,
-    }
-    calibration = load_calibration_data(data, **data_options)
-    held_out = None
-    if holdout is not None:
-        held_out = next(iter(load_calibration_data(holdout, **data_options, ignore_inapplicable=True)), None)
-        if held_out is None:
-            raise BadInputError(f"--holdout {holdout} yields no batch")
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    # The bar goes to stderr and only to a terminal, so piped output and logs stay clean.
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+    calibration, held_out = _data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
+    with _progress() as progress:
         task = progress.add_task("calibrating", total=None)
         recalibrated, result = recalibrate_batchnorm(
             loaded.model,
@@ -930,9 +934,6 @@ def distill(
     """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o."""
     import os
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from normswap.calibrate import load_calibration_data
     from normswap.calibrate.distill import check_options
     from normswap.calibrate.distill import distill as distill_model
     from normswap.errors import BadInputError, CheckFailedError
@@ -955,22 +956,8 @@ def distill(
         student
     )
     args, kwargs = resolved if resolved is not None else (None, None)
-    data_options: dict[str, Any] = {
-        "example_args": args,
-        "example_kwargs": kwargs,
-        "batch_size": batch_size,
-        "normalize": normalize,
-    }
-    batches = load_calibration_data(data, **data_options)
-    held_out = None
-    if holdout is not None:
-        held_out = next(iter(load_calibration_data(holdout, **data_options, ignore_inapplicable=True)), None)
-        if held_out is None:
-            raise BadInputError(f"--holdout {holdout} yields no batch")
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    # The bar goes to stderr and only to a terminal, so piped output and logs stay clean.
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as progress:
+    batches, held_out = _data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
+    with _progress() as progress:
         task = progress.add_task("distilling", total=steps)
         distilled, result = distill_model(
             teacher.model,

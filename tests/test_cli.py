@@ -171,7 +171,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path):
     out = str(tmp_path / "o.pt2")
     cases = [
         (("convert", f"{ZOO}:gpt2_factory", "-o", out), "nothing to do: give --to KIND, --fold-bn"),
-        (("convert", f"{ZOO}:gpt2_factory", "--to", "dyt", "-o", out), "--to 'dyt' is not a norm kind"),
+        (("convert", f"{ZOO}:gpt2_factory", "--to", "tanh", "-o", out), "--to 'tanh' is not a norm kind"),
         (("inspect", str(tmp_path / "missing.pt2")), "missing.pt2"),
         (
             ("inspect", "no_such_package.models:build"),

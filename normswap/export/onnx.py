@@ -86,14 +86,16 @@ def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[Any, ...] | dict[str, An
     return tuple(spec(a) for a in args)
 
 
-def _op_counts(path: Path) -> dict[str, int]:
+def _read_back(path: Path) -> tuple[int, dict[str, int]]:
+    """Default-domain opset and op counts of the file as written (the exporter may convert on save)."""
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     counts = Counter(node.op_type for node in proto.graph.node)
     for function in proto.functions:  # ops inside local functions count too
         counts.update(node.op_type for node in function.node)
-    return dict(sorted(counts.items()))
+    return int(opset), dict(sorted(counts.items()))
 
 
 def _repeat_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -191,8 +193,13 @@ def export_onnx(
         if temp.with_name(temp.name + ".data").exists():
             temp.with_name(temp.name + ".data").unlink()
             raise BadInputError("the model's weights exceed the 2 GB limit of a single .onnx file")
-        result.opset = int(program.model.opset_imports.get("", 0))
-        result.op_counts = _op_counts(temp)
+        result.opset, result.op_counts = _read_back(temp)
+        if opset is not None and result.opset != opset:
+            # torch.onnx falls back to the opset it built when converting down fails, with only a warning
+            raise BadInputError(
+                f"the exporter could not write opset {opset} (it produced opset {result.opset}); "
+                f"choose --opset {result.opset} or higher"
+            )
         result.outputs = _compare(model, temp, args, kwargs)
         result.checked_batch_sizes = [_batch_size(args, kwargs)]
         if dynamic_batch:

@@ -87,3 +87,12 @@ def test_onnxruntime_disagreement_fails_the_check_and_writes_nothing(tmp_path, m
     assert list(tmp_path.iterdir()) == []
     result = _run("export", f"{ZOO}:resnet18_factory", "-o", str(tmp_path / "y.pt2"))
     assert result.exit_code == 2 and "an ONNX export is written to a .onnx file" in result.output
+
+
+def test_an_opset_the_exporter_cannot_reach_is_refused_not_silently_raised(tmp_path):
+    # torch.onnx cannot convert GPT-2's graph down to opset 17 (its Split) and would quietly keep 18
+    out = tmp_path / "g.onnx"
+    result = _run("convert", f"{ZOO}:gpt2_factory", "--to", "rmsnorm", "-o", str(out), "--opset", "17")
+    assert result.exit_code == 2
+    assert "the exporter could not write opset 17 (it produced opset 18); choose --opset 18" in result.output
+    assert not out.exists()

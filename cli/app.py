@@ -247,6 +247,14 @@ def convert(
     fold_bn: Annotated[
         bool, typer.Option("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear beside it.")
     ] = False,
+    fuse_add: Annotated[
+        bool,
+        typer.Option(
+            "--fuse-add",
+            help="With --to fused: also fuse each residual add into the norm after it (the output becomes "
+            "a torch.fx GraphModule; exact).",
+        ),
+    ] = False,
     fold_norm_affine: Annotated[
         bool,
         typer.Option(
@@ -294,6 +302,7 @@ def convert(
         exact=exact,
         fold_bn=fold_bn,
         fold_norm_affine=fold_norm_affine,
+        fuse_add=fuse_add,
         add_weight_norm=add_weight_norm,
         weight_norm_dim=weight_norm_dim,
         remove_weight_norm=remove_weight_norm,
@@ -348,6 +357,7 @@ def _convert_passes(
     exact: bool,
     fold_bn: bool,
     fold_norm_affine: bool,
+    fuse_add: bool,
     add_weight_norm: str | None,
     weight_norm_dim: str,
     remove_weight_norm: bool,
@@ -379,6 +389,8 @@ def _convert_passes(
             raise BadInputError(f"--from {kind!r}: choose from {', '.join(NORM_KINDS)}")
     if from_kinds and to is None:
         raise BadInputError("--from picks which norms --to replaces: give --to KIND")
+    if fuse_add and to != "fused":
+        raise BadInputError("--fuse-add fuses residual adds into fused norms: give --to fused")
     passes: list[Any] = []
     # plain weights first, so the folds see and rewrite real parameters
     if remove_weight_norm:
@@ -399,6 +411,11 @@ def _convert_passes(
         passes.append(SwapNorm(to, kinds, groups=groups))
     if fold_norm_affine:
         passes.append(FoldNormAffine())
+    if fuse_add:
+        # a graph rewrite, so it comes last: every module edit must be done on the user's module first
+        from normswap.passes.fuse_add_norm import FuseAddNorm
+
+        passes.append(FuseAddNorm())
     if add_weight_norm is not None:
         paths = (
             None if add_weight_norm == "all" else [p.strip() for p in add_weight_norm.split(",") if p.strip()]

@@ -246,3 +246,20 @@ def test_convert_option_mistakes_are_usage_errors(tmp_path):
         assert result.exit_code == 2, (extra, result.output)
         assert message in result.output.replace("\n", " "), (extra, result.output)
     assert not out.exists()
+
+
+def test_convert_fused_with_residual_adds_fused_too(tmp_path):
+    out, report = tmp_path / "g.pt2", tmp_path / "r.json"
+    result = _run(
+        "convert", f"{ZOO}:gpt2_factory", "--to", "fused", "--fuse-add", "--exact", "-o", str(out), "--report",
+        str(report),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "fuse_add_norm (exact): 4 changed, 1 skipped" in result.output and out.exists()
+    passes = {p["pass_name"]: p for p in json.loads(report.read_text())["passes"]}
+    assert passes["fuse_add_norm"]["skips"][0]["reason"] == "its input comes from dropout, not a residual add"
+    result = _run("convert", f"{ZOO}:gpt2_factory", "--fuse-add", "-o", str(tmp_path / "x.pt2"))
+    assert (
+        result.exit_code == 2
+        and "--fuse-add fuses residual adds into fused norms: give --to fused" in result.output
+    )

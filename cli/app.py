@@ -524,12 +524,19 @@ def _print_pipeline(result: Any) -> None:
             continue
         worst = max(p.validation["outputs"], key=lambda o: o["max_rel"])
         if p.kind.value == "exact":
-            verdict = "[green]PASS[/]" if p.validation["within_tolerance"] else "[bold red]FAIL[/]"
+            half = p.validation.get("half_precision")
+            passed = half["within_rounding"] if half else p.validation["within_tolerance"]
+            verdict = "[green]PASS[/]" if passed else "[bold red]FAIL[/]"
             out.print(
                 f"{p.pass_name} (exact): {len(p.changes)} changed, {len(p.skips)} skipped; "
                 f"max abs {_fmt_float(worst['max_abs'])} = {_fmt_float(worst['max_rel'])} x max|ref| "
                 f"(tolerance {worst['tolerance']:g}) {verdict}"
             )
+            if half:
+                out.print(
+                    f"  judged against the model in fp32: {_fmt_float(half['rewritten_rel_error'])} x max|ref| "
+                    f"vs the original's own {_fmt_float(half['original_rel_error'])} (allowed: twice that)"
+                )
         else:
             out.print(
                 f"{p.pass_name} ({p.kind.value}): {len(p.changes)} changed, {len(p.skips)} skipped; "

@@ -30,6 +30,11 @@ FUNCTIONAL_NORM_OPS = {
     "group_norm": "group",
     "instance_norm": "instance",
     "rms_norm": "rms",
+    # normswap's fused ops, as a converted model's graph (or a .pt2 of it) holds them
+    "rms_norm_fwd": "rms",
+    "layer_norm_fwd": "layer",
+    "add_rms_norm_fwd": "rms",
+    "add_layer_norm_fwd": "layer",
 }
 
 
@@ -253,6 +258,22 @@ def _functional_site(
         site.bias = name == "layer_norm" and arg(n, 3, "bias") is not None
         eps = arg(n, 4 if name == "layer_norm" else 3, "eps")
         site.eps = float(eps) if isinstance(eps, (int, float)) else None
+    elif name is not None and name.endswith("_norm_fwd"):
+        # (x, [residual,] weight, bias, eps, casting, weight_offset): see normswap.kernels.ops
+        first = 2 if name.startswith("add_") else 1
+        weight, bias = arg(n, first, "weight"), arg(n, first + 1, "bias")
+        weight_meta = tensor_meta(weight) if isinstance(weight, fx.Node) else None
+        shape = weight_meta[0] if weight_meta else (meta[0][-1:] if meta else None)
+        if shape:
+            site.normalized_shape = tuple(shape)
+            site.normalized_dims = tuple(range(-len(shape), 0))
+        site.affine, site.bias = weight is not None, bias is not None
+        eps = arg(n, first + 2, "eps")
+        site.eps = float(eps) if isinstance(eps, (int, float)) else None
+        site.casting = str(arg(n, first + 3, "casting", "none"))
+        offset = arg(n, first + 4, "weight_offset", 0.0)
+        site.weight_offset = float(offset) if isinstance(offset, (int, float)) else 0.0
+        site.class_name = f"normswap::{name}"
     elif name == "batch_norm":
         site.normalized_dims = (1,)
         site.affine = arg(n, 1, "weight") is not None

@@ -16,11 +16,13 @@ import importlib
 import importlib.util
 import io
 import json
+import logging
 import os
 import pickle
 import pickletools
 import re
 import sys
+import traceback
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -485,11 +487,59 @@ def _lift_hook(gm: nn.Module) -> nn.Module:
     return lifted if isinstance(lifted, nn.Module) else gm
 
 
+# Packages whose output classes a .pt2 may name in its pytree specs; importing one of them registers
+# those classes for deserialization (Hugging Face's ModelOutput subclasses register themselves).
+# Only these are imported on the archive's word: an archive must not choose what code runs.
+_OUTPUT_TYPE_PACKAGES = ("transformers.", "diffusers.", "timm.")
+_UNREGISTERED_TYPE = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        if record.exc_info and record.exc_info[1] is not None:
+            self.messages.append("".join(traceback.format_exception(record.exc_info[1])))
+
+
+def _read_exported_program(path: Path) -> Any:
+    """``torch.export.load``, after registering what the archive may need: normswap's own ops, and the
+    output classes of the libraries in :data:`_OUTPUT_TYPE_PACKAGES` it names."""
+    importlib.import_module("normswap.kernels.ops")  # a fused model's graph calls normswap:: ops
+    imported: set[str] = set()
+    # torch names the unregistered class only in a warning it logs, not in the exception it raises
+    export_log = logging.getLogger("torch.export")
+    while True:
+        # torch attaches its own handler to this logger; ours replaces it while we may retry
+        collect, propagate, handlers = _Collect(), export_log.propagate, export_log.handlers[:]
+        export_log.handlers = [collect]
+        export_log.propagate = False
+        try:
+            # An open file avoids torch's suffix check, so a .pt2 archive saved as model.pt still loads.
+            with path.open("rb") as f:
+                return torch.export.load(f)
+        except Exception as exc:
+            found = _UNREGISTERED_TYPE.search(" ".join([*collect.messages, str(exc)]))
+            name = found.group(1) if found else ""
+            module = name.rpartition(".")[0]
+            if not module or module in imported or not name.startswith(_OUTPUT_TYPE_PACKAGES):
+                raise
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                raise exc from None
+            imported.add(module)
+        finally:
+            export_log.handlers = handlers
+            export_log.propagate = propagate
+
+
 def _load_exported_program(path: Path, source: str) -> LoadedModel:
     try:
-        # An open file avoids torch's suffix check, so a .pt2 archive saved as model.pt still loads.
-        with path.open("rb") as f:
-            ep = torch.export.load(f)
+        ep = _read_exported_program(path)
     except Exception as exc:
         raise BadInputError(f"cannot load torch.export archive {path}: {_describe(exc)}") from None
     examples = ep.example_inputs

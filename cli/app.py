@@ -153,6 +153,20 @@ def _data_and_holdout(
     return source, held_out
 
 
+def _save_trained(
+    model: Any, output: Path, args: Any, kwargs: Any, data: Any, inputs_known: bool, source: str
+) -> None:
+    """Write a model whose parameters were re-estimated from DATA (never over its input file)."""
+    from normswap.load import save_model
+
+    if not inputs_known and data.first is not None:
+        # No example inputs given: a data batch shows export what the model takes.
+        args, kwargs = data.first.args, data.first.kwargs
+    refuse = Path(source) if Path(source).exists() else None
+    label = save_model(model, output, args or (), kwargs, refuse_path=refuse)
+    out.print(f"wrote {output} ({label})", soft_wrap=True)
+
+
 @app.command()
 @_handles_errors
 def inspect(
@@ -798,7 +812,7 @@ def recalibrate(
     """Re-estimate MODEL's BatchNorm statistics as averages over the batches of DATA; write it to -o."""
     from normswap.calibrate import recalibrate_batchnorm
     from normswap.errors import BadInputError, CheckFailedError
-    from normswap.load import SAVE_FORMATS, resolve_inputs, save_model
+    from normswap.load import SAVE_FORMATS, resolve_inputs
 
     if output.suffix not in SAVE_FORMATS:
         raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
@@ -822,13 +836,8 @@ def recalibrate(
 
     written = False
     if result.ok:
-        if resolved is None and calibration.first is not None:
-            # No example inputs given: a calibration batch shows export what the model takes.
-            args, kwargs = calibration.first.args, calibration.first.kwargs
-        source = Path(model) if Path(model).exists() else None
-        label = save_model(recalibrated, output, args or (), kwargs, refuse_path=source)
+        _save_trained(recalibrated, output, args, kwargs, calibration, resolved is not None, model)
         written = True
-        out.print(f"wrote {output} ({label})", soft_wrap=True)
     if report is not None:
         _write_json(
             report,
@@ -961,7 +970,7 @@ def distill(
     from normswap.calibrate.distill import check_options
     from normswap.calibrate.distill import distill as distill_model
     from normswap.errors import BadInputError, CheckFailedError
-    from normswap.load import SAVE_FORMATS, resolve_inputs, save_model
+    from normswap.load import SAVE_FORMATS, resolve_inputs
 
     if output.suffix not in SAVE_FORMATS:
         raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
@@ -1006,13 +1015,8 @@ def distill(
 
     written = False
     if result.ok:
-        if resolved is None and batches.first is not None:
-            # No example inputs given: a data batch shows export what the model takes.
-            args, kwargs = batches.first.args, batches.first.kwargs
-        source = Path(converted) if Path(converted).exists() else None
-        label = save_model(distilled, output, args or (), kwargs, refuse_path=source)
+        _save_trained(distilled, output, args, kwargs, batches, resolved is not None, converted)
         written = True
-        out.print(f"wrote {output} ({label})", soft_wrap=True)
     if report is not None:
         _write_json(
             report,

@@ -66,12 +66,17 @@ def fold_bn_into_conv_weights(
     return w.to(conv_weight.dtype), b.to(conv_weight.dtype)
 
 
-def conv_transpose_output_channels(weight_shape: torch.Size | tuple[int, ...], groups: int) -> torch.Tensor:
-    """For each ``(i, j)`` of a ConvTranspose weight ``(in, out / groups, *k)``, its output channel."""
-    in_channels, out_per_group = int(weight_shape[0]), int(weight_shape[1])
-    in_per_group = in_channels // groups
-    group = torch.arange(in_channels) // in_per_group
-    return group[:, None] * out_per_group + torch.arange(out_per_group)[None, :]
+def grouped_channel_index(weight_shape: torch.Size | tuple[int, ...], groups: int) -> torch.Tensor:
+    """For each ``(i, j)`` of a grouped weight ``(C0, C1, *k)``, the channel on the side dim 1 indexes.
+
+    A grouped layer's weight holds, along dim 1, only the channels of its own group. Entry ``(i, j)``
+    belongs to group ``i // (C0 / groups)`` and touches channel ``group * C1 + j`` on the side dim 1
+    indexes: the output channel of a ConvTranspose ``(in, out / groups, *k)``, the input channel of a
+    Conv or Linear ``(out, in / groups, *k)``.
+    """
+    rows, per_group = int(weight_shape[0]), int(weight_shape[1])
+    group = torch.arange(rows) // (rows // groups)
+    return group[:, None] * per_group + torch.arange(per_group)[None, :]
 
 
 def fold_bn_into_conv_transpose_weights(
@@ -82,21 +87,13 @@ def fold_bn_into_conv_transpose_weights(
     groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold a BN that reads a ConvTranspose's output into its weight ``(in, out / groups, *k)``."""
-    index = conv_transpose_output_channels(weight.shape, groups).to(scale.device)
+    index = grouped_channel_index(weight.shape, groups).to(scale.device)
     per_weight = scale[index].reshape(*index.shape, *([1] * (weight.ndim - 2)))
     w = weight.detach().double() * per_weight
     b = shift.clone()
     if bias is not None:
         b = b + bias.detach().double() * scale
     return w.to(weight.dtype), b.to(weight.dtype)
-
-
-def layer_input_channels(weight_shape: torch.Size | tuple[int, ...], groups: int) -> torch.Tensor:
-    """For each ``(o, j)`` of a Conv/Linear weight ``(out, in / groups, *k)``, the input channel it reads."""
-    out_channels, in_per_group = int(weight_shape[0]), int(weight_shape[1])
-    out_per_group = out_channels // groups
-    group = torch.arange(out_channels) // out_per_group
-    return group[:, None] * in_per_group + torch.arange(in_per_group)[None, :]
 
 
 def fold_bn_into_next_layer_weights(
@@ -108,7 +105,7 @@ def fold_bn_into_next_layer_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold a BN whose output a Conv (without zero padding) or Linear reads: scale the input channels,
     push the shift through the weights into the bias. Returns ``(W', b')`` in W's dtype."""
-    index = layer_input_channels(weight.shape, groups).to(scale.device)
+    index = grouped_channel_index(weight.shape, groups).to(scale.device)
     spatial = [1] * (weight.ndim - 2)
     w64 = weight.detach().double()
     s = scale[index].reshape(*index.shape, *spatial)

@@ -97,6 +97,19 @@ def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
+def _transposed_param(view: GraphView, node: object) -> fx.Node | None:
+    """The 2-D parameter ``node`` is the transpose of (``W.t()``, ``W.T``, ``W.transpose(0, 1)``), if any."""
+    if not isinstance(node, fx.Node) or op_name(node) not in ("t", "transpose", "permute", "numpy_T"):
+        return None
+    source = node.args[0]
+    shape = _shape(source)
+    if not view.is_param(source) or shape is None or len(shape) != 2:
+        return None
+    if op_name(node) == "permute" and [d % 2 for d in arg(node, 1, "dims")] != [1, 0]:
+        return None
+    return source  # type: ignore[return-value]
+
+
 class _StreamBuilder:
     def __init__(self, view: GraphView, mean_blind: set[fx.Node], modules: dict[str, nn.Module]) -> None:
         self.view = view
@@ -381,6 +394,9 @@ class _StreamBuilder:
             return 1, [(node.args[2], 1), (node.args[0], 0)]
         if name in ("mm", "matmul") and self.view.is_param(node.args[1]):
             return -1, [(node.args[1], 1)]
+        if name in ("mm", "matmul") and _transposed_param(self.view, node.args[1]) is not None:
+            # x @ W.T with W stored (out, in), as Falcon's linear layers compute it
+            return -1, [(_transposed_param(self.view, node.args[1]), 0)]
         if name in ("conv1d", "conv2d", "conv3d") or (
             name == "convolution" and not arg(node, 6, "transposed")
         ):
@@ -414,8 +430,16 @@ class _StreamBuilder:
         assert self.stream is not None
         for name, node in self.param_nodes.items():
             for user in real_users(node):
-                if user not in self.stream.nodes:
-                    self.stream.shared.setdefault(name, set()).add(self.view.innermost_path(user))
+                if user in self.stream.nodes or self._transpose_for_writers(user, node):
+                    continue
+                self.stream.shared.setdefault(name, set()).add(self.view.innermost_path(user))
+
+    def _transpose_for_writers(self, user: fx.Node, param: fx.Node) -> bool:
+        """``user`` is ``param.t()`` read only by stream writers (x @ W.T): part of those writers."""
+        assert self.stream is not None
+        return _transposed_param(self.view, user) is param and all(
+            u in self.stream.nodes for u in real_users(user)
+        )
 
     # -- forwards: who reads this value, and do they all not care about its mean?
     def forward(self, node: fx.Node, d: int) -> None:

@@ -202,3 +202,41 @@ def test_layernorm_over_two_dims_and_functional_calls_are_skipped():
     _, report = RecenterLayerNorm()(model_zoo.HandWrittenNet().eval(), (torch.randn(2, 16),))
     functional = [s for s in report.skips if "::" in s.site]
     assert functional and "needs a graph rewrite" in functional[0].reason
+
+
+def _hf_causal_lm(name: str) -> nn.Module:
+    import transformers as T
+
+    small = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128}
+    configs = {
+        "opt": (T.OPTConfig, T.OPTForCausalLM, {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+        "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {"intermediate_size": 128}),
+        "phi": (T.PhiConfig, T.PhiForCausalLM, {"intermediate_size": 128}),
+        "falcon": (T.FalconConfig, T.FalconForCausalLM, {}),
+        "bloom": (T.BloomConfig, T.BloomForCausalLM, {}),
+    }
+    config_cls, model_cls, extra = configs[name]
+    torch.manual_seed(0)
+    config = config_cls(**small, **extra, bos_token_id=0, eos_token_id=0)
+    return model_zoo.randomize_norms(model_cls(config)).eval()
+
+
+@pytest.mark.parametrize(
+    ("name", "converted"),
+    [("opt", 5), ("gpt_neox", 5), ("phi", 3), ("falcon", 3)],  # Phi and Falcon: one LN per parallel block
+)
+def test_other_pre_ln_decoders_become_rmsnorm_exactly(name, converted):
+    model = _hf_causal_lm(name)
+    args, kwargs = (model_zoo._token_ids(128),), {"use_cache": False}
+    new, report = RecenterLayerNorm()(model, args, kwargs)
+    assert len(report.changes) == converted and report.skips == [], report.skips
+    _assert_exact(model, new, args, kwargs)
+
+
+def test_bloom_embedding_layernorm_starts_the_stream_so_it_is_refused():
+    model = _hf_causal_lm("bloom")
+    args, kwargs = (model_zoo._token_ids(128),), {"use_cache": False}
+    _, report = RecenterLayerNorm()(model, args, kwargs)
+    assert [c.site for c in report.changes] == ["transformer.word_embeddings_layernorm"]
+    assert all("transformer.word_embeddings_layernorm is written into the residual stream" in s.reason
+               for s in report.skips)  # fmt: skip

@@ -10,6 +10,7 @@ afterwards, module-level passes (fold BN, swap a norm) work on a ``.pt2`` as on 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -158,6 +159,41 @@ def _rms_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | 
     return m
 
 
+def _fused_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    """``normswap::{rms,layer}_norm_fwd(x, weight, bias, eps, casting, weight_offset)`` -> a fused module."""
+    from normswap.modules.fused import FusedLayerNorm, FusedRMSNorm
+
+    w, b = _get(gm, arg(n, 1, "weight")), _get(gm, arg(n, 2, "bias"))
+    if w is None:  # the normalized shape is the weight's
+        return None
+    cls = FusedRMSNorm if op_name(n) == "rms_norm_fwd" else FusedLayerNorm
+    m = cls(
+        tuple(w.shape),
+        eps=float(arg(n, 3, "eps")),
+        elementwise_affine=True,
+        bias=b is not None,
+        casting=str(arg(n, 4, "casting")),
+        weight_offset=float(arg(n, 5, "weight_offset")),
+        device="meta",
+    )
+    _set_tensors(m, holder, {"weight": w, "bias": b})
+    return m
+
+
+def _normalized_output(node: fx.Node) -> fx.Node | None:
+    """For an op returning ``(y, statistics...)``: the ``getitem(node, 0)`` node, if nothing else is read."""
+    items = list(node.users)
+    if not all(u.op == "call_function" and u.target is operator.getitem for u in items):
+        return None
+    if any(u.args[1] != 0 and u.users for u in items):
+        return None  # statistics are read (a training graph): the module would not return them
+    firsts = [u for u in items if u.args[1] == 0]
+    return firsts[0] if len(firsts) == 1 else None
+
+
+# ops that return (normalized, statistics...) rather than the normalized value alone
+_TUPLE_OPS = frozenset({"rms_norm_fwd", "layer_norm_fwd"})
+
 _BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | None]] = {
     "conv1d": _conv,
     "conv2d": _conv,
@@ -167,6 +203,8 @@ _BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | 
     "layer_norm": _layer_norm,
     "group_norm": _group_norm,
     "rms_norm": _rms_norm,
+    "rms_norm_fwd": _fused_norm,
+    "layer_norm_fwd": _fused_norm,
 }
 
 
@@ -182,6 +220,9 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
         prefix = _owner_of(gm, node)
         if prefix is None:
             continue
+        replaced = _normalized_output(node) if op_name(node) in _TUPLE_OPS else node
+        if replaced is None:
+            continue
         holder = gm.get_submodule(prefix)
         module = builder(gm, node, holder)
         if module is None or any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
@@ -190,8 +231,10 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
         attrs = _tensor_args(node)
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(prefix, (node.args[0],))
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
+        call.meta = dict(replaced.meta)
+        replaced.replace_all_uses_with(call)
+        for item in list(node.users):  # the (now unread) getitems of a tuple-returning op
+            gm.graph.erase_node(item)
         gm.graph.erase_node(node)
         for a in attrs:
             if not a.users:

@@ -40,10 +40,20 @@ def test_hf_gpt2_pt2_loads_back(tmp_path):
     assert out.count('"layer"') == 5
 
 
-def test_fused_llama_pt2_lists_its_fused_ops(tmp_path):
+def test_fused_llama_pt2_loads_back_into_fused_modules(tmp_path):
+    from normswap.load import load_model
+
     model, args, kwargs = model_zoo.llama()
     fused, _ = FuseNorm()(model, args, kwargs)
     path = tmp_path / "llama_fused.pt2"
     torch.export.save(torch.export.export(fused, args, kwargs, strict=False), path)
     out = _inspect_in_a_fresh_process(path)
-    assert out.count('["rms", "normswap::rms_norm_fwd", "llama"]') == 5
+    assert out.count('["rms", "normswap.modules.fused.FusedRMSNorm", "llama"]') == 5
+    loaded = load_model(str(path))
+    lifted = dict(loaded.model.named_modules())["model.norm"]
+    assert type(lifted).__name__ == "FusedRMSNorm" and lifted.casting == "llama"
+    with torch.no_grad():
+        expected = fused(*args, **kwargs).logits
+        got = loaded.model(*args, **kwargs)
+    got = got["logits"] if isinstance(got, dict) else got.logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)

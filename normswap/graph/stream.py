@@ -110,6 +110,13 @@ def _transposed_param(view: GraphView, node: object) -> fx.Node | None:
     return source  # type: ignore[return-value]
 
 
+def _reads_as_input(user: fx.Node, value: fx.Node) -> bool:
+    """A norm op reads ``value`` as the tensor it normalizes, not as its weight or bias."""
+    if user.op == "call_function" and op_name(user) == "layer_norm":
+        return bool(user.args) and user.args[0] is value
+    return True
+
+
 class _StreamBuilder:
     def __init__(self, view: GraphView, mean_blind: set[fx.Node], modules: dict[str, nn.Module]) -> None:
         self.view = view
@@ -120,6 +127,7 @@ class _StreamBuilder:
             **dict(self._named(modules, "named_buffers")),
         }
         self.param_nodes: dict[str, fx.Node] = {}
+        self.writers: list[fx.Node] = []
         self.stream: Stream | None = None
         self.work: list[fx.Node] = []
 
@@ -164,7 +172,8 @@ class _StreamBuilder:
 
     def build(self, seed: fx.Node) -> Stream:
         shape = _shape(seed)
-        assert shape is not None
+        if not shape:
+            return Stream(hidden=0, reason="the graph records no shapes (no example inputs to export with)")
         self.stream = Stream(hidden=shape[-1])
         try:
             self.add(seed, len(shape) - 1)
@@ -289,6 +298,9 @@ class _StreamBuilder:
         d_value = d - (len(_shape(node) or ()) - len(value_shape))
         if d_value != (want if want >= 0 else len(value_shape) + want):
             return False
+        if self._groups(writer, op_name(writer)) != 1:
+            return False
+        self.writers.append(writer)
         scale_name = self.view.param_name(scale)
         path = self.view.innermost_path(writer)
         for n in chain:
@@ -346,7 +358,7 @@ class _StreamBuilder:
             dims = reduce_dims(node)
             if dims is None:
                 raise _Refused(f"{self.describe(node)} reduces over dims that are not constant")
-            reduced = {_norm_dim(x, len(src_shape)) for x in dims}
+            reduced = {_norm_dim(x, len(src_shape)) for x in dims} or set(range(len(src_shape)))
             kept = (
                 list(range(len(src_shape)))
                 if arg(node, 2, "keepdim", False)
@@ -367,6 +379,10 @@ class _StreamBuilder:
                 f"{self.describe(node)} ({name or node.op}) writes the hidden dim from its dim {d}, "
                 "not from its output features"
             )
+        if self._groups(node, name) != 1:
+            # centering a grouped conv's weight over all output channels does not center its output
+            raise _Refused(f"{self.describe(node)} is a grouped convolution writing into the stream")
+        self.writers.append(node)
         path = self.view.innermost_path(node)
         for tensor, dim in params:
             if isinstance(tensor, str):  # a call_module's own parameter, by qualified name
@@ -376,6 +392,17 @@ class _StreamBuilder:
                     raise _Refused(f"{self.describe(node)} ({name}) uses a computed weight, not a parameter")
                 self.write_param_name(self.view.param_name(tensor), dim, name or "op", path, tensor)
         return True
+
+    def _groups(self, node: fx.Node, name: str | None) -> int:
+        if node.op == "call_module":
+            return int(getattr(self.modules.get(str(node.target)), "groups", 1))
+        if name in ("conv1d", "conv2d", "conv3d"):
+            groups = arg(node, 6, "groups", 1)
+        elif name == "convolution":
+            groups = arg(node, 8, "groups", 1)
+        else:
+            return 1
+        return groups if isinstance(groups, int) else -1
 
     def _writer_params(self, node: fx.Node, name: str | None) -> tuple[int, list[tuple[object, int]]] | None:
         """(hidden dim of the output, [(weight or bias, dim to center)]) for a linear writer op."""
@@ -391,7 +418,7 @@ class _StreamBuilder:
         if name == "linear":
             return -1, [(node.args[1], 0), (arg(node, 2, "bias"), 0)]
         if name == "addmm":  # HF Conv1D: bias + x @ W with W stored (in, out)
-            return 1, [(node.args[2], 1), (node.args[0], 0)]
+            return 1, [(node.args[2], 1), (node.args[0], -1)]  # the bias may be (N, C): its last dim
         if name in ("mm", "matmul") and self.view.is_param(node.args[1]):
             return -1, [(node.args[1], 1)]
         if name in ("mm", "matmul") and _transposed_param(self.view, node.args[1]) is not None:
@@ -414,7 +441,9 @@ class _StreamBuilder:
         assert self.stream is not None and name is not None
         tensor = self.tensors.get(name)
         shape = tuple(tensor.shape) if tensor is not None else _shape(node)
-        if shape is None or len(shape) <= dim or shape[dim] != self.stream.hidden:
+        if shape is not None and dim < 0:
+            dim += len(shape)
+        if shape is None or not 0 <= dim < len(shape) or shape[dim] != self.stream.hidden:
             raise _Refused(f"parameter {name} does not have the hidden size along dim {dim}")
         for other in self.stream.params:
             if other.name == name and (other.dim, other.scale) != (dim, scale):
@@ -426,8 +455,16 @@ class _StreamBuilder:
             self.param_nodes[name] = node
 
     def finish(self) -> None:
-        """Record readers of centered weights that are not themselves stream writers (e.g. a tied head)."""
+        """Check that no writer reads the stream (it would see the mean it loses), and record readers of
+        centered weights that are not themselves stream writers (e.g. a tied head)."""
         assert self.stream is not None
+        for writer in self.writers:
+            for value in writer.all_input_nodes:
+                if value in self.stream.nodes and not self.view.is_param(value):
+                    raise _Refused(
+                        f"{self.describe(writer)} reads the stream it writes into (x + f(x) with no norm "
+                        "before f), so it sees the mean that centering removes"
+                    )
         for name, node in self.param_nodes.items():
             for user in real_users(node):
                 if user in self.stream.nodes or self._transpose_for_writers(user, node):
@@ -447,7 +484,7 @@ class _StreamBuilder:
         for user in real_users(node):
             if user in self.stream.nodes:  # type: ignore[union-attr]
                 continue
-            if user in self.mean_blind:
+            if user in self.mean_blind and _reads_as_input(user, node):
                 if shape is None or d != len(shape) - 1:
                     raise _Refused(f"{self.describe(user)} normalizes the stream over another dim")
                 self.stream.readers.add(user)  # type: ignore[union-attr]
@@ -495,7 +532,7 @@ class _StreamBuilder:
             dims = reduce_dims(user)
             if dims is None:
                 return None
-            dims = tuple(_norm_dim(x, len(shape)) for x in dims)
+            dims = tuple(_norm_dim(x, len(shape)) for x in dims) or tuple(range(len(shape)))
             if d in dims:
                 return None
             return d if bool(arg(user, 2, "keepdim", False)) else d - sum(1 for x in dims if x < d)

@@ -24,7 +24,7 @@ import torch
 from torch import fx, nn
 
 from normswap.discover import NormSite
-from normswap.graph.ops import op_name
+from normswap.graph.ops import CAST_OPS, op_name
 from normswap.graph.stream import CenteredParam, Stream, close_stream
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
 from normswap.passes.swap_norm import build_norm
@@ -49,6 +49,10 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
     ]
+
+
+def _owner(model: nn.Module, holder: str) -> nn.Module:
+    return model.get_submodule(holder.rpartition(".")[0])
 
 
 def _under(name: str, paths: set[str]) -> bool:
@@ -77,7 +81,7 @@ class _Plan:
                         if stream.ok:
                             stream.reason = _untie_problem(ctx.model, stream)
                         self.streams.append(stream)
-                        for node in stream.nodes:
+                        for node in (seed, *stream.nodes):  # a refused stream may hold no nodes
                             self.stream_of.setdefault(node, len(self.streams) - 1)
                     ids.append(self.stream_of[seed])
             self.site_streams[site.path] = ids
@@ -90,7 +94,9 @@ def _mean_blind_nodes(ctx: PassContext) -> set[fx.Node]:
     for site in ctx.inventory:
         if site.kind == "layer" and site.is_module and site.normalized_dims == (-1,):
             for call in ctx.view.calls.get(site.path, []):
-                nodes.update(call.nodes)
+                # a cast inside the call (LayerNormFp32's x.float()) passes the value on: export routes
+                # later readers of x through it, so it is part of the stream, not a mean-blind reader
+                nodes.update(n for n in call.nodes if op_name(n) not in CAST_OPS)
     for node in ctx.view.nodes:
         if op_name(node) == "layer_norm" and node.op == "call_function":
             shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
@@ -118,9 +124,13 @@ def _untie_problem(model: nn.Module, stream: Stream) -> str | None:
     for name, readers in stream.shared.items():
         _, holders = _holders(model, name)
         others = [h for h in holders if _under(h, readers - {""})]
+        where = ", ".join(sorted(r or "<root>" for r in readers))
         if "" in readers or not others or len(others) == len(holders):
-            where = ", ".join(sorted(r or "<root>" for r in readers))
             return f"{name} is written into the stream and also read by {where}, and cannot be untied there"
+        keep = [h for h in holders if h not in others]
+        if {id(_owner(model, h)) for h in keep} & {id(_owner(model, h)) for h in others}:
+            # one module registered under several names (encoder.embed_tokens = decoder.embed_tokens)
+            return f"{name} is written into the stream and also read by {where} through the same module"
     return None
 
 

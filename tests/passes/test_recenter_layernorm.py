@@ -5,6 +5,7 @@ from __future__ import annotations
 import model_zoo
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from normswap.modules.norms import RMSNorm
@@ -240,3 +241,75 @@ def test_bloom_embedding_layernorm_starts_the_stream_so_it_is_refused():
     assert [c.site for c in report.changes] == ["transformer.word_embeddings_layernorm"]
     assert all("transformer.word_embeddings_layernorm is written into the residual stream" in s.reason
                for s in report.skips)  # fmt: skip
+
+
+class _Spoiled(nn.Module):
+    """Streams that look recenterable op by op but are not (found in review); each must be refused."""
+
+    def __init__(self, how: str, dim: int = 16) -> None:
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(50, dim)
+        self.ln1, self.ln = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+        self.dw = nn.Conv1d(dim, dim, 3, padding=1, groups=dim)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        if self.how == "writer-reads-stream":  # h + f(h) with no norm before f
+            h = h + self.fc(h)
+        elif self.how == "grouped-conv-writer":  # a depthwise conv's output is not centered by its weight
+            h = h + self.dw(self.ln1(h).transpose(1, 2)).transpose(1, 2)
+        elif self.how == "layernorm-fp32":  # CLIP's LayerNormFp32: the cast must not hide later readers
+            h = h + self.fc(F.layer_norm(h.float(), (16,), self.ln1.weight, self.ln1.bias))
+            return self.head(self.ln(h)) + h.sum(-1, keepdim=True)
+        return self.head(self.ln(h))
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("writer-reads-stream", "linear@fc reads the stream it writes into"),
+        ("grouped-conv-writer", "conv1d@dw is a grouped convolution writing into the stream"),
+        ("layernorm-fp32", "which would see its mean"),
+    ],
+)
+def test_streams_that_only_look_recenterable_are_refused(how, reason):
+    torch.manual_seed(0)
+    model = model_zoo.randomize_norms(_Spoiled(how)).eval()
+    ids = torch.randint(0, 50, (2, 7))
+    converted, report = RecenterLayerNorm()(model, (ids,))
+    assert "ln" not in [c.site for c in report.changes]
+    assert any(reason in s.reason for s in report.skips), [s.reason for s in report.skips]
+    torch.testing.assert_close(converted(ids), model(ids), rtol=0, atol=0)
+
+
+def test_without_example_inputs_streams_are_refused_not_crashed():
+    model, _, _ = model_zoo.gpt2()
+    _, report = RecenterLayerNorm()(model)
+    assert report.changes == [] and report.skips
+    assert all("no shapes" in s.reason or "no graph" in s.reason for s in report.skips), report.skips[0]
+
+
+def test_a_module_shared_under_two_names_is_not_untied_through_itself():
+    class EncoderDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Embedding(50, 16)
+            self.enc_emb = self.dec_emb = self.shared
+            self.enc_ln1, self.enc_ln = nn.LayerNorm(16), nn.LayerNorm(16)
+            self.enc_fc, self.dec_fc = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x, y):
+            a = self.enc_emb(x)
+            a = a + self.enc_fc(self.enc_ln1(a))
+            return self.dec_fc(self.dec_emb(y)) + self.enc_ln(a).mean(1, keepdim=True)
+
+    torch.manual_seed(0)
+    model = model_zoo.randomize_norms(EncoderDecoder()).eval()
+    args = (torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 5)))
+    converted, report = RecenterLayerNorm()(model, args)
+    assert report.changes == []
+    assert "through the same module" in report.skips[0].reason
+    torch.testing.assert_close(converted(*args), model(*args), rtol=0, atol=0)

@@ -151,8 +151,18 @@ def _identity_affine(module: nn.Module) -> Iterator[None]:
                     t.copy_(s)
 
 
-def _fit(n: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Per-feature least squares ``y ~ a n + b`` on (C, N) fp64 tensors; returns a, b and the residual."""
+def _fit(
+    n: torch.Tensor, y: torch.Tensor, with_bias: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Per-feature least squares ``y ~ a n + b`` on (C, N) fp64 tensors; returns a, b and the residual.
+
+    Without a bias (a norm that has none, e.g. a LayerNorm swapped in for an RMSNorm), ``y ~ a n``.
+    """
+    if not with_bias:
+        energy = (n * n).sum(1)
+        a = torch.where(energy > 1e-20, (n * y).sum(1) / energy.clamp_min(1e-20), torch.ones_like(energy))
+        b = torch.zeros_like(a)
+        return a, b, float(((a[:, None] * n - y) ** 2).sum())
     mn, my = n.mean(1, keepdim=True), y.mean(1, keepdim=True)
     dn, dy = n - mn, y - my
     var = (dn * dn).mean(1)
@@ -170,8 +180,11 @@ def _normalized(module: nn.Module, inputs: list[torch.Tensor], dim: int) -> torc
 def _fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> SiteFit | str:
     dim = _feature_dim(module)
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if not isinstance(weight, torch.Tensor) or not isinstance(bias, torch.Tensor):
-        return "the new norm has no weight and bias to fit"
+    if not isinstance(weight, torch.Tensor):
+        return "the new norm has no weight to fit"
+    if not inputs:
+        return "never ran on the calibration data (a branch the inputs do not take)"
+    has_bias = isinstance(bias, torch.Tensor)
     y = torch.cat([_per_feature(t, dim) for t in targets], dim=1)
     with torch.no_grad():
         before = torch.cat([_per_feature(module(x), dim) for x in inputs], dim=1)
@@ -184,7 +197,7 @@ def _fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch
         for candidate in (*DYT_ALPHAS, float(module.alpha.detach())):
             with torch.no_grad():
                 module.alpha.fill_(candidate)
-            a, b, residual = _fit(_normalized(module, inputs, dim), y)
+            a, b, residual = _fit(_normalized(module, inputs, dim), y, has_bias)
             if best is None or residual < best[0]:
                 best = (residual, candidate, a, b)
         assert best is not None
@@ -192,11 +205,12 @@ def _fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch
         with torch.no_grad():
             module.alpha.fill_(alpha)
     else:
-        a, b, _ = _fit(_normalized(module, inputs, dim), y)
+        a, b, _ = _fit(_normalized(module, inputs, dim), y, has_bias)
     offset = float(getattr(module, "weight_offset", 0.0))
     with torch.no_grad():
         weight.copy_((a - offset).reshape(weight.shape).to(weight.dtype))
-        bias.copy_(b.reshape(bias.shape).to(bias.dtype))
+        if has_bias:
+            bias.copy_(b.reshape(bias.shape).to(bias.dtype))
         after = torch.cat([_per_feature(module(x), dim) for x in inputs], dim=1)
     return SiteFit(
         site="",

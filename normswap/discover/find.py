@@ -140,7 +140,17 @@ def _module_is_exactly(view: GraphView, call: ModuleCall, nodes: set[fx.Node]) -
     return True
 
 
-def _site_from_match(match: NormMatch, view: GraphView, model: nn.Module) -> dict[str, Any]:
+def _relative_name(view: GraphView, node: fx.Node | None, prefix: str) -> str | None:
+    """The name of the parameter ``node`` stands for, relative to the module at ``prefix``."""
+    name = view.param_name(node) if node is not None else None
+    if name is None:
+        return None
+    if prefix and name.startswith(prefix + "."):
+        return name[len(prefix) + 1 :]
+    return name if not prefix else None
+
+
+def _site_from_match(match: NormMatch, view: GraphView, model: nn.Module, prefix: str = "") -> dict[str, Any]:
     meta = tensor_meta(match.input)
     weight_shape = None
     if match.weight is not None:
@@ -160,6 +170,8 @@ def _site_from_match(match: NormMatch, view: GraphView, model: nn.Module) -> dic
         "casting": match.casting,
         "weight_offset": match.weight_offset,
         "dtype": str(meta[1]).replace("torch.", "") if meta else None,
+        "weight_name": _relative_name(view, match.weight, prefix),
+        "bias_name": _relative_name(view, match.bias, prefix),
     }
 
 
@@ -191,7 +203,7 @@ def _add_graph_sites(
         owner = _owner_path(view, match.nodes)
         calls = view.calls.get(owner, [])
         module = modules.get(owner)
-        fields = _site_from_match(match, view, modules[""])
+        fields = _site_from_match(match, view, modules[""], owner)
         if (
             owner
             and module is not None

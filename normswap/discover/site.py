@@ -35,6 +35,10 @@ class NormSite:
     num_groups: int | None = None
     casting: str = "none"
     weight_offset: float = 0.0
+    # Names of the norm's affine tensors inside its module ("gain", "shift" for a hand-written class);
+    # None means torch's names, "weight" and "bias".
+    weight_name: str | None = None
+    bias_name: str | None = None
     dtype: str | None = None
     training: bool | None = None
     call_count: int | None = None

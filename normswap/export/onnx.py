@@ -7,6 +7,7 @@ destination. normswap's fused-norm ops become standard ops through :mod:`normswa
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -73,7 +74,7 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[Any, ...] | dict[str, Any]:
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, ...] | dict[str, Any]:
     batch = torch.export.Dim("batch", min=1, max=1024)
 
     def spec(value: Any) -> Any:
@@ -82,7 +83,9 @@ def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple[Any, ...] | dict[str, An
         return None
 
     if kwargs:
-        return {**{f"arg{i}": spec(a) for i, a in enumerate(args)}, **{k: spec(v) for k, v in kwargs.items()}}
+        # with keyword inputs, torch.export wants every input keyed by the forward's parameter names
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        return {name: spec(value) for name, value in bound.arguments.items()}
     return tuple(spec(a) for a in args)
 
 
@@ -170,7 +173,7 @@ def export_onnx(
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
     result = OnnxExport(path=str(path), opset=0, dynamic_batch=dynamic_batch)
-    set_inference_mode(model)
+    modes = {m: m.training for m in model.modules()}  # restored: exporting must not change the model
 
     def write(temp: Path) -> None:
         try:
@@ -181,7 +184,7 @@ def export_onnx(
                 dynamo=True,
                 opset_version=opset,
                 custom_translation_table=table,
-                dynamic_shapes=_dynamic_shapes(args, kwargs) if dynamic_batch else None,
+                dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic_batch else None,
                 verbose=False,
             )
         except Exception as exc:  # the exporter raises many types; the user needs the op that failed
@@ -213,7 +216,12 @@ def export_onnx(
                 f"({worst.max_rel:.3g} x max|ref|); nothing written"
             )
 
-    atomic_write(path, write)
+    try:
+        set_inference_mode(model)
+        atomic_write(path, write)
+    finally:
+        for module, training in modes.items():
+            module.training = training
     return result
 
 

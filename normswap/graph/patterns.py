@@ -129,7 +129,9 @@ def _kind_from_dims(dims: tuple[int, ...], input_rank: int | None) -> str:
     positive = sorted(d % input_rank for d in dims)
     if 0 in positive and 1 not in positive and input_rank >= 2:
         return "batch"
-    if input_rank >= 3 and positive == list(range(2, input_rank)):
+    # over the last dim of a 3-D input is a LayerNorm of (batch, tokens, hidden) far more often than an
+    # instance norm of (N, C, L); a spatial instance norm reduces two or more trailing dims
+    if input_rank >= 4 and positive == list(range(2, input_rank)):
         return "instance"
     return "layer"
 

@@ -113,7 +113,8 @@ class FeatureBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moved = x.movedim(self.dim, 1)
-        return super().forward(moved).movedim(1, self.dim)
+        # contiguous: callers such as HF GPT-2's Conv1D .view() the result
+        return super().forward(moved).movedim(1, self.dim).contiguous()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, dim={self.dim}"
@@ -166,7 +167,7 @@ class FeatureInstanceNorm(_PerFeature):
                 "instance norm needs positions to normalize over: (N, C, *) with at least one more dim"
             )
         moved = x.movedim(self.dim, 1)
-        y = F.instance_norm(moved, eps=self.eps).movedim(1, self.dim)
+        y = F.instance_norm(moved, eps=self.eps).movedim(1, self.dim).contiguous()
         return self._affine(y)
 
     def extra_repr(self) -> str:

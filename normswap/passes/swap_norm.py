@@ -91,19 +91,34 @@ def build_norm(target_kind: str, site: NormSite, like: nn.Module) -> nn.Module:
         device=device,
         dtype=dtype,
     )
+    weight, bias = affine_tensors(site, like)
     with torch.no_grad():
-        for name in ("weight", "bias"):
-            src, dst = getattr(like, name, None), getattr(new, name)
-            if dst is not None and isinstance(src, torch.Tensor):
+        for src, dst in ((weight, new.weight), (bias, new.bias)):
+            if dst is not None and src is not None:
                 dst.copy_(src.reshape(dst.shape))
     return new
 
 
+def affine_tensors(site: NormSite, module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The norm's stored weight and bias, under whatever names its class keeps them (as discovered)."""
+    found = []
+    for name, default in ((site.weight_name, "weight"), (site.bias_name, "bias")):
+        try:
+            tensor = module.get_parameter(name or default)
+        except AttributeError:
+            try:
+                tensor = module.get_buffer(name or default)
+            except AttributeError:
+                tensor = getattr(module, name or default, None)
+        found.append(tensor.detach() if isinstance(tensor, torch.Tensor) else None)
+    return found[0], found[1]
+
+
 def _effective_affine(site: NormSite, module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The per-feature weight and bias a norm applies (Gemma's stored ``w`` means ``1 + w``)."""
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    weight = weight.detach().reshape(-1) + site.weight_offset if isinstance(weight, torch.Tensor) else None
-    bias = bias.detach().reshape(-1) if isinstance(bias, torch.Tensor) else None
+    weight, bias = affine_tensors(site, module)
+    weight = weight.reshape(-1) + site.weight_offset if weight is not None else None
+    bias = bias.reshape(-1) if bias is not None else None
     return weight, bias
 
 

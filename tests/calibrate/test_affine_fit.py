@@ -87,3 +87,29 @@ def test_dyt_alpha_is_chosen_by_the_fit_and_modes_are_restored():
     assert all(a in DYT_ALPHAS for a in alphas)
     assert float(converted.encoder.layers[0].ln_1.alpha.detach()) == alphas[0]
     assert all(s.sqnr_after_db >= s.sqnr_before_db for s in report.sites)
+
+
+def test_a_bias_free_target_fits_its_weight_and_an_unused_site_is_noted():
+    from normswap.calibrate.data import ModelInputs
+
+    model, converted, sites, _, _ = _swap(model_zoo.llama, "layernorm")  # RMSNorm -> bias-free LayerNorm
+    batches = [ModelInputs((model_zoo._token_ids(128),), {"use_cache": False})]
+    report = calibrate_swapped_norms(model, converted, sites, batches)
+    assert len(report.sites) == 5 and all(s.note == "" for s in report.sites)
+    assert all(s.sqnr_after_db >= s.sqnr_before_db for s in report.sites)
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.unused = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(x)
+
+    original = model_zoo.randomize_norms(Branchy()).eval()
+    x = torch.randn(4, 8)
+    converted, result = Pipeline([SwapNorm("dyt")])(original, (x,))
+    swapped = [c.site for c in result.passes[0].changes]
+    report = calibrate_swapped_norms(original, converted, swapped, [x])
+    notes = {s.site: s.note for s in report.sites}
+    assert notes["unused"].startswith("never ran on the calibration data") and notes["norm"] == ""

@@ -96,3 +96,11 @@ def test_an_opset_the_exporter_cannot_reach_is_refused_not_silently_raised(tmp_p
     assert result.exit_code == 2
     assert "the exporter could not write opset 17 (it produced opset 18); choose --opset 18" in result.output
     assert not out.exists()
+
+
+def test_dynamic_batch_with_keyword_inputs_and_modes_restored(tmp_path):
+    model, args, kwargs = model_zoo.gpt2()  # input_ids positional, use_cache keyword
+    model.train()
+    result = export_onnx(model, tmp_path / "g.onnx", args, kwargs, dynamic_batch=True)
+    assert result.checked_batch_sizes == [2, 4] and result.within_tolerance
+    assert model.training and all(m.training for m in model.modules())  # exporting changed nothing

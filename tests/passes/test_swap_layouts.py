@@ -171,3 +171,21 @@ def test_from_kinds_limits_what_is_replaced():
     assert len(report.changes) == 23  # 18 per-block LayerNorms + 5 LayerNorm2d over channels
     layer2d = [c for c in report.changes if c.details["feature_dim"] == 1]
     assert len(layer2d) == 5 and layer2d[0].details["to_class"] == "FeatureLayerNorm"
+
+
+def test_gpt2_layernorm_to_batchnorm_and_instancenorm_run_in_hf_code():
+    # HF GPT-2's Conv1D .view()s what the norm returns: the per-layout norms must return contiguous tensors
+    model, args, kwargs = model_zoo.gpt2()
+    for to in ("batchnorm", "instancenorm"):
+        converted, report = Pipeline([SwapNorm(to)])(model, args, kwargs)
+        assert len(report.passes[0].changes) == 5
+        assert converted(*args, **kwargs).logits.shape == (2, 12, 128)
+
+
+def test_hand_written_norms_keep_their_affine_under_its_own_names():
+    model = nn.Sequential(model_zoo.HandLayerNorm(16), nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 7, 16)  # (batch, tokens, hidden): a LayerNorm, not an instance norm
+    converted, report = SwapNorm("dyt")(model, (x,))
+    assert report.changes[0].details["feature_dim"] == -1
+    torch.testing.assert_close(converted[0].weight, model[0].gain)
+    torch.testing.assert_close(converted[0].bias, model[0].shift)

@@ -75,7 +75,7 @@ class FeatureLayerNorm(_PerFeature):
         self.rms = rms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x  # fp64 stays fp64
         if not self.rms:
             xf = xf - xf.mean(dim=self.dim, keepdim=True)
         y = xf * torch.rsqrt(xf.pow(2).mean(dim=self.dim, keepdim=True) + self.eps)

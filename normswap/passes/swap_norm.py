@@ -164,7 +164,8 @@ def build_layout_norm(
             new.bias.copy_(bias)
     params = [*like.parameters(recurse=False), *like.buffers(recurse=False)]
     floating = next((t for t in params if t.is_floating_point()), None)
-    return new.to(floating.dtype) if floating is not None else new
+    # the old norm's device and dtype: a GPU model swapped without example inputs stays on its GPU
+    return new.to(device=floating.device, dtype=floating.dtype) if floating is not None else new
 
 
 def _statistics_from(bn: nn.Module, sample: torch.Tensor, dim: int) -> None:

@@ -14,9 +14,11 @@ Ops, all in the ``normswap`` namespace and normalizing over the last dim::
 ``mean``/``rstd`` are fp32 of shape ``x.shape[:-1]``; a backward returns an empty tensor for the
 gradient of an absent weight or bias (an op cannot return None). For the ``add_`` ops ``h = x + residual``
 and ``dx`` is the gradient of both x and residual, including ``dh`` (what reached h from its other
-readers). The forward ops are differentiable (``register_autograd`` calls the backward op); the backward
-ops are not (no double backward). Every op has a fake implementation, so ``torch.compile`` and
-``torch.export`` keep the op as one node instead of tracing into it.
+readers). The forward ops are differentiable (``register_autograd`` calls the backward op). A double
+backward (``create_graph=True``) differentiates the reference math instead, which autograd can
+differentiate again; the backward ops themselves have no derivative. Every op has a fake
+implementation, so ``torch.compile`` and ``torch.export`` keep the op as one node instead of tracing
+into it.
 
 Where they run: Triton on CUDA tensors of fp32/fp16/bf16; the reference math of
 :mod:`normswap.modules.functional` (and its hand-derived backward below) everywhere else, and on CPU
@@ -297,13 +299,22 @@ def _define(family: _OpFamily) -> None:
         normalized = output[1] if family.with_residual else inputs[0]
         stats = output[-family.n_stats :]
         ctx.save_for_backward(normalized, weight, bias, *stats)
-        ctx.casting, ctx.weight_offset = casting, weight_offset
+        # a double backward re-derives h from the inputs: h itself is this op's output, and
+        # differentiating through it from inside this op's backward would re-enter the op
+        ctx.summands = (inputs[0], _residual) if family.with_residual else None
+        ctx.casting, ctx.weight_offset, ctx.eps = casting, weight_offset, _eps
         ctx.mark_non_differentiable(*stats)
 
     def backward(ctx, dy, *other_grads):
         normalized, weight, bias, *stats = ctx.saved_tensors
         dh = (other_grads[0],) if family.with_residual else ()
-        dx, dw, db = bwd_op(dy, *dh, normalized, weight, bias, *stats, ctx.casting, ctx.weight_offset)
+        if torch.is_grad_enabled():
+            # create_graph=True (a double backward is coming): the backward op has no derivative, so
+            # differentiate the reference math instead, which autograd can differentiate again
+            source = ctx.summands[0] + ctx.summands[1] if family.with_residual else normalized
+            dx, dw, db = _differentiable_bwd(family.kind, ctx, dy, dh, source, weight, bias)
+        else:
+            dx, dw, db = bwd_op(dy, *dh, normalized, weight, bias, *stats, ctx.casting, ctx.weight_offset)
         # Gradients in input order: x[, residual], weight, bias, then None for eps, casting, offset.
         # x and residual enter only through h = x + residual: both get dh, the same tensor.
         i_w = 2 if family.with_residual else 1
@@ -313,6 +324,32 @@ def _define(family: _OpFamily) -> None:
         return (*grads, None, None, None)
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
+
+
+def _differentiable_bwd(
+    kind: NormKind,
+    ctx: object,
+    dy: torch.Tensor,
+    dh: tuple[torch.Tensor, ...],
+    normalized: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """First-order gradients built from differentiable ops (the reference forward, differentiated)."""
+    reference = rms_norm_reference if kind == "rms" else layer_norm_reference
+    inputs = [t for t in (normalized, weight, bias) if t is not None]
+    with torch.enable_grad():
+        y = reference(normalized, 1, weight, bias, ctx.eps, ctx.casting, ctx.weight_offset)  # type: ignore[attr-defined]
+        grads = torch.autograd.grad(y, inputs, dy, create_graph=True, allow_unused=True)
+    found = dict(zip((id(t) for t in inputs), grads, strict=True))
+    dx = found.get(id(normalized))
+    if dh and dh[0] is not None:  # add_* ops: the sum's own gradient joins the norm's
+        dx = dh[0] if dx is None else dx + dh[0]
+    return (
+        dx,
+        found.get(id(weight)) if weight is not None else None,
+        found.get(id(bias)) if bias is not None else None,
+    )
 
 
 for _family in _FAMILIES:

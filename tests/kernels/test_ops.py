@@ -194,3 +194,45 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def _second_order(fn, *inputs):
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    y = fn(*inputs)
+    ramp = torch.linspace(-1, 1, y.shape[-1])
+    first = torch.autograd.grad((y * ramp).sum(), inputs, create_graph=True, allow_unused=True)
+    loss = sum((g**2).sum() for g in first if g is not None)
+    return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+
+def test_double_backward_matches_the_reference_math():
+    from normswap.kernels import ops
+    from normswap.modules.functional import layer_norm_reference, rms_norm_reference
+
+    torch.manual_seed(0)
+    x, r, w, b = torch.randn(3, 7), torch.randn(3, 7), torch.rand(7) + 0.5, torch.randn(7)
+    cases = [
+        (
+            lambda x, r, w, b: ops.rms_norm(x, w, b, 1e-6),
+            lambda x, r, w, b: rms_norm_reference(x, 1, w, b, 1e-6),
+        ),
+        (
+            lambda x, r, w, b: ops.layer_norm(x, w, b, 1e-5),
+            lambda x, r, w, b: layer_norm_reference(x, 1, w, b, 1e-5),
+        ),
+        (
+            lambda x, r, w, b: ops.rms_norm(x, w, None, 1e-6, "gemma", 1.0),
+            lambda x, r, w, b: rms_norm_reference(x, 1, w, None, 1e-6, "gemma", 1.0),
+        ),
+        (
+            lambda x, r, w, b: ops.add_rms_norm(x, r, w, b, 1e-6)[0],
+            lambda x, r, w, b: rms_norm_reference(x + r, 1, w, b, 1e-6),
+        ),
+    ]
+    for fused, reference in cases:
+        got, expected = _second_order(fused, x, r, w, b), _second_order(reference, x, r, w, b)
+        for g, e in zip(got, expected, strict=True):
+            assert (g is None) == (e is None)
+            if g is not None:
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+        assert got[0] is not None and got[0].abs().sum() > 0  # a real second derivative w.r.t. x

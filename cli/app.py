@@ -594,9 +594,8 @@ def _export_checked(
     model: Any, output: Path, args: tuple, kwargs: dict, opset: int | None, dynamic_batch: bool, source: Any
 ) -> dict[str, Any]:
     """Export to ONNX, check in onnxruntime, print the figures; returns them for the JSON report."""
-    import torch
 
-    from normswap.export.onnx import ONNX_TOLERANCE, export_onnx
+    from normswap.export.onnx import export_onnx, onnx_tolerance
 
     with contextlib.redirect_stdout(sys.stderr) if not err.is_terminal else contextlib.nullcontext():
         # torch.onnx prints progress lines to stdout; keep stdout for normswap's own report
@@ -607,7 +606,7 @@ def _export_checked(
     out.print(f"ONNX opset {result.opset}: {sum(result.op_counts.values())} nodes ({ops})")
     worst = max(result.outputs, key=lambda o: o.max_rel)
     sizes = " and ".join(str(b) for b in result.checked_batch_sizes)
-    tol = ONNX_TOLERANCE.get(getattr(torch, worst.dtype), 1e-4)
+    tol = onnx_tolerance(worst.dtype)
     out.print(
         f"onnxruntime vs PyTorch on batch size {sizes}: max abs {_fmt_float(worst.max_abs)} = "
         f"{_fmt_float(worst.max_rel)} x max|ref| (tolerance {tol:g}) [green]PASS[/]"

@@ -24,30 +24,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+# the same tiny Llama as the norm-affine example (also this file's factory, for the CLI)
+from fold_norm_affine import build
 
 from normswap.export.onnx_ops import translation_table
 from normswap.passes import FuseAddNorm, FuseNorm, Pipeline
-
-
-def build() -> tuple[LlamaForCausalLM, tuple, dict]:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # trained norms are far from weight 1; so are these
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    ids = torch.randint(0, 128, (2, 12))
-    return model, (ids,), {"use_cache": False}
 
 
 def main() -> None:

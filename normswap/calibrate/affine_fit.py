@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.calibrate.data import ModelInputs, as_model_inputs
+from normswap.load.mode import modes_restored
 from normswap.validate.metrics import flatten_outputs, sqnr_db
 
 # DyT's alpha candidates: log-spaced over the range trained models end up in (Zhu et al. 2025).
@@ -248,10 +249,7 @@ def calibrate_swapped_norms(
     report = AffineCalibrationReport(batches=len(data))
     if not data or not sites:
         return report
-    modes = {m: m.training for m in (*original.modules(), *converted.modules())}
-    try:
-        original.eval()
-        converted.eval()
+    with modes_restored(original, converted, inference=True):
         reference = [copy.deepcopy(_run(original, b)) for b in data]
         report.model_sqnr_before_db = _model_sqnr(reference, converted, data)
         with _recording(original, sites, "output") as outputs:
@@ -271,7 +269,4 @@ def calibrate_swapped_norms(
             fit.site = site
             report.sites.append(fit)
         report.model_sqnr_after_db = _model_sqnr(reference, converted, data)
-    finally:
-        for m, training in modes.items():
-            m.training = training
     return report

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, CheckFailedError
-from normswap.load.mode import set_inference_mode
+from normswap.load.mode import modes_restored
 from normswap.load.save import atomic_write, same_file
 from normswap.validate.metrics import TensorComparison, compare_tensors
 
@@ -40,7 +40,7 @@ class OnnxExport:
 
     @property
     def within_tolerance(self) -> bool:
-        return all(o.max_rel <= ONNX_TOLERANCE.get(_dtype(o.dtype), 1e-4) for o in self.outputs)
+        return all(o.max_rel <= onnx_tolerance(o.dtype) for o in self.outputs)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -48,8 +48,9 @@ class OnnxExport:
         return data
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name, torch.float32)
+def onnx_tolerance(dtype_name: str) -> float:
+    """:data:`ONNX_TOLERANCE` for an output dtype as comparisons record it ("float32", "bfloat16")."""
+    return ONNX_TOLERANCE.get(getattr(torch, dtype_name, torch.float32), 1e-4)
 
 
 def _failing_op(message: str) -> str:
@@ -173,7 +174,6 @@ def export_onnx(
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
     result = OnnxExport(path=str(path), opset=0, dynamic_batch=dynamic_batch)
-    modes = {m: m.training for m in model.modules()}  # restored: exporting must not change the model
 
     def write(temp: Path) -> None:
         try:
@@ -216,12 +216,8 @@ def export_onnx(
                 f"({worst.max_rel:.3g} x max|ref|); nothing written"
             )
 
-    try:
-        set_inference_mode(model)
+    with modes_restored(model, inference=True):  # exporting must not change the model
         atomic_write(path, write)
-    finally:
-        for module, training in modes.items():
-            module.training = training
     return result
 
 

@@ -7,13 +7,14 @@ back to the module path that ran it.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
+
+from normswap.load.mode import modes_restored
 
 
 @dataclass
@@ -40,18 +41,6 @@ def _short_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:300]}"
 
 
-@contextlib.contextmanager
-def _eval_copy_guard(model: nn.Module):
-    # Export may record buffer mutations of BN in train mode; capture never changes user state, so we
-    # remember every module's training flag and restore it.
-    modes = {m: m.training for m in model.modules()}
-    try:
-        yield
-    finally:
-        for m, training in modes.items():
-            m.training = training
-
-
 def capture_graph(
     model: nn.Module,
     example_args: tuple | None = None,
@@ -67,7 +56,7 @@ def capture_graph(
     errors: list[str] = []
     if example_args is not None or example_kwargs:
         try:
-            with _eval_copy_guard(model), warnings.catch_warnings():
+            with modes_restored(model), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 exported = torch.export.export(
                     model, tuple(example_args or ()), kwargs=dict(example_kwargs or {}), strict=False

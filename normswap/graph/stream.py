@@ -9,7 +9,7 @@ RMSNorm (Jiang et al., "Pre-RMSNorm and Pre-CRMSNorm Transformers", NeurIPS 2023
 
 :func:`close_stream` answers, on a captured graph and starting from a LayerNorm's input: which values
 must be zero-mean along the hidden dim (the "stream"), which parameters must be centered to make them
-so, which mean-blind readers read it — or why it cannot be done, as a sentence for a person.
+so — or why it cannot be done, as a sentence for a person.
 
 The stream is closed in both directions. Backwards, a value is zero-mean if it is a sum of zero-mean
 values, a reshaping/selection that keeps the hidden dim whole, or written by a linear map whose weight
@@ -59,7 +59,6 @@ class Stream:
     params: list[CenteredParam] = field(default_factory=list)
     # Per-feature scales folded into the writer before them: set to ones after the fold.
     folded_scales: list[str] = field(default_factory=list)
-    readers: set[fx.Node] = field(default_factory=set)  # mean-blind nodes that read the stream
     # Parameters that other, non-stream ops also read: name -> module paths of those readers.
     shared: dict[str, set[str]] = field(default_factory=dict)
     reason: str | None = None
@@ -487,7 +486,6 @@ class _StreamBuilder:
             if user in self.mean_blind and _reads_as_input(user, node):
                 if shape is None or d != len(shape) - 1:
                     raise _Refused(f"{self.describe(user)} normalizes the stream over another dim")
-                self.stream.readers.add(user)  # type: ignore[union-attr]
                 continue
             if user.op == "output":
                 raise _Refused(f"{self.describe(node)} is an output of the model, which would see its mean")

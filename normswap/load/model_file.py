@@ -505,12 +505,22 @@ class _Collect(logging.Handler):
             self.messages.append("".join(traceback.format_exception(record.exc_info[1])))
 
 
+def _registering_module(failure: str) -> str | None:
+    """The module to import so that a failed ``torch.export.load`` can succeed, if it is one we trust:
+    normswap's own ops (a fused model's graph calls them), or the output classes' module of a library in
+    :data:`_OUTPUT_TYPE_PACKAGES`."""
+    if "torch.ops.normswap." in failure:
+        return "normswap.kernels.ops"
+    found = _UNREGISTERED_TYPE.search(failure)
+    name = found.group(1) if found else ""
+    return name.rpartition(".")[0] if name.startswith(_OUTPUT_TYPE_PACKAGES) else None
+
+
 def _read_exported_program(path: Path) -> Any:
-    """``torch.export.load``, after registering what the archive may need: normswap's own ops, and the
-    output classes of the libraries in :data:`_OUTPUT_TYPE_PACKAGES` it names."""
-    importlib.import_module("normswap.kernels.ops")  # a fused model's graph calls normswap:: ops
+    """``torch.export.load``, registering what the archive needs (see :func:`_registering_module`) and
+    retrying; only archives that need it pay for those imports."""
     imported: set[str] = set()
-    # torch names the unregistered class only in a warning it logs, not in the exception it raises
+    # torch names what is missing only in a warning it logs, not in the exception it raises
     export_log = logging.getLogger("torch.export")
     while True:
         # torch attaches its own handler to this logger; ours replaces it while we may retry
@@ -522,10 +532,8 @@ def _read_exported_program(path: Path) -> Any:
             with path.open("rb") as f:
                 return torch.export.load(f)
         except Exception as exc:
-            found = _UNREGISTERED_TYPE.search(" ".join([*collect.messages, str(exc)]))
-            name = found.group(1) if found else ""
-            module = name.rpartition(".")[0]
-            if not module or module in imported or not name.startswith(_OUTPUT_TYPE_PACKAGES):
+            module = _registering_module(" ".join([*collect.messages, str(exc)]))
+            if module is None or module in imported:
                 raise
             try:
                 importlib.import_module(module)

@@ -109,20 +109,21 @@ def _mean_blind_nodes(ctx: PassContext) -> set[fx.Node]:
     return nodes
 
 
-def _holders(model: nn.Module, name: str) -> tuple[torch.Tensor, list[str]]:
-    named = dict(_named_tensors(model))
-    tensor = named[name]
-    return tensor, [n for n, t in _named_tensors(model) if t is tensor]
+def _holders(named: list[tuple[str, torch.Tensor]], name: str) -> tuple[torch.Tensor, list[str]]:
+    """The tensor called ``name`` in ``named`` (a model's named tensors) and every name it has there."""
+    tensor = dict(named)[name]
+    return tensor, [n for n, t in named if t is tensor]
 
 
 def _untie_problem(model: nn.Module, stream: Stream) -> str | None:
     """Why a centered parameter that other modules also read cannot be given its own copy, if so."""
-    names = dict(_named_tensors(model))
+    named = _named_tensors(model)
+    names = dict(named)
     for param in stream.params:
         if param.name not in names:
             return f"parameter {param.name} of the graph is not found in the model"
     for name, readers in stream.shared.items():
-        _, holders = _holders(model, name)
+        _, holders = _holders(named, name)
         others = [h for h in holders if _under(h, readers - {""})]
         where = ", ".join(sorted(r or "<root>" for r in readers))
         if "" in readers or not others or len(others) == len(holders):
@@ -137,13 +138,15 @@ def _untie_problem(model: nn.Module, stream: Stream) -> str | None:
 def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
     """Center the stream's writers in ``model``; returns what was changed, for the report."""
     centered, untied = [], []
+    # read once: untying only re-points names whose parameter is then done, so the rest stay valid
+    named = _named_tensors(model)
     by_name: dict[str, CenteredParam] = {p.name: p for p in stream.params}
     for name, param in by_name.items():
         if name in done:
             continue
         done.add(name)
-        tensor, holders = _holders(model, name)
-        scale = _holders(model, param.scale)[0] if param.scale else None
+        tensor, holders = _holders(named, name)
+        scale = _holders(named, param.scale)[0] if param.scale else None
         new_value = center_along(tensor, param.dim, scale)
         others = [h for h in holders if _under(h, stream.shared.get(name, set()) - {""})]
         if not others:
@@ -163,7 +166,7 @@ def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
         centered.append(f"{name} (dim {param.dim}, via {param.via})")
     for name in stream.folded_scales:
         with torch.no_grad():
-            _holders(model, name)[0].fill_(1.0)
+            _holders(named, name)[0].fill_(1.0)
     if stream.folded_scales:
         centered += [f"{name} (folded into the layer before it, now ones)" for name in stream.folded_scales]
     config = getattr(model, "config", None)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.load.mode import set_inference_mode
+from normswap.load.mode import modes_restored
 from normswap.validate.metrics import (
     TensorComparison,
     compare_tensors,
@@ -83,19 +83,6 @@ class ValidationReport:
             "outputs": [{**asdict(o.comparison), "top5_agreement": o.top5_agreement} for o in self.outputs],
             "layers": [asdict(layer) for layer in self.layers],
         }
-
-
-@contextlib.contextmanager
-def _eval_mode(*models: nn.Module) -> Iterator[None]:
-    """Validation is about inference: eval mode while comparing, every module's mode restored after."""
-    modes = {m: m.training for model in models for m in model.modules()}
-    try:
-        for model in models:
-            set_inference_mode(model)
-        yield
-    finally:
-        for m, training in modes.items():
-            m.training = training
 
 
 def _call(model: nn.Module, what: str, args: tuple, kwargs: dict) -> Any:
@@ -176,7 +163,8 @@ def validate_models(
     ref_outputs: list[Any] = []
     new_outputs: list[Any] = []
     with (
-        _eval_mode(original, converted),
+        # validation is about inference; every module's mode comes back afterwards
+        modes_restored(original, converted, inference=True),
         _record_outputs(original, paths) as (ref_layers, order),
         _record_outputs(converted, paths) as (new_layers, _),
         torch.no_grad(),

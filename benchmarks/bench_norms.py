@@ -1,20 +1,33 @@
 """Bandwidth of normswap's fused norms against torch eager, torch.compile and Liger-Kernel (CUDA only).
 
-For each norm (rms, layer), op (fwd, bwd, add_fwd: residual add + norm forward), dtype and [M, N] shape,
-every provider is timed as the median of repeats with the L2 cache flushed before each one
-(``triton.testing.do_bench``), and reported as effective bandwidth over the bytes the op must move:
+For each norm (rms, layer), op, dtype and [M, N] shape, every provider (torch eager, torch.compile,
+Liger-Kernel when installed, normswap) is timed as the median of repeats with the L2 cache flushed
+before each one (``triton.testing.do_bench``), and reported as effective bandwidth over the bytes the
+op must move, s being the element size:
 
     fwd:     2 * M * N * s   (read x, write y)
-    bwd:     3 * M * N * s   (read x and dy, write dx; the backward through autograd, i.e. what training
-                              pays, parameter gradients included but their O(N) bytes not counted)
-    add_fwd: 4 * M * N * s   (read x and residual, write y and h)
+    bwd:     3 * M * N * s   (read x and dy, write dx)
+    add_fwd: 4 * M * N * s   (h = x + residual, y = norm(h): read x and residual, write y and h)
+    add_bwd: 4 * M * N * s   (read h, dy and dh, write dx; d(residual) is d(x), the same tensor,
+                              so it is written once, and x and residual need not be read again)
 
-with s the element size. A device-to-device copy measured in the same run gives the roofline each
-figure is divided by (DESIGN.md: forward >= 90% of copy at M >= 16K rows, N in 2K..32K, bf16; backward
->= 70%). Results go to benchmarks/results/ as JSON and, when matplotlib is installed, a PNG.
+The backwards are the backward through autograd (what training pays) from gradients given for every
+output (dy, and dh for add_bwd), to x (and residual), weight and bias; the parameter gradients' O(N)
+bytes are not counted. Liger-Kernel has no fused add + LayerNorm, so its add_* LayerNorm columns are
+empty, with the reason in the record's note.
+
+A device-to-device copy measured in the same run gives the roofline each figure is divided by.
+The summary checks DESIGN.md's goals on bf16, M >= 16K rows, N in 2K..32K: median fraction of copy
+forward >= 90%, backward >= 70%, fused add + norm forward >= 85% and backward >= 70%; whether normswap
+is ahead of every other provider on each of those shapes; and, for small M (<= 256), normswap's median
+time against eager's and compile's (no host-overhead floor). Results go to benchmarks/results/ as JSON
+and, when matplotlib is installed, a PNG.
 
     python benchmarks/bench_norms.py --quick
     python benchmarks/bench_norms.py --norms rms --ops fwd bwd --dtypes bf16 --m 16384 --n 4096 8192
+
+``run`` takes the device and the timing function as parameters, so the tests exercise it on the CPU
+with a fake timer; ``main`` refuses without CUDA.
 """
 
 from __future__ import annotations
@@ -35,12 +48,22 @@ N_ALL = (768, 1024, 2048, 4096, 5120, 8192, 16384, 32768, 65536)
 M_QUICK = (4096, 16384)
 N_QUICK = (2048, 4096, 8192, 32768)
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-OPS = ("fwd", "bwd", "add_fwd")
+OPS = ("fwd", "bwd", "add_fwd", "add_bwd")
 NORMS = ("rms", "layer")
 PROVIDERS = ("eager", "compile", "liger", "normswap")
-BYTES_PER_ELEMENT_MOVED = {"fwd": 2, "bwd": 3, "add_fwd": 4}
+BYTES_PER_ELEMENT_MOVED = {"fwd": 2, "bwd": 3, "add_fwd": 4, "add_bwd": 4}
 EPS = 1e-6
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# DESIGN.md's goals: median fraction of copy bandwidth over the goal region, per op.
+TARGETS = {"fwd": 0.9, "bwd": 0.7, "add_fwd": 0.85, "add_bwd": 0.7}
+GOAL_DTYPE = "bf16"
+GOAL_M_MIN = 16384
+GOAL_N = (2048, 32768)
+SMALL_M = 256  # "small M": rows where host overhead, not bandwidth, bounds the time
+
+# Timing functions: (fn, rep, grad_to_none=None) -> median milliseconds of one call of fn.
+Timer = Callable[..., float]
 
 
 @dataclass
@@ -51,9 +74,10 @@ class Record:
     m: int
     n: int
     provider: str
-    ms: float | None
-    gbps: float | None
-    frac_of_copy: float | None
+    nbytes: int
+    ms: float | None = None
+    gbps: float | None = None
+    frac_of_copy: float | None = None
     note: str = ""
 
 
@@ -83,8 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Providers: each returns a function of (x, residual, weight, bias) -> y (or (y, h)), or raises
-# NotImplementedError with the reason it does not apply.
+# Providers: each returns a function of (x, residual, weight, bias) -> y (or (y, h) with the residual
+# add), or raises NotImplementedError with the reason it does not apply.
 
 
 def _eager(norm: str, add: bool) -> Callable:
@@ -106,6 +130,9 @@ def _compiled(norm: str, add: bool) -> Callable:
     import torch
 
     # A fresh compiled function per shape (dynamic=False): the fastest inductor can do for that shape.
+    # Every shape recompiles the same code object; without the reset, dynamo's recompile limits
+    # (8 per code object, 256 accumulated) would make later shapes fall back to eager silently.
+    torch._dynamo.reset()
     return torch.compile(_eager(norm, add), dynamic=False)
 
 
@@ -132,6 +159,7 @@ def _liger(norm: str, add: bool) -> Callable:
         if norm == "rms" and add:
             from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
 
+            # returns (y, h); its backward takes (dy, dh) and gives d(x) = d(residual)
             return lambda x, r, w, b: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "none")
     except ImportError as e:
         raise NotImplementedError(f"liger-kernel not importable: {e}") from e
@@ -145,58 +173,86 @@ MAKERS = {"eager": _eager, "compile": _compiled, "liger": _liger, "normswap": _n
 
 
 def _median_ms(fn: Callable[[], object], rep: int, grad_to_none=None) -> float:
+    """CUDA timing: do_bench flushes L2 (writes a 256 MB buffer) before every repeat; the median."""
     from triton.testing import do_bench
 
-    # do_bench flushes L2 (writes a 256 MB buffer) before every repeat and returns the median.
     return float(do_bench(fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median"))
 
 
-def measure_copy_gbps(rep: int) -> float:
-    """Device-to-device copy bandwidth (read + write) on 1 GiB: the roofline for memory-bound kernels."""
+def measure_copy_gbps(
+    rep: int, device: str = "cuda", timer: Timer = _median_ms, numel: int = 1 << 29
+) -> float:
+    """Device-to-device copy bandwidth (read + write), 1 GiB by default: the memory-bound roofline."""
     import torch
 
-    numel = 1 << 29
-    src = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+    src = torch.empty(numel, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src), rep)
+    ms = timer(lambda: dst.copy_(src), rep)
     return 2 * numel * src.element_size() / ms / 1e6
 
 
-def _bench_one(provider: str, norm: str, op: str, dtype, m: int, n: int, rep: int) -> float:
+def _bench_one(
+    provider: str,
+    norm: str,
+    op: str,
+    dtype,
+    m: int,
+    n: int,
+    rep: int,
+    device: str = "cuda",
+    timer: Timer = _median_ms,
+) -> float:
     import torch
 
-    add = op == "add_fwd"
+    add = op.startswith("add_")
     fn = MAKERS[provider](norm, add)
-    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    x = torch.randn(m, n, device=device, dtype=dtype)
     r = torch.randn_like(x) if add else None
-    w = torch.randn(n, device="cuda", dtype=dtype)
-    b = torch.randn(n, device="cuda", dtype=dtype) if norm == "layer" else None
+    w = torch.randn(n, device=device, dtype=dtype)
+    b = torch.randn(n, device=device, dtype=dtype) if norm == "layer" else None
     if op in ("fwd", "add_fwd"):
         with torch.no_grad():
             fn(x, r, w, b)  # compile / autotune outside the timing
-            return _median_ms(lambda: fn(x, r, w, b), rep)
-    x.requires_grad_()
-    w.requires_grad_()
-    if b is not None:
-        b.requires_grad_()
-    y = fn(x, r, w, b)
-    dy = torch.randn_like(y)
-    inputs = [t for t in (x, w, b) if t is not None]
-    torch.autograd.grad(y, inputs, dy, retain_graph=True)
-    return _median_ms(lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True), rep)
+            return timer(lambda: fn(x, r, w, b), rep)
+    # bwd / add_bwd: the backward through autograd, from a gradient for every output.
+    inputs = [t for t in (x, r, w, b) if t is not None]
+    for t in inputs:
+        t.requires_grad_()
+    out = fn(x, r, w, b)
+    outputs = tuple(out) if add else (out,)  # add: (y, h)
+    grads = tuple(torch.randn_like(t) for t in outputs)  # dy (, dh)
+
+    def backward():
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
+
+    backward()  # compile / autotune outside the timing
+    return timer(backward, rep)
 
 
 def _needed_bytes(op: str, m: int, n: int, itemsize: int) -> int:
     # Inputs, outputs, saved tensors and fp32 temporaries of the hungriest provider, roughly.
-    live = {"fwd": 3, "bwd": 6, "add_fwd": 5}[op]
+    live = {"fwd": 3, "bwd": 6, "add_fwd": 5, "add_bwd": 8}[op]
     return live * m * n * max(itemsize, 4)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(
+    args: argparse.Namespace,
+    device: str = "cuda",
+    timer: Timer = _median_ms,
+    *,
+    copy_numel: int = 1 << 29,
+) -> dict:
+    """Measure every (dtype, norm, op, M, N, provider) of ``args``; returns {"meta", "records"}.
+
+    ``device`` and ``timer`` (``(fn, rep, grad_to_none=None) -> ms``) are what the tests replace to
+    run it on the CPU; the copy is measured with them too, on ``copy_numel`` bf16 elements.
+    """
     import torch
 
-    torch._dynamo.config.cache_size_limit = 1024
-    copy_gbps = measure_copy_gbps(args.rep)
+    on_cuda = torch.device(device).type == "cuda"
+    if on_cuda and "compile" in args.providers:
+        torch._dynamo.config.cache_size_limit = 1024
+    copy_gbps = measure_copy_gbps(args.rep, device, timer, copy_numel)
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s")
     records: list[Record] = []
     for dtype_name in args.dtypes:
@@ -207,15 +263,19 @@ def run(args: argparse.Namespace) -> dict:
                 for m in args.m:
                     for n in args.n:
                         nbytes = BYTES_PER_ELEMENT_MOVED[op] * m * n * itemsize
-                        free, _ = torch.cuda.mem_get_info()
-                        too_big = _needed_bytes(op, m, n, itemsize) > args.mem_fraction * free
+                        too_big = False
+                        if on_cuda:
+                            free, _ = torch.cuda.mem_get_info()
+                            too_big = _needed_bytes(op, m, n, itemsize) > args.mem_fraction * free
                         for provider in args.providers:
-                            rec = Record(norm, op, dtype_name, m, n, provider, None, None, None)
+                            rec = Record(norm, op, dtype_name, m, n, provider, nbytes)
                             if too_big:
                                 rec.note = "skipped: does not fit in memory"
                             else:
                                 try:
-                                    rec.ms = _bench_one(provider, norm, op, dtype, m, n, args.rep)
+                                    rec.ms = _bench_one(
+                                        provider, norm, op, dtype, m, n, args.rep, device, timer
+                                    )
                                     rec.gbps = nbytes / rec.ms / 1e6
                                     rec.frac_of_copy = rec.gbps / copy_gbps
                                 except NotImplementedError as e:
@@ -223,50 +283,114 @@ def run(args: argparse.Namespace) -> dict:
                                 except torch.OutOfMemoryError:
                                     rec.note = "out of memory"
                                 finally:
-                                    torch.cuda.empty_cache()
+                                    if on_cuda:
+                                        torch.cuda.empty_cache()
                             records.append(rec)
                             shown = (
                                 f"{rec.gbps:7.0f} GB/s ({rec.frac_of_copy:4.0%})" if rec.gbps else rec.note
                             )
                             print(f"{norm:5} {op:7} {dtype_name:4} M={m:<6} N={n:<6} {provider:9} {shown}")
-    import triton
+    try:
+        import triton
 
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     return {
         "meta": {
-            "device": torch.cuda.get_device_name(),
+            "device": torch.cuda.get_device_name(device) if on_cuda else f"{device} ({platform.machine()})",
             "torch": torch.__version__,
-            "triton": triton.__version__,
+            "triton": triton_version,
             "python": platform.python_version(),
             "copy_gbps": copy_gbps,
-            "bytes": "fwd 2*M*N*s, bwd 3*M*N*s, add_fwd 4*M*N*s",
-            "timing": "triton.testing.do_bench median, L2 flushed before each repeat",
+            "bytes": ", ".join(f"{op} {k}*M*N*s" for op, k in BYTES_PER_ELEMENT_MOVED.items()),
+            "timing": (
+                "triton.testing.do_bench median, L2 flushed before each repeat"
+                if timer is _median_ms
+                else getattr(timer, "__name__", type(timer).__name__)
+            ),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
         "records": [asdict(r) for r in records],
     }
 
 
+# ---------------------------------------------------------------------------------------------------
+# Summary: a pure function of run()'s result.
+
+
+def _in_goal_region(r: dict) -> bool:
+    return r["dtype"] == GOAL_DTYPE and r["m"] >= GOAL_M_MIN and GOAL_N[0] <= r["n"] <= GOAL_N[1]
+
+
+def _shape(r: dict) -> str:
+    return f"{r['dtype']} M={r['m']} N={r['n']}"
+
+
 def summarize(result: dict) -> str:
-    """DESIGN.md's targets: median fraction of copy for M >= 16K, N in 2K..32K, bf16."""
-    lines = []
-    for op, target in (("fwd", 0.9), ("bwd", 0.7), ("add_fwd", 0.9)):
-        for provider in PROVIDERS:
-            fr = [
-                r["frac_of_copy"]
-                for r in result["records"]
-                if r["op"] == op
-                and r["provider"] == provider
-                and r["dtype"] == "bf16"
-                and r["m"] >= 16384
-                and 2048 <= r["n"] <= 32768
-                and r["frac_of_copy"] is not None
-            ]
-            if fr:
-                med = statistics.median(fr)
-                mark = "ok" if med >= target else "below"
+    """DESIGN.md's goals against the measured records.
+
+    Per op and norm, over the goal region (bf16, M >= 16K, N in 2K..32K): each provider's median
+    fraction of copy against the op's target ("ok" / "below"), and on how many of those shapes normswap
+    is not ahead of every other provider measured on it (with the worst one). Per op, for M <= 256: the
+    median time of normswap against eager and compile over the shapes all of them measured.
+    """
+    measured = [r for r in result["records"] if r.get("gbps") is not None and r.get("ms") is not None]
+    lines = [
+        f"goal region: {GOAL_DTYPE}, M >= {GOAL_M_MIN}, N in {GOAL_N[0]}..{GOAL_N[1]}; "
+        "median fraction of the copy bandwidth"
+    ]
+    for op in OPS:
+        target = TARGETS[op]
+        for norm in NORMS:
+            goal = [r for r in measured if r["op"] == op and r["norm"] == norm and _in_goal_region(r)]
+            for provider in PROVIDERS:
+                fr = [r["frac_of_copy"] for r in goal if r["provider"] == provider]
+                if fr:
+                    med = statistics.median(fr)
+                    mark = "ok" if med >= target else "below"
+                    lines.append(
+                        f"{op:7} {norm:5} {provider:9} median {med:5.0%} of copy over {len(fr)} shapes "
+                        f"({mark} {target:.0%})"
+                    )
+            by_shape: dict[tuple, dict[str, dict]] = {}
+            for r in goal:
+                by_shape.setdefault((r["dtype"], r["m"], r["n"]), {})[r["provider"]] = r
+            compared = [v for v in by_shape.values() if "normswap" in v and len(v) > 1]
+            if not compared:
+                continue
+            behind = []  # (normswap / best other, normswap record, best other record)
+            for v in compared:
+                ours = v["normswap"]
+                best = max((r for p, r in v.items() if p != "normswap"), key=lambda r: r["gbps"])
+                if ours["gbps"] <= best["gbps"]:
+                    behind.append((ours["gbps"] / best["gbps"], ours, best))
+            if behind:
+                _, ours, best = min(behind, key=lambda t: t[0])
                 lines.append(
-                    f"{op:7} {provider:9} median {med:5.0%} of copy over {len(fr)} shapes ({mark} {target:.0%})"
+                    f"{op:7} {norm:5} normswap not ahead on {len(behind)} of {len(compared)} shapes; "
+                    f"worst {_shape(ours)}: normswap {ours['gbps']:.0f} GB/s vs "
+                    f"{best['provider']} {best['gbps']:.0f} GB/s"
                 )
+            else:
+                lines.append(f"{op:7} {norm:5} normswap ahead on all {len(compared)} shapes")
+    for op in OPS:
+        by_shape = {}
+        for r in measured:
+            if r["op"] == op and r["m"] <= SMALL_M:
+                by_shape.setdefault((r["norm"], r["dtype"], r["m"], r["n"]), {})[r["provider"]] = r["ms"]
+        others = [p for p in ("eager", "compile") if any(p in v for v in by_shape.values())]
+        shapes = [v for v in by_shape.values() if "normswap" in v and all(p in v for p in others)]
+        if not others or not shapes:
+            continue
+        us = {p: statistics.median(v[p] for v in shapes) * 1e3 for p in ("normswap", *others)}
+        slower = sum(v["normswap"] > min(v[p] for p in others) for v in shapes)
+        mark = "ok" if us["normswap"] <= min(us[p] for p in others) else "slower"
+        vs = ", ".join(f"{p} {us[p]:.1f} us" for p in others)
+        lines.append(
+            f"{op:7} small M (<= {SMALL_M}): normswap median {us['normswap']:.1f} us vs {vs} over "
+            f"{len(shapes)} shapes; slower than the fastest of them on {slower} ({mark})"
+        )
     return "\n".join(lines)
 
 
@@ -281,7 +405,7 @@ def plot(result: dict, path: Path) -> bool:
     recs = result["records"]
     panels = sorted({(r["norm"], r["op"], r["dtype"]) for r in recs})
     m_plot = max((r["m"] for r in recs), key=lambda m: (m <= 16384, m))  # 16384 rows when measured
-    cols = 3
+    cols = len(OPS)
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     for ax, (norm, op, dtype) in zip(axes.flat, panels, strict=False):

@@ -110,6 +110,34 @@ def test_hand_written_norms_found_whatever_they_are_called():
     assert inv.by_path("rms").producer == "fc"
 
 
+class _InlineChannelRMSNorm(nn.Module):
+    """RMSNorm over the C of NCHW with its weight reshaped to (1, C, 1, 1), or to a wrong dim."""
+
+    def __init__(self, channels: int, weight_shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(channels) + 0.5)
+        self.weight_shape = weight_shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6)
+        return y * self.weight.reshape(self.weight_shape)
+
+
+def test_a_weight_reshaped_along_the_normalized_dim_is_the_norms_affine():
+    x = torch.randn(2, 6, 6, 6)
+    site = find_norms(nn.Sequential(_InlineChannelRMSNorm(6, (1, -1, 1, 1))), (x,)).by_path("0")
+    assert (site.source, site.normalized_dims, site.affine, site.weight_name) == (
+        "structural",
+        (-3,),
+        True,
+        "weight",
+    )
+    # The same weight broadcast along W instead of C scales another dim: it is not this norm's affine,
+    # so the site is a norm without one and the multiply stays outside it.
+    inv = find_norms(nn.Sequential(_InlineChannelRMSNorm(6, (1, 1, 1, -1))), (x,))
+    assert [(s.kind, s.normalized_dims, s.affine) for s in inv] == [("rms", (-3,), False)]
+
+
 def test_norm_kinds_from_torch_nn_and_third_party_classes():
     from timm.layers import BatchNormAct2d
     from torchvision.ops.misc import FrozenBatchNorm2d

@@ -13,6 +13,7 @@ Whether a LayerNorm-form match is a layer, instance or batch norm is read off it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -26,6 +27,7 @@ from normswap.graph.ops import (
     real_users,
     reduce_dims,
     strip_casts,
+    tensor_meta,
     var_correction,
 )
 
@@ -136,8 +138,38 @@ def _kind_from_dims(dims: tuple[int, ...], input_rank: int | None) -> str:
     return "layer"
 
 
-def _follow_affine(view: GraphView, node: fx.Node, nodes: list[fx.Node]) -> tuple:
-    """Walk from the normalized value through casts, a weight multiply and a bias add."""
+# Reshapes that can only add or drop unit dims when they keep a parameter's element count.
+_VIEW_OPS = frozenset({"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze"})
+
+
+def _param_operand(view: GraphView, node: object, dims: tuple[int, ...] | None) -> tuple | None:
+    """(parameter, reshapes on the way) when ``node`` is a stored tensor seen through casts and reshapes
+    that only place it along the normalized ``dims`` (negative), e.g. ``w.reshape(1, -1, 1, 1)`` of a
+    norm over the C of NCHW; None for anything else, including a per-channel tensor of another dim."""
+    reshapes: list[fx.Node] = []
+    current = strip_casts(node)
+    while isinstance(current, fx.Node) and op_name(current) in _VIEW_OPS and current.args:
+        reshapes.append(current)
+        current = strip_casts(current.args[0])
+    if not view.is_param(current):
+        return None
+    if reshapes:
+        shaped = tensor_meta(reshapes[0])
+        if dims is None or shaped is None:
+            return None
+        shape = shaped[0]
+        along = {i - len(shape) for i, size in enumerate(shape) if size != 1}
+        base = tensor_meta(current)
+        if along != set(dims) or base is None or math.prod(base[0]) != math.prod(shape):
+            return None
+    return current, reshapes
+
+
+def _follow_affine(
+    view: GraphView, node: fx.Node, nodes: list[fx.Node], dims: tuple[int, ...] | None
+) -> tuple:
+    """Walk from the normalized value through casts, a weight multiply and a bias add over ``dims``
+    (negative; None when the input's rank is unknown)."""
     weight = bias = None
     offset = 0.0
     cast_before_weight = False
@@ -158,13 +190,16 @@ def _follow_affine(view: GraphView, node: fx.Node, nodes: list[fx.Node]) -> tupl
     if nxt is not None and op_name(nxt) == "mul" and len(nxt.args) == 2:
         other = nxt.args[1] if nxt.args[0] is current else nxt.args[0]
         other_base = strip_casts(other)
-        if view.is_param(other_base):
-            weight = other_base
+        found = _param_operand(view, other_base, dims)
+        if found is not None:
+            weight = found[0]
+            nodes += found[1]
         elif isinstance(other_base, fx.Node) and op_name(other_base) == "add":
             split = _split_add_eps(other_base)
-            if split is not None and view.is_param(strip_casts(split[0])):
-                weight, offset = strip_casts(split[0]), split[1]
-                nodes.append(other_base)
+            found = _param_operand(view, split[0], dims) if split is not None else None
+            if found is not None:
+                weight, offset = found[0], split[1]  # type: ignore[index]
+                nodes += [other_base, *found[1]]
         if weight is not None:
             nodes.append(nxt)
             current = nxt
@@ -176,9 +211,10 @@ def _follow_affine(view: GraphView, node: fx.Node, nodes: list[fx.Node]) -> tupl
     nxt = single_user(current)
     if nxt is not None and op_name(nxt) == "add" and len(nxt.args) == 2:
         other = nxt.args[1] if nxt.args[0] is current else nxt.args[0]
-        if view.is_param(strip_casts(other)):
-            bias = strip_casts(other)
-            nodes.append(nxt)
+        found = _param_operand(view, other, dims)
+        if found is not None:
+            bias = found[0]
+            nodes += [*found[1], nxt]
             current = nxt
     return current, weight, bias, offset, cast_before_weight
 
@@ -253,14 +289,16 @@ def _match_one(
 
     x_raw = strip_casts(x)
     input_rank = rank(x_raw)
-    output, weight, bias, offset, cast_before_weight = _follow_affine(view, norm_node, nodes)
     if kind_hint == "batch":
         kind, canon = "batch", (1,)
         if input_rank is not None and input_rank < 2:
             return None
+        affine_dims = (1 - input_rank,) if input_rank is not None else None
     else:
         canon = _canonical_dims(dims, input_rank)
         kind = "rms" if kind_hint == "rms" else _kind_from_dims(dims, input_rank)
+        affine_dims = canon if input_rank is not None else None
+    output, weight, bias, offset, cast_before_weight = _follow_affine(view, norm_node, nodes, affine_dims)
     casting = "llama" if cast_before_weight else "none"
     if offset and not cast_before_weight:
         casting = "gemma"

@@ -23,6 +23,7 @@ from normswap.kernels.ops import add_layer_norm, add_rms_norm, layer_norm, rms_n
 from normswap.modules.norms import LayerNorm, RMSNorm
 
 _F = TypeVar("_F", bound="FusedNorm")
+_C = TypeVar("_C", bound="_ChannelDim")
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,44 @@ class FusedLayerNorm(LayerNorm, FusedNorm):
         return layer_norm(x, *self._numerics())
 
 
+class _ChannelDim(FusedNorm):
+    """Mixin: normalize one channel dim instead of the trailing dims (timm's LayerNorm2d, RmsNorm2d).
+
+    ``channel_dim`` counts from the end, so it names the same dim at any batch rank: -3 is C of an NCHW
+    tensor. The kernels normalize the last dim, so the forward moves the channel dim last and back, as
+    timm's LayerNorm2d does around ``F.layer_norm``; for a channels_last tensor the move is a free view.
+    """
+
+    channel_dim: int = -1
+
+    @classmethod
+    def from_channel_norm(cls: type[_C], module: nn.Module, spec: NormSpec, channel_dim: int) -> _C:
+        """A fused copy of ``module``, a norm over dim ``channel_dim`` that ``spec`` describes."""
+        if channel_dim >= 0 or len(spec.normalized_shape) != 1:
+            raise ValueError(
+                "a channel norm normalizes one dim counted from the end (e.g. -3 for NCHW), got "
+                f"dim {channel_dim} of shape {spec.normalized_shape}"
+            )
+        fused = cls.from_module(module, spec)
+        fused.channel_dim = channel_dim
+        return fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moved = x.movedim(self.channel_dim, -1)
+        return super().forward(moved).movedim(-1, self.channel_dim)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, channel_dim={self.channel_dim}"
+
+
+class FusedChannelRMSNorm(_ChannelDim, FusedRMSNorm):
+    """:class:`FusedRMSNorm` over dim ``channel_dim`` (timm's RmsNorm2d: -3, the C of NCHW)."""
+
+
+class FusedChannelLayerNorm(_ChannelDim, FusedLayerNorm):
+    """:class:`FusedLayerNorm` over dim ``channel_dim`` (timm's LayerNorm2d: -3, the C of NCHW)."""
+
+
 class FusedAddRMSNorm(RMSNorm, FusedNorm):
     """``(rms_norm(x + residual), x + residual)``; same constructor and state_dict as RMSNorm."""
 
@@ -178,6 +217,8 @@ class FusedAddLayerNorm(LayerNorm, FusedNorm):
 __all__ = [
     "FusedAddLayerNorm",
     "FusedAddRMSNorm",
+    "FusedChannelLayerNorm",
+    "FusedChannelRMSNorm",
     "FusedLayerNorm",
     "FusedNorm",
     "FusedRMSNorm",

@@ -41,12 +41,21 @@ from normswap.graph.ops import CAST_OPS, CHECK_OPS, arg, op_name
 from normswap.graph.patterns import find_norm_patterns
 from normswap.kernels.tolerance import kernel_tolerance, within_kernel_tolerance
 from normswap.modules.functional import CASTING_MODES
-from normswap.modules.fused import FusedLayerNorm, FusedNorm, FusedRMSNorm, NormSpec, spec_of
+from normswap.modules.fused import (
+    FusedChannelLayerNorm,
+    FusedChannelRMSNorm,
+    FusedLayerNorm,
+    FusedNorm,
+    FusedRMSNorm,
+    NormSpec,
+    spec_of,
+)
 from normswap.modules.norms import LayerNorm, RMSNorm
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
 from normswap.validate.metrics import record_module_inputs
 
 FUSED_CLASSES: dict[str, type[FusedNorm]] = {"rms": FusedRMSNorm, "layer": FusedLayerNorm}
+CHANNEL_CLASSES = {"rms": FusedChannelRMSNorm, "layer": FusedChannelLayerNorm}
 # Classes whose attributes state their semantics; anything else is read off its graph.
 _DECLARED = (nn.LayerNorm, nn.RMSNorm, LayerNorm, RMSNorm)
 _FUNCTIONAL_NORMS = ("layer_norm", "rms_norm")
@@ -95,7 +104,7 @@ class FuseNorm(Pass):
         }
         what = f"{type(original).__name__} -> {type(fused).__name__}"
         if path != site.path:
-            what += f" (module {path}: its forward is this {site.kind} norm call)"
+            what += f" (module {path}: its forward is this {site.source} {site.kind} norm)"
         what += f"; site max abs diff {diff:.3g}"
         return Change(self.name, site.path, self.kind, what, details)
 
@@ -134,17 +143,39 @@ def _build(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module, nn.Module]
     shape = site.normalized_shape
     if shape is None or site.eps is None:
         return "its normalized shape or eps could not be determined"
-    if site.normalized_dims != tuple(range(-len(shape), 0)):
+    channel_dim = _channel_dim(site)
+    if site.normalized_dims != tuple(range(-len(shape), 0)) and channel_dim is None:
         return (
-            f"normalizes dims {site.normalized_dims}, not the trailing {len(shape)} dim(s) the fused "
-            "kernels normalize"
+            f"normalizes dims {site.normalized_dims}: neither the trailing {len(shape)} dim(s) nor one "
+            "channel dim, which the fused kernels normalize"
         )
     if site.casting not in CASTING_MODES:
         return f"casting mode {site.casting!r} is not one the kernels implement {CASTING_MODES}"
     spec = _spec(site, module, ctx)
     if isinstance(spec, str):
         return spec
+    if channel_dim is not None:
+        return path, module, CHANNEL_CLASSES[site.kind].from_channel_norm(module, spec, channel_dim)
     return path, module, FUSED_CLASSES[site.kind].from_module(module, spec)
+
+
+def _channel_dim(site: NormSite) -> int | None:
+    """The dim of a norm over one channel dim other than the last (-3 for timm's LayerNorm2d on NCHW)."""
+    dims = site.normalized_dims
+    if dims is None or len(dims) != 1 or dims[0] >= -1:
+        return None
+    return dims[0]
+
+
+def _sample_shape(site: NormSite, lead: tuple[int, int]) -> tuple[int, ...]:
+    """An input shape the site's norm accepts: ``lead`` then the normalized shape, or for a channel
+    norm, the channel at its dim between small sizes (``(lead[0], C, lead[1], 5)`` for dim -3)."""
+    assert site.normalized_shape is not None
+    channel_dim = _channel_dim(site)
+    if channel_dim is None:
+        return (*lead, *site.normalized_shape)
+    after = [lead[1], 5, 6, 7][: -channel_dim - 1]
+    return (lead[0], *site.normalized_shape, *after)
 
 
 def _module_of(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module | None]:
@@ -153,7 +184,7 @@ def _module_of(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module | None]
     if site.is_module:
         return site.path, site.module
     owner = site.path.split("::")[0]
-    if site.source != "functional" or owner in ("", "<root>"):
+    if site.source not in ("functional", "pattern") or owner in ("", "<root>"):
         return owner, None
     module = ctx.modules.get(owner)
     if module is None or list(module.children()):
@@ -248,7 +279,7 @@ def _read_parameter_names(module: nn.Module, site: NormSite) -> tuple[str | None
 
 def _probe_graph(module: nn.Module, site: NormSite) -> GraphView | str:
     assert site.normalized_shape is not None
-    x = torch.randn((2, 3, *site.normalized_shape), dtype=_dtype_of(module), device=_device_of(module))
+    x = torch.randn(_sample_shape(site, (2, 3)), dtype=_dtype_of(module), device=_device_of(module))
     captured = capture_graph(module, (x,))
     if not captured.ok:
         return (
@@ -270,7 +301,7 @@ def _site_difference(
     if x is None:
         assert site.normalized_shape is not None
         g = torch.Generator().manual_seed(0)
-        x = torch.randn((4, 8, *site.normalized_shape), generator=g).to(
+        x = torch.randn(_sample_shape(site, (4, 8)), generator=g).to(
             dtype=_site_dtype(site, original), device=_device_of(original)
         )
         where = "a random input"

@@ -176,36 +176,83 @@ def test_hand_written_norms_keep_their_parameter_names():
     }
 
 
-def test_timm_norms_over_the_last_dim():
+def _timm_norms() -> nn.Module:
     import timm.layers
 
-    model = nn.Sequential(
-        timm.layers.RmsNorm(24), nn.Linear(24, 24), timm.layers.LayerNorm(24), timm.layers.LayerNorm2d(3)
-    )
-    model = model_zoo.randomize_norms(model).eval()
-
-    class Wrap(nn.Module):
+    class Net(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.seq = model[:3]
-            self.ln2d = model[3]
+            self.ln2d = timm.layers.LayerNorm2d(24)  # nn.LayerNorm subclass, permutes around it
+            self.rms2d = timm.layers.RmsNorm2d(24)  # written out over dim 1, w.reshape(1, -1, 1, 1)
+            self.seq = nn.Sequential(timm.layers.RmsNorm(24), nn.Linear(24, 24), timm.layers.LayerNorm(24))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.seq(x)
-            return self.ln2d(y.reshape(2, 3, 4, 24))
+            y = self.rms2d(self.ln2d(x))
+            return self.seq(y.permute(0, 2, 3, 1))
 
-    wrapped = Wrap().eval()
-    x = torch.randn(2, 12, 24)
-    converted, report = fuse_norm(wrapped, (x,))
-    changes = {c.site: c for c in report.changes}
-    # timm's RmsNorm is one F.rms_norm call: the module whose whole forward it is gets replaced.
-    assert changes["seq.0::rms_norm"].details["module"] == "seq.0"
-    assert isinstance(converted.seq[0], FusedRMSNorm) and isinstance(converted.seq[2], FusedLayerNorm)
-    assert {s.site: s.reason for s in report.skips} == {
-        "ln2d": "normalizes dims (-3,), not the trailing 1 dim(s) the fused kernels normalize"
+    return model_zoo.randomize_norms(Net()).eval()
+
+
+def test_timm_norms_over_the_last_dim_and_over_channels():
+    model = _timm_norms()
+    x = torch.randn(2, 24, 5, 7) * 3 + 1
+    converted, report = fuse_norm(model, (x,))
+    described = {c.site: c.description.split(";")[0] for c in report.changes}
+    assert described == {
+        "ln2d": "LayerNorm2d -> FusedChannelLayerNorm",
+        "rms2d": "RmsNorm2d -> FusedChannelRMSNorm",
+        # timm's RmsNorm is one F.rms_norm call: the module whose whole forward it is gets replaced.
+        "seq.0::rms_norm": "RmsNorm -> FusedRMSNorm (module seq.0: its forward is this functional rms norm)",
+        "seq.2": "LayerNorm -> FusedLayerNorm",
     }
-    torch.testing.assert_close(converted(x), wrapped(x), atol=1e-5, rtol=1e-5)
-    converted.load_state_dict(wrapped.state_dict(), strict=True)
+    assert report.skips == []
+    assert converted.ln2d.channel_dim == converted.rms2d.channel_dim == -3
+    for change in report.changes:
+        assert change.details["max_abs_diff"] < 1e-5
+    torch.testing.assert_close(converted(x), model(x), atol=1e-5, rtol=1e-5)
+    # channels_last input: the moved view is contiguous, and the result matches timm's layout too
+    x_cl = x.to(memory_format=torch.channels_last)
+    torch.testing.assert_close(converted(x_cl), model(x_cl), atol=1e-5, rtol=1e-5)
+    converted.load_state_dict(model.state_dict(), strict=True)
+
+
+def test_channel_norm_gradients_match_timm():
+    model = _timm_norms().train()
+    converted, _ = fuse_norm(model, (torch.randn(2, 24, 5, 7),))
+    x = torch.randn(2, 24, 5, 7, requires_grad=True)
+    grads = []
+    for m in (model, converted):
+        x.grad = None
+        m.zero_grad()
+        m(x).square().mean().backward()
+        grads.append({"x": x.grad.clone(), **{k: p.grad for k, p in m.named_parameters()}})
+    assert grads[0].keys() == grads[1].keys()
+    for key, want in grads[0].items():
+        torch.testing.assert_close(grads[1][key], want, atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_channel_norms_through_the_triton_kernels():
+    model = _timm_norms().to(torch.bfloat16)
+    x = torch.randn(2, 24, 5, 7, dtype=torch.bfloat16)
+    converted, report = fuse_norm(model, (x,))
+    assert len(report.changes) == 4
+    with triton_on_cpu(), torch.no_grad():
+        got, want = converted(x), model(x)
+    atol, rtol = kernel_tolerance(torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+
+
+def test_timm_convnext_fuses_every_norm():
+    model, args, kwargs = model_zoo.convnext_tiny()
+    converted, report = fuse_norm(model, args, kwargs)
+    assert report.skips == []
+    classes = [type(converted.get_submodule(c.details["module"])).__name__ for c in report.changes]
+    # the stem's, 3 downsamples' and the head's are LayerNorm2d over NCHW channels; the blocks' run on NHWC
+    assert len(classes) == 23 and classes.count("FusedChannelLayerNorm") == 5
+    with torch.no_grad():
+        want, got = model(*args), converted(*args)
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
 
 
 def test_norm_over_several_trailing_dims_is_fused():

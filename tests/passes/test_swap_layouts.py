@@ -189,3 +189,15 @@ def test_hand_written_norms_keep_their_affine_under_its_own_names():
     assert report.changes[0].details["feature_dim"] == -1
     torch.testing.assert_close(converted[0].weight, model[0].gain)
     torch.testing.assert_close(converted[0].bias, model[0].shift)
+
+
+def test_timm_rmsnorm2d_keeps_its_reshaped_weight():
+    import timm.layers
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), timm.layers.RmsNorm2d(8)).eval()
+    with torch.no_grad():
+        model[1].weight.copy_(torch.rand(8) + 0.5)
+    # its forward multiplies by weight.reshape(1, -1, 1, 1): that is the norm's affine, not a later op
+    converted, report = SwapNorm("layernorm")(model, (torch.randn(2, 3, 5, 5),))
+    assert report.changes[0].details["feature_dim"] == 1
+    torch.testing.assert_close(converted[1].weight, model[1].weight)

@@ -63,7 +63,7 @@ def interpreter_enabled() -> bool:
 _KERNEL_MODULES: dict[bool, ModuleType] = {}
 
 
-def kernel_module() -> ModuleType:
+def kernel_module(interpret: bool | None = None) -> ModuleType:
     """The module of jit kernels matching the interpreter setting at this moment.
 
     ``@triton.jit`` chooses between a compiled and an interpreted kernel when the decorator runs, i.e.
@@ -73,7 +73,8 @@ def kernel_module() -> ModuleType:
     the same reason the kernels use no jit function of triton's standard library, ``tl.sum`` and the
     like: those were fixed in one mode when triton was imported.)
     """
-    interpret = interpreter_enabled()
+    if interpret is None:
+        interpret = interpreter_enabled()
     module = _KERNEL_MODULES.get(interpret)
     if module is not None:
         return module
@@ -132,10 +133,17 @@ class TileConfig:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=4096)  # host time per launch counts at a few rows; shapes repeat
 def _tile_config(
-    m: int, n: int, tile_limit: int, chunk: int, elems_per_thread: int, chunk_tiles_2d: bool
+    m: int,
+    n: int,
+    tile_limit: int,
+    chunk: int,
+    elems_per_thread: int,
+    chunk_tiles_2d: bool,
+    interpret: bool,
 ) -> TileConfig:
-    tile_elems = _INTERPRETER_TILE_ELEMS if interpreter_enabled() else _TILE_ELEMS
+    tile_elems = _INTERPRETER_TILE_ELEMS if interpret else _TILE_ELEMS
     if n > tile_limit:
         block_n = min(chunk, _next_pow2(tile_limit))
         # The chunked forward walks one row per program; the chunked backward tiles rows x columns.
@@ -146,14 +154,20 @@ def _tile_config(
     return TileConfig(False, block_m, block_n, _num_warps(block_m * block_n, elems_per_thread))
 
 
-def fwd_config(m: int, n: int, max_block_n: int | None = None) -> TileConfig:
+def fwd_config(m: int, n: int, max_block_n: int | None = None, interpret: bool | None = None) -> TileConfig:
     """Forward tiling; ``max_block_n`` lowers the whole-row limit (tests use it to reach the chunked path)."""
-    return _tile_config(m, n, max_block_n or _FWD_TILE_LIMIT, _FWD_CHUNK, _FWD_ELEMS_PER_THREAD, False)
+    interpret = interpreter_enabled() if interpret is None else interpret
+    return _tile_config(
+        m, n, max_block_n or _FWD_TILE_LIMIT, _FWD_CHUNK, _FWD_ELEMS_PER_THREAD, False, interpret
+    )
 
 
-def bwd_config(m: int, n: int, max_block_n: int | None = None) -> TileConfig:
+def bwd_config(m: int, n: int, max_block_n: int | None = None, interpret: bool | None = None) -> TileConfig:
     """Backward tiling, as :func:`fwd_config`."""
-    return _tile_config(m, n, max_block_n or _BWD_TILE_LIMIT, _BWD_CHUNK, _BWD_ELEMS_PER_THREAD, True)
+    interpret = interpreter_enabled() if interpret is None else interpret
+    return _tile_config(
+        m, n, max_block_n or _BWD_TILE_LIMIT, _BWD_CHUNK, _BWD_ELEMS_PER_THREAD, True, interpret
+    )
 
 
 def output_dtype(
@@ -177,7 +191,7 @@ def _tl_dtype(dtype: torch.dtype):  # -> tl.dtype
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     """t as [M, n] with unit column stride; a view when the leading dims allow it (no copy)."""
-    t2 = t.reshape(-1, n)
+    t2 = t if t.ndim == 2 else t.reshape(-1, n)
     if n > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
     return t2
@@ -211,7 +225,11 @@ def check_args(
 
 def triton_supports(*tensors: torch.Tensor | None) -> bool:
     """Whether the kernels handle these dtypes (fp32/fp16/bf16); others go to the reference math."""
-    return all(t is None or t.dtype in SUPPORTED_DTYPES for t in tensors)
+    # A loop, not all(<generator>): it runs several times per call, and at a few rows host time counts.
+    for t in tensors:  # noqa: SIM110
+        if t is not None and t.dtype not in SUPPORTED_DTYPES:
+            return False
+    return True
 
 
 def norm_fwd(
@@ -240,17 +258,19 @@ def norm_fwd(
     m = x2.shape[0]
     weight, bias = _contiguous(weight), _contiguous(bias)  # the kernels index them with unit stride
     device = x.device
-    y = torch.empty((m, n), dtype=output_dtype(x.dtype, weight, bias, casting), device=device)
-    rstd = torch.empty((m,), dtype=torch.float32, device=device)
-    mean = torch.empty((m,), dtype=torch.float32, device=device) if kind == "layer" else None
-    h = torch.empty((m, n), dtype=x.dtype, device=device) if residual is not None else None
+    # Allocated in their final shapes: contiguous, so the kernels' row-major [M, N] indexing holds.
+    y = torch.empty(x.shape, dtype=output_dtype(x.dtype, weight, bias, casting), device=device)
+    rstd = torch.empty(lead, dtype=torch.float32, device=device)
+    mean = torch.empty(lead, dtype=torch.float32, device=device) if kind == "layer" else None
+    h = torch.empty(x.shape, dtype=x.dtype, device=device) if residual is not None else None
     r2 = _rows(residual, n) if residual is not None else None
 
     if m > 0:
-        ker = kernel_module()
+        interpret = interpreter_enabled()  # read once: the environment lookup costs at a few rows
+        ker = kernel_module(interpret)
         llama = casting == "llama"
         prod = torch.promote_types(x.dtype, weight.dtype) if weight is not None else x.dtype
-        cfg = fwd_config(m, n, max_block_n)
+        cfg = fwd_config(m, n, max_block_n, interpret)
         args = (
             x2,
             r2 if r2 is not None else x2,
@@ -271,7 +291,7 @@ def norm_fwd(
             "LLAMA": llama,
             "HAS_OFFSET": weight is not None and weight_offset != 0.0,
             "PROD_DTYPE": _tl_dtype(prod),
-            "RNE_BF16": interpreter_enabled(),
+            "RNE_BF16": interpret,
         }
         # eps and the offset go in as Python floats: triton passes them as fp32 kernel arguments.
         if cfg.chunked:
@@ -298,12 +318,7 @@ def norm_fwd(
                 num_warps=cfg.num_warps,
             )
 
-    return (
-        y.view(x.shape),
-        h.view(x.shape) if h is not None else None,
-        mean.view(lead) if mean is not None else None,
-        rstd.view(lead),
-    )
+    return y, h, mean, rstd
 
 
 def norm_bwd(
@@ -341,11 +356,12 @@ def norm_bwd(
     dy2 = _rows(dy, n)
     dh2 = _rows(dh, n) if dh is not None else None
     device = x.device
-    dx = torch.empty((m, n), dtype=x.dtype, device=device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=device)
     rstd1 = rstd.reshape(m).float().contiguous()
     mean1 = mean.reshape(m).float().contiguous() if mean is not None else rstd1
 
-    cfg = bwd_config(m, n, max_block_n)
+    interpret = interpreter_enabled()
+    cfg = bwd_config(m, n, max_block_n, interpret)
     num_col_blocks = _cdiv(n, cfg.block_n) if cfg.chunked else 1
     num_tiles = _cdiv(m, cfg.block_m)
     target_programs = _bwd_programs(device, cfg.num_warps)
@@ -355,7 +371,7 @@ def norm_bwd(
     db_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if bias is not None else None
 
     if m > 0:
-        ker = kernel_module()
+        ker = kernel_module(interpret)
         w_arg = weight if weight is not None else x2
         c1 = c2 = rstd1
         # Compile-time switches both backward kernels take.
@@ -364,7 +380,7 @@ def norm_bwd(
             "HAS_W": weight is not None,
             "LLAMA": casting == "llama",
             "HAS_OFFSET": weight is not None and weight_offset != 0.0,
-            "RNE_BF16": interpreter_enabled(),
+            "RNE_BF16": interpret,
         }
         if cfg.chunked:
             c1 = torch.empty((m,), dtype=torch.float32, device=device)
@@ -421,7 +437,7 @@ def norm_bwd(
 
     dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
     db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
-    return dx.view(x.shape), dw, db
+    return dx, dw, db
 
 
 __all__ = [

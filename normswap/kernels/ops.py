@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from normswap.kernels._launch import (
     NormKind,
@@ -77,6 +78,29 @@ def _use_triton(*tensors: torch.Tensor | None) -> bool:
     if x.device.type == "cuda":
         return triton_available()
     return x.device.type == "cpu" and _force_triton_on_cpu > 0
+
+
+# Parameters are plain tensors too; any other subclass (FakeTensor, DTensor, ...) must see the op.
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
+    """Whether an eager call may launch the kernels without going through the custom op.
+
+    The op costs a Python round trip through the dispatcher and the custom-op autograd on every call,
+    several times the launcher's own host time, and at a few rows that host time is the whole cost.
+    It is only needed when something records or transforms the call: torch.compile, a dispatch mode
+    (export's fake and proxy tracing), a functorch transform, or a tensor subclass. Plain tensors the
+    Triton kernels take, with nothing watching, go to the same kernels through an autograd.Function
+    (:func:`_eager_function`) instead; CPU tensors and other dtypes keep the op and its reference math.
+    """
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    if not all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors):
+        return False
+    return _use_triton(*tensors)
 
 
 def _empty_grad(like: torch.Tensor) -> torch.Tensor:
@@ -314,7 +338,9 @@ def _define(family: _OpFamily) -> None:
             source = ctx.summands[0] + ctx.summands[1] if family.with_residual else normalized
             dx, dw, db = _differentiable_bwd(family.kind, ctx, dy, dh, source, weight, bias)
         else:
-            dx, dw, db = bwd_op(dy, *dh, normalized, weight, bias, *stats, ctx.casting, ctx.weight_offset)
+            bwd_args = (dy, *dh, normalized, weight, bias, *stats, ctx.casting, ctx.weight_offset)
+            impl = bwd if _skips_dispatcher(dy, *dh, normalized, weight, bias) else bwd_op
+            dx, dw, db = impl(*bwd_args)
         # Gradients in input order: x[, residual], weight, bias, then None for eps, casting, offset.
         # x and residual enter only through h = x + residual: both get dh, the same tensor.
         i_w = 2 if family.with_residual else 1
@@ -324,6 +350,23 @@ def _define(family: _OpFamily) -> None:
         return (*grads, None, None, None)
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
+
+    # The same forward, context and backward without the dispatcher, for eager calls (see
+    # _skips_dispatcher); it returns what the op returns. The forward takes ctx itself: with a separate
+    # setup_context, Function.apply binds the arguments through inspect.signature on every call.
+    def eager_forward(ctx, *args):
+        outputs = fwd(*args)
+        setup_context(ctx, args, outputs)
+        return outputs
+
+    _EAGER_FUNCTIONS[family.name] = type(
+        f"{family.name.title().replace('_', '')}Function",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(eager_forward), "backward": staticmethod(backward)},
+    )
+
+
+_EAGER_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 
 
 def _differentiable_bwd(
@@ -392,14 +435,18 @@ def _norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Call the forward op of ``kind`` (with or without the residual add): returns (y, h or None)."""
     xf, w, b = _flatten(x, weight, bias, normalized_ndim)
-    numerics = (w, b, float(eps), casting, float(weight_offset))
-    if residual is None:
-        op = torch.ops.normswap.rms_norm_fwd if kind == "rms" else torch.ops.normswap.layer_norm_fwd
-        return op(xf, *numerics)[0].view(x.shape), None
-    rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
-    op = torch.ops.normswap.add_rms_norm_fwd if kind == "rms" else torch.ops.normswap.add_layer_norm_fwd
-    y, h = op(xf, rf, *numerics)[:2]
-    return y.view(x.shape), h.view(x.shape)
+    rf = None
+    if residual is not None:
+        rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
+    name = f"{'add_' if rf is not None else ''}{kind}_norm"
+    args = (xf, *((rf,) if rf is not None else ()), w, b, float(eps), casting, float(weight_offset))
+    if _skips_dispatcher(xf, rf, w, b):
+        outputs = _EAGER_FUNCTIONS[name].apply(*args)
+    else:
+        outputs = getattr(torch.ops.normswap, f"{name}_fwd")(*args)
+    if normalized_ndim > 1:  # unflatten
+        outputs = [t.view(x.shape) for t in outputs[: 2 if rf is not None else 1]]
+    return outputs[0], outputs[1] if rf is not None else None
 
 
 def rms_norm(

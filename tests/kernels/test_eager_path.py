@@ -114,3 +114,11 @@ def test_double_backward_through_the_eager_route():
     want = second(lambda x, w: rms_norm_reference(x, 1, w, None, 1e-6))
     for g, e in zip(got, want, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_jit_trace_records_the_op():
+    norm = FusedRMSNorm(37, eps=1e-6)
+    x = torch.randn(6, 37)
+    with triton_on_cpu():
+        traced = torch.jit.trace(norm, (x,), check_trace=False)
+    assert "normswap::rms_norm_fwd" in str(traced.graph)

@@ -269,6 +269,14 @@ def convert(
             "a torch.fx GraphModule; exact).",
         ),
     ] = False,
+    fuse_inline: Annotated[
+        bool,
+        typer.Option(
+            "--fuse-inline",
+            help="With --to fused: also fuse norms that are no module of their own (functional calls and "
+            "norms written out inside another forward; the output becomes a torch.fx GraphModule; exact).",
+        ),
+    ] = False,
     fold_norm_affine: Annotated[
         bool,
         typer.Option(
@@ -317,6 +325,7 @@ def convert(
         fold_bn=fold_bn,
         fold_norm_affine=fold_norm_affine,
         fuse_add=fuse_add,
+        fuse_inline=fuse_inline,
         add_weight_norm=add_weight_norm,
         weight_norm_dim=weight_norm_dim,
         remove_weight_norm=remove_weight_norm,
@@ -372,6 +381,7 @@ def _convert_passes(
     fold_bn: bool,
     fold_norm_affine: bool,
     fuse_add: bool,
+    fuse_inline: bool,
     add_weight_norm: str | None,
     weight_norm_dim: str,
     remove_weight_norm: bool,
@@ -405,6 +415,8 @@ def _convert_passes(
         raise BadInputError("--from picks which norms --to replaces: give --to KIND")
     if fuse_add and to != "fused":
         raise BadInputError("--fuse-add fuses residual adds into fused norms: give --to fused")
+    if fuse_inline and to != "fused":
+        raise BadInputError("--fuse-inline fuses norms inside other forwards: give --to fused")
     passes: list[Any] = []
     # plain weights first, so the folds see and rewrite real parameters
     if remove_weight_norm:
@@ -425,11 +437,6 @@ def _convert_passes(
         passes.append(SwapNorm(to, kinds, groups=groups))
     if fold_norm_affine:
         passes.append(FoldNormAffine())
-    if fuse_add:
-        # a graph rewrite, so it comes last: every module edit must be done on the user's module first
-        from normswap.passes.fuse_add_norm import FuseAddNorm
-
-        passes.append(FuseAddNorm())
     if add_weight_norm is not None:
         paths = (
             None if add_weight_norm == "all" else [p.strip() for p in add_weight_norm.split(",") if p.strip()]
@@ -443,6 +450,16 @@ def _convert_passes(
                     f"--weight-norm-dim {weight_norm_dim!r}: give output, an int or none"
                 ) from None
         passes.append(AddWeightNorm(targets=paths, dim=dim))
+    # Graph rewrites come last: every module edit must be done on the user's module first. Norms are
+    # fused before adds are fused into them.
+    if fuse_inline:
+        from normswap.passes.fuse_graph_norm import FuseGraphNorm
+
+        passes.append(FuseGraphNorm())
+    if fuse_add:
+        from normswap.passes.fuse_add_norm import FuseAddNorm
+
+        passes.append(FuseAddNorm())
     if not passes:
         raise BadInputError(
             "nothing to do: give --to KIND, --fold-bn, --fold-norm-affine, --add-weight-norm or "

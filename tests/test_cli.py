@@ -263,3 +263,18 @@ def test_convert_fused_with_residual_adds_fused_too(tmp_path):
         result.exit_code == 2
         and "--fuse-add fuses residual adds into fused norms: give --to fused" in result.output
     )
+
+
+def test_convert_fused_with_inline_norms_fused_too(tmp_path):
+    out, report = tmp_path / "h.pt2", tmp_path / "r.json"
+    result = _run(
+        "convert", f"{ZOO}:HandWrittenNet", "--input-shape", "3,16", "--to", "fused", "--fuse-inline",
+        "--exact", "-o", str(out), "--report", str(report),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "fuse_graph_norm (exact): 2 changed, 0 skipped" in result.output and out.exists()
+    passes = {p["pass_name"]: p for p in json.loads(report.read_text())["passes"]}
+    assert [c["details"]["source"] for c in passes["fuse_graph_norm"]["changes"]] == ["functional", "pattern"]
+    result = _run("convert", f"{ZOO}:HandWrittenNet", "--input-shape", "3,16", "--fuse-inline", "-o", str(out))
+    assert result.exit_code == 2
+    assert "--fuse-inline fuses norms inside other forwards: give --to fused" in result.output

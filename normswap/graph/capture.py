@@ -81,6 +81,22 @@ def capture_graph(
     return CapturedGraph(None, None, errors)
 
 
+def export_module(
+    model: nn.Module, example_args: tuple | None, example_kwargs: dict[str, Any] | None
+) -> fx.GraphModule | str:
+    """``torch.export`` (non-strict) of ``model`` as a runnable GraphModule, for passes that rewrite a
+    graph rather than the module tree; or why it could not be exported, in one line."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(
+                model, tuple(example_args or ()), kwargs=dict(example_kwargs or {}), strict=False
+            )
+    except Exception as exc:  # export fails in many ways; the reason is what matters
+        return f"torch.export failed: {_short_error(exc)}"
+    return program.module()
+
+
 class _LeafTracer(fx.Tracer):
     def __init__(self, leaf_modules: tuple[type[nn.Module], ...]) -> None:
         super().__init__()

@@ -13,11 +13,19 @@ Importing this package registers the ops (our own namespace only) and never impo
 """
 
 from normswap.kernels._launch import interpreter_enabled, triton_available
-from normswap.kernels.ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm, triton_on_cpu
+from normswap.kernels.ops import (
+    add_layer_norm,
+    add_rms_norm,
+    fused_norm,
+    layer_norm,
+    rms_norm,
+    triton_on_cpu,
+)
 
 __all__ = [
     "add_layer_norm",
     "add_rms_norm",
+    "fused_norm",
     "interpreter_enabled",
     "layer_norm",
     "rms_norm",

@@ -505,3 +505,26 @@ def add_layer_norm(
     y, h = _norm("layer", x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
     assert h is not None
     return y, h
+
+
+def fused_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    kind: NormKind = "rms",
+    casting: str = "none",
+    weight_offset: float = 0.0,
+    normalized_ndim: int = 1,
+    channel_dim: int | None = None,
+) -> torch.Tensor:
+    """:func:`rms_norm` or :func:`layer_norm` over the last ``normalized_ndim`` dims, or over the one dim
+    ``channel_dim`` (counted from the end: -3 is C of NCHW), which is moved last around the kernel.
+
+    What graph passes insert for a norm they found in a graph: one call, whatever its layout.
+    """
+    if channel_dim is not None:
+        x = x.movedim(channel_dim, -1)
+    norm = rms_norm if kind == "rms" else layer_norm
+    y = norm(x, weight, bias, eps, casting, weight_offset, normalized_ndim)
+    return y.movedim(-1, channel_dim) if channel_dim is not None else y

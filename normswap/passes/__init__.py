@@ -4,6 +4,7 @@ from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteK
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
 from normswap.passes.fold_norm_affine import FoldNormAffine, fold_norm_affine
 from normswap.passes.fuse_add_norm import FuseAddNorm, fuse_add_norm
+from normswap.passes.fuse_graph_norm import FuseGraphNorm, fuse_graph_norm
 from normswap.passes.fuse_norm import FuseNorm, fuse_norm
 from normswap.passes.pipeline import ExactOnlyError, Pipeline, PipelineReport
 from normswap.passes.recenter_layernorm import RecenterLayerNorm, recenter_layernorm
@@ -18,6 +19,7 @@ __all__ = [
     "FoldBatchNorm",
     "FoldNormAffine",
     "FuseAddNorm",
+    "FuseGraphNorm",
     "FuseNorm",
     "Pass",
     "PassContext",
@@ -34,6 +36,7 @@ __all__ = [
     "fold_batchnorm",
     "fold_norm_affine",
     "fuse_add_norm",
+    "fuse_graph_norm",
     "fuse_norm",
     "recenter_layernorm",
     "remove_weight_norm",

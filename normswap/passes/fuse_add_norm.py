@@ -24,22 +24,20 @@ dtype (no broadcasting, no type promotion) and ``alpha`` 1. Needs example inputs
 from __future__ import annotations
 
 import operator
-import warnings
 from typing import Any, ClassVar
 
 import torch
 from torch import fx, nn
-from torch.fx.passes.tools_common import legalize_graph
 
-from normswap.graph.analysis import normalize_module_path
+from normswap.graph.capture import export_module
 from normswap.modules.copying import copy_model
 from normswap.passes.base import Change, PassReport, RewriteKind, Skip
+from normswap.passes.graph_rewrite import GRAPH_MODULE, finish, module_path, op_overload_name
 
 _NORM_TO_ADD_NORM = {
     "rms_norm_fwd": "add_rms_norm_fwd",
     "layer_norm_fwd": "add_layer_norm_fwd",
 }
-_OUTPUT = "torch.fx.GraphModule"
 
 
 class FuseAddNorm:
@@ -62,17 +60,10 @@ class FuseAddNorm:
         if example_args is None and not example_kwargs:
             return model, _unfused(report, "no example inputs: fusing adds into norms needs a captured graph")
         source = model if inplace else copy_model(model)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                program = torch.export.export(
-                    source, tuple(example_args or ()), kwargs=dict(example_kwargs or {}), strict=False
-                )
-        except Exception as exc:  # export fails in many ways; the reason is what matters
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            return model, _unfused(report, f"torch.export failed: {type(exc).__name__}: {first}")
+        gm = export_module(source, example_args, example_kwargs)
+        if isinstance(gm, str):
+            return model, _unfused(report, gm)
         report.graph_method = "export"
-        gm = program.module()
         for norm in candidates(gm.graph):
             site = _site_name(norm)
             reason = check(norm)
@@ -82,15 +73,7 @@ class FuseAddNorm:
             report.changes.append(rewrite(norm, site))
         if not report.changes:
             return model, report
-        legalize_graph(gm)  # the fused op may sit after readers of the add it replaced
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-        # The graph was captured in the model's mode and stays in it (an exported module refuses
-        # .eval()); the flags say which mode that was, so tools that check them (export, run_model) agree.
-        for module in gm.modules():
-            module.training = model.training
-        return gm, report
+        return finish(gm, model), report
 
 
 def fuse_add_norm(
@@ -160,28 +143,18 @@ def rewrite(norm: fx.Node, site: str) -> Change:
         FuseAddNorm.name,
         site,
         FuseAddNorm.kind,
-        f"{add.name} + normswap::{norm_name} -> normswap::{fused_name} (the model is now a {_OUTPUT})",
-        {"add": add.name, "norm_op": norm_name, "fused_op": fused_name, "output": _OUTPUT},
+        f"{add.name} + normswap::{norm_name} -> normswap::{fused_name} (the model is now a {GRAPH_MODULE})",
+        {"add": add.name, "norm_op": norm_name, "fused_op": fused_name, "output": GRAPH_MODULE},
     )
 
 
 def _norm_op_name(node: fx.Node) -> str | None:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-        return None
-    if target.namespace != "normswap":
-        return None
-    return target._opname
+    return op_overload_name(node, "normswap")
 
 
 def _site_name(norm: fx.Node) -> str:
     """The module path of the norm (its innermost ``nn_module_stack`` entry), else the node's name."""
-    stack = norm.meta.get("nn_module_stack") or {}
-    if stack:
-        path = normalize_module_path(list(stack.values())[-1][0])
-        if path:
-            return path
-    return norm.name
+    return module_path(norm) or norm.name
 
 
 def _describe(value: object) -> str:

@@ -16,7 +16,8 @@ Legal when:
 - the site is a module of its own: torch.nn's LayerNorm/RMSNorm (and subclasses such as timm's), a
   normswap reference norm, a class discovery recognized by what its forward computes (HF Llama, Gemma, T5
   RMSNorm, hand-written norms), or a module whose whole forward is one ``F.layer_norm``/``F.rms_norm``
-  call (timm's RmsNorm); a norm computed inside a larger forward needs a graph rewrite;
+  call (timm's RmsNorm); a norm computed inside a larger forward needs a graph rewrite
+  (:class:`normswap.passes.FuseGraphNorm`);
 - it normalizes the trailing dims (not the channels of an NCHW tensor: BatchNorm, GroupNorm, LayerNorm2d);
 - its eps is a constant, its casting mode one the kernels implement, and its state is exactly its
   weight and bias, each of the normalized shape;
@@ -60,6 +61,7 @@ CHANNEL_CLASSES = {"rms": FusedChannelRMSNorm, "layer": FusedChannelLayerNorm}
 _DECLARED = (nn.LayerNorm, nn.RMSNorm, LayerNorm, RMSNorm)
 _FUNCTIONAL_NORMS = ("layer_norm", "rms_norm")
 _INPUTS_KEY = "fuse_norm_inputs"
+_NEEDS_GRAPH_REWRITE = "fusing it needs a graph rewrite (FuseGraphNorm; convert --fuse-inline)"
 
 
 class FuseNorm(Pass):
@@ -135,8 +137,8 @@ def _build(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module, nn.Module]
     if module is None:
         owner = site.path.split("::")[0]
         return (
-            f"{site.source} norm computed inside {_owner_name(owner)}, not a module of its own: fusing it "
-            "needs a graph rewrite"
+            f"{site.source} norm computed inside {_owner_name(owner)}, not a module of its own: "
+            f"{_NEEDS_GRAPH_REWRITE}"
         )
     if isinstance(module, FusedNorm):
         return "already a fused module"
@@ -258,7 +260,7 @@ def _read_parameter_names(module: nn.Module, site: NormSite) -> tuple[str | None
         if matches or len(calls) != 1:
             return (
                 f"{site.source} norm: the forward of {type(module).__name__} is not one norm, so it "
-                "cannot be replaced as a whole; fusing it needs a graph rewrite"
+                f"cannot be replaced as a whole; {_NEEDS_GRAPH_REWRITE}"
             )
         covered = {calls[0]}
         weight = arg(calls[0], 2, "weight")
@@ -266,7 +268,7 @@ def _read_parameter_names(module: nn.Module, site: NormSite) -> tuple[str | None
     if any(n not in covered and op_name(n) not in CAST_OPS and op_name(n) not in CHECK_OPS for n in ops):
         return (
             f"{site.source} norm: the forward of {type(module).__name__} computes more than the norm; "
-            "fusing it needs a graph rewrite"
+            f"{_NEEDS_GRAPH_REWRITE}"
         )
     names = []
     for node in (weight, bias):

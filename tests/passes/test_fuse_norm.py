@@ -170,9 +170,9 @@ def test_hand_written_norms_keep_their_parameter_names():
     reasons = {s.site: s.reason for s in report.skips}
     assert reasons == {
         "<root>::layer_norm": "functional norm computed inside the root module's forward, not a module "
-        "of its own: fusing it needs a graph rewrite",
+        "of its own: fusing it needs a graph rewrite (FuseGraphNorm; convert --fuse-inline)",
         "<root>::mul_3": "pattern norm computed inside the root module's forward, not a module of its "
-        "own: fusing it needs a graph rewrite",
+        "own: fusing it needs a graph rewrite (FuseGraphNorm; convert --fuse-inline)",
     }
 
 

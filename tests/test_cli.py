@@ -275,6 +275,8 @@ def test_convert_fused_with_inline_norms_fused_too(tmp_path):
     assert "fuse_graph_norm (exact): 2 changed, 0 skipped" in result.output and out.exists()
     passes = {p["pass_name"]: p for p in json.loads(report.read_text())["passes"]}
     assert [c["details"]["source"] for c in passes["fuse_graph_norm"]["changes"]] == ["functional", "pattern"]
-    result = _run("convert", f"{ZOO}:HandWrittenNet", "--input-shape", "3,16", "--fuse-inline", "-o", str(out))
+    result = _run(
+        "convert", f"{ZOO}:HandWrittenNet", "--input-shape", "3,16", "--fuse-inline", "-o", str(out)
+    )
     assert result.exit_code == 2
     assert "--fuse-inline fuses norms inside other forwards: give --to fused" in result.output

@@ -183,3 +183,11 @@ def test_without_a_graph_modules_are_still_found_and_the_reason_is_kept():
         ("norm", "rms", "structural"),
         ("bn", "batch", "module"),
     }
+
+
+def test_layernorm2d_dims_without_example_inputs():
+    import timm.layers
+
+    # fx tracing records Tensor.permute(x, 0, 2, 3, 1) with the dims as varargs
+    site = find_norms(nn.Sequential(nn.Conv2d(3, 8, 1), timm.layers.LayerNorm2d(8))).by_path("1")
+    assert site.normalized_dims == (-3,)

@@ -91,7 +91,7 @@ def classify_module(path: str, module: nn.Module) -> NormSite | None:
         shape = tuple(module.normalized_shape)
         return NormSite(
             kind="layer",
-            normalized_dims=tuple(range(-len(shape), 0)),
+            normalized_dims=_module_dims(module, shape),
             normalized_shape=shape,
             eps=module.eps,
             affine=module.weight is not None,
@@ -105,7 +105,7 @@ def classify_module(path: str, module: nn.Module) -> NormSite | None:
         eps = module.eps
         return NormSite(
             kind="rms",
-            normalized_dims=tuple(range(-len(shape), 0)),
+            normalized_dims=_module_dims(module, shape),
             normalized_shape=shape,
             # torch.nn.RMSNorm with eps=None uses the dtype's machine epsilon at run time
             eps=eps if eps is not None else torch.finfo(torch.float32).eps,
@@ -116,6 +116,14 @@ def classify_module(path: str, module: nn.Module) -> NormSite | None:
             **base,
         )
     return _classify_frozen_batchnorm(module, base)
+
+
+def _module_dims(module: nn.Module, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The trailing dims, or the one channel dim of normswap's fused channel norms (``channel_dim``)."""
+    channel_dim = getattr(module, "channel_dim", None)
+    if isinstance(channel_dim, int) and channel_dim < -1:
+        return (channel_dim,)
+    return tuple(range(-len(shape), 0))
 
 
 def _classify_frozen_batchnorm(module: nn.Module, base: dict) -> NormSite | None:

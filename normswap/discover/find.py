@@ -338,7 +338,8 @@ def _effective_layer_norm_dims(site: NormSite, call: ModuleCall, inputs: list[fx
         x = n.args[0]
         if not isinstance(x, fx.Node) or op_name(x) != "permute" or x.args[0] not in inputs:
             return
-        perm = list(x.args[1])
+        # aten.permute(x, dims) and fx's Tensor.permute(x, *dims)
+        perm = list(x.args[1]) if isinstance(x.args[1], list | tuple) else list(x.args[1:])
         r = len(perm)
         k = len(site.normalized_shape or ())
         site.normalized_dims = tuple(sorted(perm[d] - r for d in range(r - k, r)))

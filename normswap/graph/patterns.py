@@ -142,10 +142,13 @@ def _kind_from_dims(dims: tuple[int, ...], input_rank: int | None) -> str:
 _VIEW_OPS = frozenset({"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze"})
 
 
-def _param_operand(view: GraphView, node: object, dims: tuple[int, ...] | None) -> tuple | None:
+def _param_operand(
+    view: GraphView, node: object, dims: tuple[int, ...] | None, input_rank: int | None
+) -> tuple | None:
     """(parameter, reshapes on the way) when ``node`` is a stored tensor seen through casts and reshapes
-    that only place it along the normalized ``dims`` (negative), e.g. ``w.reshape(1, -1, 1, 1)`` of a
-    norm over the C of NCHW; None for anything else, including a per-channel tensor of another dim."""
+    that only place it along the normalized ``dims`` (negative) of an input of ``input_rank`` dims, e.g.
+    ``w.reshape(1, -1, 1, 1)`` of a norm over the C of NCHW; None for anything else, including a
+    per-channel tensor of another dim or one of more dims than the input (it would broadcast it up)."""
     reshapes: list[fx.Node] = []
     current = strip_casts(node)
     while isinstance(current, fx.Node) and op_name(current) in _VIEW_OPS and current.args:
@@ -158,6 +161,8 @@ def _param_operand(view: GraphView, node: object, dims: tuple[int, ...] | None) 
         if dims is None or shaped is None:
             return None
         shape = shaped[0]
+        if input_rank is None or len(shape) > input_rank:
+            return None
         along = {i - len(shape) for i, size in enumerate(shape) if size != 1}
         base = tensor_meta(current)
         if along != set(dims) or base is None or math.prod(base[0]) != math.prod(shape):
@@ -166,7 +171,11 @@ def _param_operand(view: GraphView, node: object, dims: tuple[int, ...] | None) 
 
 
 def _follow_affine(
-    view: GraphView, node: fx.Node, nodes: list[fx.Node], dims: tuple[int, ...] | None
+    view: GraphView,
+    node: fx.Node,
+    nodes: list[fx.Node],
+    dims: tuple[int, ...] | None,
+    input_rank: int | None,
 ) -> tuple:
     """Walk from the normalized value through casts, a weight multiply and a bias add over ``dims``
     (negative; None when the input's rank is unknown)."""
@@ -190,13 +199,13 @@ def _follow_affine(
     if nxt is not None and op_name(nxt) == "mul" and len(nxt.args) == 2:
         other = nxt.args[1] if nxt.args[0] is current else nxt.args[0]
         other_base = strip_casts(other)
-        found = _param_operand(view, other_base, dims)
+        found = _param_operand(view, other_base, dims, input_rank)
         if found is not None:
             weight = found[0]
             nodes += found[1]
         elif isinstance(other_base, fx.Node) and op_name(other_base) == "add":
             split = _split_add_eps(other_base)
-            found = _param_operand(view, split[0], dims) if split is not None else None
+            found = _param_operand(view, split[0], dims, input_rank) if split is not None else None
             if found is not None:
                 weight, offset = found[0], split[1]  # type: ignore[index]
                 nodes += [other_base, *found[1]]
@@ -211,7 +220,7 @@ def _follow_affine(
     nxt = single_user(current)
     if nxt is not None and op_name(nxt) == "add" and len(nxt.args) == 2:
         other = nxt.args[1] if nxt.args[0] is current else nxt.args[0]
-        found = _param_operand(view, other, dims)
+        found = _param_operand(view, other, dims, input_rank)
         if found is not None:
             bias = found[0]
             nodes += [*found[1], nxt]
@@ -298,7 +307,9 @@ def _match_one(
         canon = _canonical_dims(dims, input_rank)
         kind = "rms" if kind_hint == "rms" else _kind_from_dims(dims, input_rank)
         affine_dims = canon if input_rank is not None else None
-    output, weight, bias, offset, cast_before_weight = _follow_affine(view, norm_node, nodes, affine_dims)
+    output, weight, bias, offset, cast_before_weight = _follow_affine(
+        view, norm_node, nodes, affine_dims, input_rank
+    )
     casting = "llama" if cast_before_weight else "none"
     if offset and not cast_before_weight:
         casting = "gemma"

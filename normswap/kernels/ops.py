@@ -90,7 +90,8 @@ def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     The op costs a Python round trip through the dispatcher and the custom-op autograd on every call,
     several times the launcher's own host time, and at a few rows that host time is the whole cost.
     It is only needed when something records or transforms the call: torch.compile, a dispatch mode
-    (export's fake and proxy tracing), a functorch transform, torch.jit.trace, or a tensor subclass. Plain tensors the
+    (export's fake and proxy tracing), a functorch transform or the legacy vmap of batched gradients,
+    torch.jit.trace, or a tensor subclass. Plain tensors the
     Triton kernels take, with nothing watching, go to the same kernels through an autograd.Function
     (:func:`_eager_function`) instead; CPU tensors and other dtypes keep the op and its reference math.
     """
@@ -98,8 +99,12 @@ def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
         return False
     if torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state():
         return False  # a functorch transform, or torch.jit.trace (the TorchScript ONNX exporter)
-    if not all(t is None or type(t) in _PLAIN_TENSOR_TYPES for t in tensors):
-        return False
+    for t in tensors:
+        if t is None:
+            continue
+        # the legacy vmap of is_grads_batched / jacobian(vectorize=True) hides behind a plain type
+        if type(t) not in _PLAIN_TENSOR_TYPES or torch._C._functorch.is_legacy_batchedtensor(t):
+            return False
     return _use_triton(*tensors)
 
 

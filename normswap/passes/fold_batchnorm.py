@@ -145,6 +145,15 @@ def _module_guard(site: NormSite, bn: nn.Module) -> str | None:
     elif _norm_act_tail(bn) is None and list(bn.children()):
         names = ", ".join(name for name, _ in bn.named_children())
         return f"{_class(bn)} has submodules ({names}) besides its statistics; folding it would drop them"
+    stats = [getattr(bn, name, None) for name in ("running_mean", "running_var", "weight", "bias")]
+    if not all(t is None or (isinstance(t, torch.Tensor) and t.ndim == 1) for t in stats[2:]) or not all(
+        isinstance(t, torch.Tensor) and t.ndim == 1 for t in stats[:2]
+    ):
+        # e.g. a hand-written BN keeping (1, C, 1, 1) statistics, or naming them otherwise
+        return (
+            f"{_class(bn)} does not keep its statistics and affine as per-channel vectors named "
+            "running_mean, running_var, weight, bias"
+        )
     var = bn.running_var.detach().double() + _eps(site, bn)
     if not bool(torch.isfinite(var).all() and (var > 0).all()) or not bool(
         torch.isfinite(bn.running_mean).all()

@@ -30,6 +30,7 @@ Each change records the measured max abs difference of that site and what it was
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -78,6 +79,11 @@ class FuseNorm(Pass):
             return built
         path, original, fused = built
         diff, within, where = _site_difference(ctx, site, path, original, fused)
+        if math.isinf(diff):
+            return (
+                f"the fused module does not give its output's shape on {where}: its semantics are not "
+                "the ones read off it"
+            )
         if not within:
             atol, rtol = kernel_tolerance(_dtype_of(original))
             return (
@@ -146,6 +152,11 @@ def _build(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module, nn.Module]
     if shape is None or site.eps is None:
         return "its normalized shape or eps could not be determined"
     channel_dim = _channel_dim(site)
+    if channel_dim is not None and len(shape) != 1:
+        return (
+            f"normalizes dim {channel_dim} with affine tensors of shape {shape}: the fused channel norm "
+            "keeps them as vectors, which would change the checkpoint"
+        )
     if site.normalized_dims != tuple(range(-len(shape), 0)) and channel_dim is None:
         return (
             f"normalizes dims {site.normalized_dims}: neither the trailing {len(shape)} dim(s) nor one "
@@ -308,7 +319,13 @@ def _site_difference(
         )
         where = "a random input"
     with torch.no_grad():
-        ref, out = original(x), fused(x)
+        ref = original(x)
+        try:
+            out = fused(x)
+        except RuntimeError:  # the semantics read off the module do not even fit its input
+            return math.inf, False, where
+    if out.shape != ref.shape:
+        return math.inf, False, where
     diff = float((out.double() - ref.double()).abs().max()) if ref.numel() else 0.0
     return diff, out.dtype == ref.dtype and within_kernel_tolerance(ref, out), where
 

@@ -122,3 +122,17 @@ def test_jit_trace_records_the_op():
     with triton_on_cpu():
         traced = torch.jit.trace(norm, (x,), check_trace=False)
     assert "normswap::rms_norm_fwd" in str(traced.graph)
+
+
+def test_batched_gradients_take_the_op():
+    # is_grads_batched and jacobian(vectorize=True) run the backward under the legacy vmap, whose
+    # batched tensors look like plain ones: the raw launcher cannot read them, the op can
+    x = torch.randn(3, 7, requires_grad=True)
+    with triton_on_cpu():
+        (batched,) = torch.autograd.grad(
+            layer_norm(x), x, torch.eye(21).view(21, 3, 7), is_grads_batched=True
+        )
+        jacobian = torch.autograd.functional.jacobian(layer_norm, x, vectorize=True)
+    want = torch.autograd.functional.jacobian(lambda t: torch.nn.functional.layer_norm(t, (7,)), x)
+    torch.testing.assert_close(jacobian, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched.view(3, 7, 3, 7), want, atol=1e-5, rtol=1e-5)

@@ -563,3 +563,28 @@ def test_a_conv_with_weight_norm_is_refused_not_silently_left_unfolded():
     assert report.changes == []
     assert report.skips[0].reason.startswith("0's weight is computed by a parametrization (e.g. weight norm)")
     torch.testing.assert_close(folded(x), model(x), rtol=0, atol=0)
+
+
+class _HandBatchNorm(nn.Module):
+    """An eval BatchNorm written out with (1, C, 1, 1) statistics."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.randn(1, channels, 1, 1))
+        self.register_buffer("running_var", torch.rand(1, channels, 1, 1) + 0.5)
+        self.weight = nn.Parameter(torch.rand(channels) + 0.5)
+        self.bias = nn.Parameter(torch.randn(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x - self.running_mean) * torch.rsqrt(self.running_var + 1e-5)
+        return y * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+
+
+def test_a_hand_written_batchnorm_without_vector_statistics_is_refused():
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), _HandBatchNorm()).eval()
+    _, report = FoldBatchNorm()(model, (torch.randn(2, 3, 5, 6),))
+    assert report.changes == []
+    assert report.skips[0].reason == (
+        "_HandBatchNorm does not keep its statistics and affine as per-channel vectors named running_mean, "
+        "running_var, weight, bias"
+    )

@@ -338,3 +338,66 @@ def test_a_converted_model_is_left_alone():
     converted, _ = fuse_norm(model, args, kwargs)
     _, again = fuse_norm(converted, args, kwargs)
     assert again.changes == [] and {s.reason for s in again.skips} == {"already a fused module"}
+
+
+class _ShapedChannelRMS(nn.Module):
+    """A channel RMSNorm keeping its weight as (1, C, 1, 1)."""
+
+    def __init__(self, channels: int = 8) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(1, channels, 1, 1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * self.weight
+
+
+class _ToChannelsLastNorm(nn.LayerNorm):
+    """Normalizes the channels of NCHW and returns NHWC: no permute back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias)
+
+
+def test_channel_norms_the_fused_module_cannot_reproduce_are_refused():
+    x = torch.randn(2, 3, 5, 6)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), _ShapedChannelRMS(), _ToChannelsLastNorm(8)).eval()
+    _, report = fuse_norm(model, (x,))
+    assert report.changes == []
+    assert {s.site: s.reason for s in report.skips} == {
+        "1": "normalizes dim -3 with affine tensors of shape (1, 8, 1, 1): the fused channel norm keeps them "
+        "as vectors, which would change the checkpoint",
+        "2": "the fused module does not give its output's shape on the example inputs: its semantics are "
+        "not the ones read off it",
+    }
+
+
+def test_fused_channel_norms_are_found_over_their_channel_dim():
+    import timm.layers
+
+    from normswap.discover import find_norms
+    from normswap.passes import swap_norm
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), timm.layers.LayerNorm2d(8)).eval()
+    x = torch.randn(2, 3, 5, 8)  # W == C: a swap over the wrong dim would run, and be wrong
+    fused, _ = fuse_norm(model, (x,))
+    assert find_norms(fused, (x,)).by_path("1").normalized_dims == (-3,)
+    want = swap_norm(model, "rmsnorm", (x,))[0]
+    got = swap_norm(fused, "rmsnorm", (x,))[0]
+    torch.testing.assert_close(got(x), want(x))
+
+
+def test_an_affine_reshaped_above_the_inputs_rank_is_not_the_norms():
+    class UnbatchedChannelRMS(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.rand(8) + 0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (C, H, W); the weight adds a batch dim
+            return x * torch.rsqrt(x.pow(2).mean(-3, keepdim=True) + 1e-6) * self.weight.reshape(1, -1, 1, 1)
+
+    model = nn.Sequential(nn.Identity(), UnbatchedChannelRMS()).eval()
+    x = torch.randn(8, 5, 6)
+    converted, report = fuse_norm(model, (x,))
+    assert report.changes == []
+    assert report.skips[0].reason.startswith("the fused module does not give its output's shape")
+    assert converted(x).shape == model(x).shape == (1, 8, 5, 6)

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from normswap.kernels._launch import (
@@ -84,6 +85,11 @@ def _use_triton(*tensors: torch.Tensor | None) -> bool:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def _transformed() -> bool:
+    """Whether a torch.func transform (grad, vmap, jacfwd, ...) or forward-mode AD is active."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0
+
+
 def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     """Whether an eager call may launch the kernels without going through the custom op.
 
@@ -97,7 +103,7 @@ def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     """
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None or torch._C._get_tracing_state():
+    if _transformed() or torch._C._get_tracing_state():
         return False  # a functorch transform, or torch.jit.trace (the TorchScript ONNX exporter)
     for t in tensors:
         if t is None:
@@ -439,6 +445,14 @@ def _norm(
     normalized_ndim: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Call the forward op of ``kind`` (with or without the residual add): returns (y, h or None)."""
+    if _transformed():
+        # torch.func transforms and forward-mode AD need every op to have their rules, which the
+        # custom ops do not (they gave errors, or silently wrong jacfwd tangents): compose the reference
+        # math from torch ops instead, which every transform differentiates
+        h = x + residual if residual is not None else None
+        reference = rms_norm_reference if kind == "rms" else layer_norm_reference
+        y = reference(h if h is not None else x, normalized_ndim, weight, bias, eps, casting, weight_offset)
+        return y, h
     xf, w, b = _flatten(x, weight, bias, normalized_ndim)
     rf = None
     if residual is not None:

@@ -236,3 +236,27 @@ def test_double_backward_matches_the_reference_math():
             if g is not None:
                 torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
         assert got[0] is not None and got[0].abs().sum() > 0  # a real second derivative w.r.t. x
+
+
+def test_torch_func_transforms_and_forward_ad_give_the_reference_derivatives():
+    import torch.autograd.forward_ad as fwAD
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x, r, w, b = torch.randn(3, 7), torch.randn(3, 7), torch.rand(7) + 0.5, torch.randn(7)
+    cases = [
+        (lambda t: layer_norm(t, w, b, 1e-5), lambda t: F.layer_norm(t, (7,), w, b, 1e-5)),
+        (lambda t: rms_norm(t, w, None, 1e-6), lambda t: F.rms_norm(t, (7,), w, 1e-6)),
+        (lambda t: add_rms_norm(t, r, w, None, 1e-6)[0], lambda t: F.rms_norm(t + r, (7,), w, 1e-6)),
+    ]
+    tangent = torch.randn_like(x)
+    for fused, reference in cases:
+        want = torch.func.jacrev(reference)(x)
+        # these raised (grad, jacrev) or returned a wrong Jacobian without a word (jacfwd) through the op
+        torch.testing.assert_close(torch.func.jacrev(fused)(x), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.func.jacfwd(fused)(x), want, atol=1e-5, rtol=1e-5)
+        grad = torch.func.grad(lambda t, f=fused: f(t).square().sum())(x)
+        torch.testing.assert_close(grad, torch.func.grad(lambda t, f=reference: f(t).square().sum())(x))
+        with fwAD.dual_level():
+            got = fwAD.unpack_dual(fused(fwAD.make_dual(x, tangent))).tangent
+        torch.testing.assert_close(got, torch.einsum("ijkl,kl->ij", want, tangent), atol=1e-5, rtol=1e-5)

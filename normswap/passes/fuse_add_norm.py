@@ -24,15 +24,13 @@ dtype (no broadcasting, no type promotion) and ``alpha`` 1. Needs example inputs
 from __future__ import annotations
 
 import operator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import fx, nn
 
-from normswap.graph.capture import export_module
-from normswap.modules.copying import copy_model
 from normswap.passes.base import Change, PassReport, RewriteKind, Skip
-from normswap.passes.graph_rewrite import GRAPH_MODULE, finish, module_path, op_overload_name
+from normswap.passes.graph_rewrite import GRAPH_MODULE, GraphPass, module_path, op_overload_name
 
 _NORM_TO_ADD_NORM = {
     "rms_norm_fwd": "add_rms_norm_fwd",
@@ -40,30 +38,16 @@ _NORM_TO_ADD_NORM = {
 }
 
 
-class FuseAddNorm:
-    """``add -> fused norm`` into one ``normswap::add_*_norm_fwd`` op; the same contract as
-    :class:`normswap.passes.base.Pass` (``name``, ``kind``, ``__call__`` returning ``(model, report)``),
-    but over a captured graph instead of the module tree."""
+class FuseAddNorm(GraphPass):
+    """``add -> fused norm`` into one ``normswap::add_*_norm_fwd`` op, on the exported graph."""
 
     name: ClassVar[str] = "fuse_add_norm"
     kind: ClassVar[RewriteKind] = RewriteKind.EXACT
+    doing: ClassVar[str] = "fusing adds into norms"
 
-    def __call__(
-        self,
-        model: nn.Module,
-        example_args: tuple | None = None,
-        example_kwargs: dict[str, Any] | None = None,
-        *,
-        inplace: bool = False,
-    ) -> tuple[nn.Module, PassReport]:
-        report = PassReport(self.name, self.kind)
-        if example_args is None and not example_kwargs:
-            return model, _unfused(report, "no example inputs: fusing adds into norms needs a captured graph")
-        source = model if inplace else copy_model(model)
-        gm = export_module(source, example_args, example_kwargs)
-        if isinstance(gm, str):
-            return model, _unfused(report, gm)
-        report.graph_method = "export"
+    def rewrite_graph(
+        self, gm: fx.GraphModule, report: PassReport, example_args: tuple | None, example_kwargs: dict | None
+    ) -> None:
         for norm in candidates(gm.graph):
             site = _site_name(norm)
             reason = check(norm)
@@ -71,9 +55,6 @@ class FuseAddNorm:
                 report.skips.append(Skip(self.name, site, reason))
                 continue
             report.changes.append(rewrite(norm, site))
-        if not report.changes:
-            return model, report
-        return finish(gm, model), report
 
 
 def fuse_add_norm(
@@ -166,9 +147,3 @@ def _describe(value: object) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return target._opname  # "embedding", "dropout"
     return getattr(target, "__name__", str(target))
-
-
-def _unfused(report: PassReport, reason: str) -> PassReport:
-    report.graph_error = reason
-    report.skips.append(Skip(FuseAddNorm.name, "<model>", reason))
-    return report

@@ -32,15 +32,14 @@ from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
 
 from normswap.graph.analysis import GraphView
-from normswap.graph.capture import CapturedGraph, export_module
+from normswap.graph.capture import CapturedGraph
 from normswap.graph.ops import CAST_OPS, arg, op_name, tensor_meta
 from normswap.graph.patterns import find_norm_patterns
 from normswap.kernels import fused_norm
 from normswap.kernels.tolerance import kernel_tolerance, within_kernel_tolerance
-from normswap.modules.copying import copy_model
 from normswap.modules.functional import CASTING_MODES
 from normswap.passes.base import Change, PassReport, RewriteKind, Skip
-from normswap.passes.graph_rewrite import GRAPH_MODULE, finish, module_path
+from normswap.passes.graph_rewrite import GRAPH_MODULE, GraphPass, module_path
 
 
 @dataclass
@@ -63,28 +62,16 @@ class GraphNorm:
     trailing_casts: tuple[fx.Node, ...] = ()
 
 
-class FuseGraphNorm:
-    """Functional and written-out norms -> ``normswap.kernels.fused_norm`` calls, on the exported graph;
-    the same contract as :class:`normswap.passes.base.Pass`, like :class:`FuseAddNorm`."""
+class FuseGraphNorm(GraphPass):
+    """Functional and written-out norms -> ``normswap.kernels.fused_norm`` calls, on the exported graph."""
 
     name: ClassVar[str] = "fuse_graph_norm"
     kind: ClassVar[RewriteKind] = RewriteKind.EXACT
+    doing: ClassVar[str] = "fusing norms inside other forwards"
 
-    def __call__(
-        self,
-        model: nn.Module,
-        example_args: tuple | None = None,
-        example_kwargs: dict[str, Any] | None = None,
-        *,
-        inplace: bool = False,
-    ) -> tuple[nn.Module, PassReport]:
-        report = PassReport(self.name, self.kind)
-        if example_args is None and not example_kwargs:
-            return model, self._unfused(report, "no example inputs: fusing norms in a graph needs one")
-        gm = export_module(model if inplace else copy_model(model), example_args, example_kwargs)
-        if isinstance(gm, str):
-            return model, self._unfused(report, gm)
-        report.graph_method = "export"
+    def rewrite_graph(
+        self, gm: fx.GraphModule, report: PassReport, example_args: tuple | None, example_kwargs: dict | None
+    ) -> None:
         norms = find_graph_norms(gm)
         values = _record(gm, norms, example_args, example_kwargs)
         # A norm may read another one's output (a norm of a norm): it must read the replacement.
@@ -95,9 +82,6 @@ class FuseGraphNorm:
                 report.skips.append(Skip(self.name, norm.site, measured))
                 continue
             report.changes.append(self._rewrite(norm, replaced, *measured))
-        if not report.changes:
-            return model, report
-        return finish(gm, model), report
 
     def _rewrite(
         self, norm: GraphNorm, replaced: dict[fx.Node, fx.Node], call: dict[str, Any], diff: float
@@ -128,11 +112,6 @@ class FuseGraphNorm:
                 "output": GRAPH_MODULE,
             },
         )
-
-    def _unfused(self, report: PassReport, reason: str) -> PassReport:
-        report.graph_error = reason
-        report.skips.append(Skip(self.name, "<model>", reason))
-        return report
 
 
 def fuse_graph_norm(

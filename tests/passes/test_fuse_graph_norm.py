@@ -149,7 +149,9 @@ def test_refusals_carry_their_reason():
         "its weight is computed in the forward, not a stored tensor",
     ]
     _, report = fuse_graph_norm(model)
-    assert [s.reason for s in report.skips] == ["no example inputs: fusing norms in a graph needs one"]
+    assert [s.reason for s in report.skips] == [
+        "no example inputs: fusing norms inside other forwards needs a captured graph"
+    ]
 
 
 def test_a_model_that_does_not_export_is_returned_with_the_reason():

@@ -280,3 +280,28 @@ def test_convert_fused_with_inline_norms_fused_too(tmp_path):
     )
     assert result.exit_code == 2
     assert "--fuse-inline fuses norms inside other forwards: give --to fused" in result.output
+
+
+def test_pt2_outputs_take_other_input_shapes(tmp_path):
+    # every input dim the model leaves free is exported dynamic: other batch sizes and lengths run
+    model, (ids,), kwargs = model_zoo.gpt2()
+    out = tmp_path / "g.pt2"
+    result = _run("convert", f"{ZOO}:gpt2_factory", "--to", "fused", "--fuse-add", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    loaded = torch.export.load(out).module()
+    other = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(2))
+    assert ids.shape == (2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(other, **kwargs).logits, model(other, **kwargs).logits, atol=1e-4, rtol=1e-5
+        )
+
+    out = tmp_path / "r.pt2"
+    assert _run("convert", f"{ZOO}:resnet18_factory", "--fold-bn", "-o", str(out)).exit_code == 0
+    model, (x,) = model_zoo.resnet18_factory()
+    batch = torch.randn(x.shape[0] + 2, *x.shape[1:])
+    with torch.no_grad():
+        want = model(batch)
+        torch.testing.assert_close(
+            torch.export.load(out).module()(batch), want, atol=1e-4 * float(want.abs().max()), rtol=0
+        )

@@ -7,6 +7,7 @@ back to the module path that ran it.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,17 +82,50 @@ def capture_graph(
     return CapturedGraph(None, None, errors)
 
 
+def input_dims(
+    model: nn.Module, example_args: tuple, example_kwargs: dict[str, Any], dim: Any
+) -> tuple[Any, ...] | dict[str, Any]:
+    """``dynamic_shapes`` for torch.export giving every dim of every input tensor ``dim(tensor, i)``
+    (a ``Dim``, ``Dim.AUTO``, or None to keep it static)."""
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {i: dim(value, i) for i in range(value.ndim)} if value.ndim else None
+        if isinstance(value, list | tuple):
+            return type(value)(spec(v) for v in value)
+        if isinstance(value, dict):
+            return {k: spec(v) for k, v in value.items()}
+        return None
+
+    if example_kwargs:
+        # with keyword inputs, torch.export wants every input keyed by the forward's parameter names
+        bound = inspect.signature(model.forward).bind(*example_args, **example_kwargs)
+        return {name: spec(value) for name, value in bound.arguments.items()}
+    return tuple(spec(a) for a in example_args)
+
+
+def export_program(
+    model: nn.Module, example_args: tuple | None, example_kwargs: dict[str, Any] | None
+) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) with every input dim dynamic that the model leaves free (``Dim.AUTO``:
+    export keeps a dim static where the code fixes it); a fully static export when that fails."""
+    args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            dynamic = input_dims(model, args, kwargs, lambda tensor, i: torch.export.Dim.AUTO)
+            return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
+        except Exception:  # data-dependent shapes and the like: the static program still serves
+            return torch.export.export(model, args, kwargs=kwargs, strict=False)
+
+
 def export_module(
     model: nn.Module, example_args: tuple | None, example_kwargs: dict[str, Any] | None
 ) -> fx.GraphModule | str:
-    """``torch.export`` (non-strict) of ``model`` as a runnable GraphModule, for passes that rewrite a
-    graph rather than the module tree; or why it could not be exported, in one line."""
+    """:func:`export_program`'s program as a runnable GraphModule, for passes that rewrite a graph
+    rather than the module tree; or why it could not be exported, in one line."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.export.export(
-                model, tuple(example_args or ()), kwargs=dict(example_kwargs or {}), strict=False
-            )
+        program = export_program(model, example_args, example_kwargs)
     except Exception as exc:  # export fails in many ways; the reason is what matters
         return f"torch.export failed: {_short_error(exc)}"
     return program.module()

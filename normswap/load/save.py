@@ -70,8 +70,10 @@ def same_file(a: Path, b: Path) -> bool:
 
 
 def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path) -> None:
+    from normswap.graph.capture import export_program
+
     try:
-        ep = torch.export.export(model, tuple(example_args), example_kwargs or None, strict=False)
+        ep = export_program(model, example_args, example_kwargs)
     except Exception as exc:
         raise BadInputError(
             f"torch.export could not trace the model for .pt2 output ({_describe(exc)}); save as .pt instead"

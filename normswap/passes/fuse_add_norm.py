@@ -85,10 +85,12 @@ def check(norm: fx.Node) -> str | None:
     values = [a.meta.get("val") for a in (*add.args, add)]
     if not all(isinstance(v, torch.Tensor) for v in values):
         return "the add's operands have no recorded shape"
-    shapes = [tuple(v.shape) for v in values]
+    # sizes as text: a dynamic dim is a symbol (s0), unhashable as a SymInt and equal only to itself
+    shapes = [tuple(str(d) for d in v.shape) for v in values]
     dtypes = [v.dtype for v in values]
     if len(set(shapes)) != 1:
-        return f"the add broadcasts {shapes[0]} + {shapes[1]}: the fused op adds two tensors of one shape"
+        a, b = (f"({', '.join(shape)}{',' if len(shape) == 1 else ''})" for shape in shapes[:2])
+        return f"the add broadcasts {a} + {b}: the fused op adds two tensors of one shape"
     if len(set(dtypes)) != 1:
         return f"the add promotes {dtypes[0]} + {dtypes[1]}: the fused op adds two tensors of one dtype"
     return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import model_zoo
 import pytest
 import torch
@@ -113,9 +115,11 @@ def test_adds_the_fused_op_cannot_take_are_skipped_with_the_reason():
     x = torch.randn(2, 3, 16)
     model, report = fuse_add_norm(_Broadcast(), (x,))
     assert not isinstance(model, fx.GraphModule)  # nothing fused: the model comes back as it was
-    assert report.skips[0].reason == (
-        "the add broadcasts (2, 3, 16) + (16,): the fused op adds two tensors of one shape"
-    )
+    # the batch and token dims are exported dynamic: symbols in place of 2 and 3
+    assert re.fullmatch(
+        r"the add broadcasts \(s\d+, s\d+, 16\) \+ \(16,\): the fused op adds two tensors of one shape",
+        report.skips[0].reason,
+    ), report.skips[0].reason
     _, report = fuse_add_norm(_Promote(), (x, x))
     assert report.skips[0].reason == (
         "the add promotes torch.float32 + torch.float64: the fused op adds two tensors of one dtype"
@@ -138,3 +142,13 @@ def test_input_model_is_untouched():
         for p in out.parameters():
             p.add_(1.0)
     assert all(torch.equal(v, before[k]) for k, v in fused.state_dict().items())
+
+
+def test_the_fused_graph_takes_other_batch_sizes_and_lengths():
+    model, converted, report, _, kwargs = _fused("gpt2")
+    assert report.ok
+    ids = torch.randint(0, 128, (3, 7), generator=torch.Generator().manual_seed(2))  # examples: (2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            converted(ids, **kwargs).logits, model(ids, **kwargs).logits, atol=1e-4, rtol=1e-5
+        )

@@ -165,3 +165,11 @@ def test_a_model_that_does_not_export_is_returned_with_the_reason():
     converted, report = fuse_graph_norm(model, (torch.randn(2, 4),))
     assert converted is model
     assert report.skips[0].reason.startswith("torch.export failed:")
+
+
+def test_the_fused_graph_takes_other_batch_sizes():
+    model = model_zoo.HandWrittenNet()
+    converted, report = fuse_graph_norm(model, (torch.randn(3, 16),))
+    assert len(report.changes) == 4
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(converted(x), model(x), atol=1e-5, rtol=1e-5)

@@ -77,7 +77,7 @@ class FuseGraphNorm(GraphPass):
         # A norm may read another one's output (a norm of a norm): it must read the replacement.
         replaced: dict[fx.Node, fx.Node] = {}
         for norm in norms:
-            measured = _measure(gm, norm, values)
+            measured = _measure(norm, values)
             if isinstance(measured, str):
                 report.skips.append(Skip(self.name, norm.site, measured))
                 continue
@@ -130,7 +130,8 @@ def fuse_graph_norm(
 
 
 def find_graph_norms(gm: fx.GraphModule) -> list[GraphNorm]:
-    """Every written-out and functional RMSNorm / LayerNorm of ``gm``'s graph, in graph order."""
+    """Every written-out and functional norm of ``gm``'s graph, in graph order (RMSNorm and LayerNorm,
+    and the written-out batch and instance norms that are reported but not fused)."""
     view = GraphView(CapturedGraph(gm.graph, "export"))
     found: list[GraphNorm] = []
     covered: set[fx.Node] = set()
@@ -228,7 +229,7 @@ def _record(
     return seen
 
 
-def _measure(gm: fx.GraphModule, norm: GraphNorm, values: dict[fx.Node, Any]) -> tuple | str:
+def _measure(norm: GraphNorm, values: dict[fx.Node, Any]) -> tuple | str:
     """(fused_norm keyword arguments, max abs difference) when the fused call reproduces ``norm``.
 
     Also settles ``norm.output`` among its trailing casts: the first with the fused call's dtype.

@@ -79,6 +79,12 @@ class PassContext:
     # Values a pass computes once per run and reads at several sites (e.g. recorded activations).
     cache: dict[str, Any] = field(default_factory=dict)
 
+    def replace_model(self, model: nn.Module) -> None:
+        """Make ``model`` the one the pass returns (a rewrite of the root's own forward gives a new root);
+        its submodules are the old root's, so the inventory and module index stay valid."""
+        self.model = model
+        self.modules = {**self.modules, "": model}
+
 
 class Pass(ABC):
     """Base of every pass. Subclasses implement :meth:`candidates`, :meth:`check` and :meth:`rewrite`."""
@@ -105,7 +111,7 @@ class Pass(ABC):
                 report.skips.append(Skip(self.name, site.path, reason))
                 continue
             report.changes.append(self.rewrite(site, ctx))
-        return target, report
+        return ctx.model, report
 
     @abstractmethod
     def candidates(self, ctx: PassContext) -> list[NormSite]:

@@ -30,7 +30,7 @@ Legality, each refused with a reason:
 A functional ``F.batch_norm`` call cannot be removed from someone's forward by editing modules. Its
 owner module (the one whose forward makes the call) is replaced by a ``torch.fx.GraphModule`` of its
 own forward with the call removed and the BN folded into the conv feeding it; the Change says so. (A
-call in the root module's forward is refused: replacing the whole model is not this pass's call.) The
+call in the root module's forward makes the whole model that GraphModule.) The
 alternative, keeping the call and turning its statistics into an identity (mean 0, var 1 - eps,
 gamma 1, beta 0), is not sound: it needs ``fl(fl(1 - eps) + eps) == 1`` and ``rsqrt(1) == 1`` in
 whatever dtype and kernel later run it. The model's var rounds to exactly 1 once it passes through
@@ -363,6 +363,10 @@ def _batch_norm_args(node: fx.Node) -> dict[str, Any] | None:
     return None
 
 
+def _owner_name(owner: str) -> str:
+    return owner or "the root module"
+
+
 def _owner_graph(owner: nn.Module) -> tuple[fx.Graph | None, str]:
     try:
         return fx.Tracer().trace(owner), ""
@@ -402,14 +406,11 @@ def _plan_functional(site: NormSite, ctx: PassContext) -> str | _Plan:
     for key in ("weight", "bias"):
         if args[key] is not None and names[key] is None:
             return f"F.batch_norm's {key} is computed in the forward, not a parameter of the model"
-    if owner == "<root>":
-        return (
-            "F.batch_norm is called in the root module's forward: removing the call would replace the whole "
-            "model by a GraphModule; move the conv and the call into a submodule"
-        )
-    if not all(name is None or name.startswith(owner + ".") for name in names.values()):
+    owner = "" if owner == "<root>" else owner
+    prefix = owner + "." if owner else ""
+    if not all(name is None or name.startswith(prefix) for name in names.values()):
         return f"F.batch_norm's tensors do not all belong to {owner}, whose forward calls it"
-    if len(view.calls.get(owner, [])) != 1:
+    if owner and len(view.calls.get(owner, [])) != 1:
         return (
             f"{owner}, whose forward calls F.batch_norm, is called at {len(view.calls.get(owner, []))} sites"
         )
@@ -418,9 +419,9 @@ def _plan_functional(site: NormSite, ctx: PassContext) -> str | _Plan:
         return "F.batch_norm input could not be traced to a producer"
     layer_path = view.innermost_path(producer)
     layer = ctx.modules.get(layer_path)
-    if not layer_path or not isinstance(layer, FOLDABLE_LAYERS) or not layer_path.startswith(owner + "."):
+    if not layer_path or not isinstance(layer, FOLDABLE_LAYERS) or not layer_path.startswith(prefix):
         what = _named(layer_path, layer) if layer is not None and layer_path else view.describe(producer)
-        return f"input comes from {what}, not {_LAYERS_TEXT} inside {owner}"
+        return f"input comes from {what}, not {_LAYERS_TEXT} inside {_owner_name(owner)}"
     layer_call = _layer_call_guard(layer_path, layer, ctx)
     if isinstance(layer_call, str):
         return layer_call
@@ -434,21 +435,24 @@ def _plan_functional(site: NormSite, ctx: PassContext) -> str | _Plan:
     eps = args["eps"]
     if not isinstance(eps, (int, float)):
         return "F.batch_norm's eps is not a constant"
-    rel = {key: name[len(owner) + 1 :] if name else None for key, name in names.items()}
+    rel = {key: name[len(prefix) :] if name else None for key, name in names.items()}
     graph, error = _owner_graph(ctx.modules[owner])
     if graph is None:
-        return f"removing F.batch_norm needs an fx trace of {owner}, which failed: {error}"
+        return f"removing F.batch_norm needs an fx trace of {_owner_name(owner)}, which failed: {error}"
     found = _find_owner_bn(graph, rel["running_mean"] or "")
     if len(found) != 1:
-        return f"the fx trace of {owner} holds {len(found)} batch_norm calls on {rel['running_mean']}"
+        return (
+            f"the fx trace of {_owner_name(owner)} holds {len(found)} batch_norm calls on "
+            f"{rel['running_mean']}"
+        )
     traced_input = (_batch_norm_args(found[0]) or {}).get("input")
     if not (
         isinstance(traced_input, fx.Node)
         and traced_input.op == "call_module"
-        and traced_input.target == layer_path[len(owner) + 1 :]
+        and traced_input.target == layer_path[len(prefix) :]
         and list(traced_input.users) == [found[0]]
     ):
-        return f"in the fx trace of {owner}, F.batch_norm does not read {layer_path} alone"
+        return f"in the fx trace of {_owner_name(owner)}, F.batch_norm does not read {layer_path} alone"
     return _Plan("functional", layer=layer_path, owner=owner, bn_args={**names, "eps": float(eps)})
 
 
@@ -563,7 +567,7 @@ class FoldBatchNorm(Pass):
         owner = ctx.model.get_submodule(plan.owner)
         graph, _ = _owner_graph(owner)
         assert graph is not None
-        prefix = plan.owner + "."
+        prefix = plan.owner + "." if plan.owner else ""
         (bn_node,) = _find_owner_bn(graph, names["running_mean"][len(prefix) :])
         read = bn_node.all_input_nodes
         bn_node.replace_all_uses_with((_batch_norm_args(bn_node) or {})["input"])
@@ -574,14 +578,20 @@ class FoldBatchNorm(Pass):
         # Built after the edit, the GraphModule copies only what its graph still reads: the BN's
         # statistics and affine leave the state_dict.
         module = fx.GraphModule(owner, graph, class_name=type(owner).__name__)
-        replace_submodule(ctx.model, plan.owner, module)
+        module.train(owner.training)
+        if plan.owner:
+            replace_submodule(ctx.model, plan.owner, module)
+        else:
+            # the call is in the model's own forward: the returned model is this GraphModule
+            ctx.replace_model(module)
         removed = [n for n in names.values() if isinstance(n, str)]
         return Change(
             self.name,
             site.path,
             self.kind,
-            f"folded into {_named(plan.layer, layer)}; {plan.owner} is now a torch.fx GraphModule of its "
-            "forward without the F.batch_norm call (a module edit cannot remove a call from a forward)",
+            f"folded into {_named(plan.layer, layer)}; {_owner_name(plan.owner)} is now a torch.fx "
+            "GraphModule of its forward without the F.batch_norm call (a module edit cannot remove a call "
+            "from a forward)",
             {
                 "into": plan.layer,
                 "layer_class": _class(layer),

@@ -414,14 +414,21 @@ def test_two_functional_batch_norms_in_one_forward():
     _assert_exact(model, folded, x)
 
 
-def test_functional_batch_norm_refusals():
+def test_functional_batch_norm_in_the_root_forward_makes_the_model_a_graph_module():
+    torch.manual_seed(0)
     x = torch.randn(2, 3, 8, 8)
     root = _FunctionalConvBN(3, 4).eval()
-    _, report = FoldBatchNorm()(root, (x,))
-    assert _skip_reasons(report) == {
-        "<root>::batch_norm": "F.batch_norm is called in the root module's forward: removing the call would "
-        "replace the whole model by a GraphModule; move the conv and the call into a submodule"
-    }
+    folded, report = FoldBatchNorm()(root, (x,))
+    assert report.skips == [] and report.changes[0].details["graph_module"] == ""
+    assert "the root module is now a torch.fx GraphModule" in report.changes[0].description
+    assert isinstance(folded, fx.GraphModule) and not isinstance(root, fx.GraphModule)
+    assert not any(n.op == "call_function" and "batch_norm" in str(n.target) for n in folded.graph.nodes)
+    assert sorted(folded.state_dict()) == ["conv.bias", "conv.weight"]  # the statistics left with the call
+    _assert_exact(root, folded, x)
+
+
+def test_functional_batch_norm_refusals():
+    x = torch.randn(2, 3, 8, 8)
     training = nn.Sequential(_FunctionalConvBN(3, 4, training=True)).eval()
     _, report = FoldBatchNorm()(training, (x,))
     assert _skip_reasons(report)["0::batch_norm"].startswith("F.batch_norm is called with training=True")

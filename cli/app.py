@@ -341,6 +341,13 @@ def convert(
 
     if output.suffix not in SAVE_FORMATS:
         raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
+    if SAVE_FORMATS[output.suffix] == "pickle" and (fuse_inline or fuse_add):
+        # said before the run, not after it: an exported program's module does not pickle
+        flag = "--fuse-inline" if fuse_inline else "--fuse-add"
+        raise BadInputError(
+            f"{flag} makes the model an exported torch.fx GraphModule, which cannot be pickled to {output}: "
+            "save as .pt2 or .onnx"
+        )
     loaded = _load(model, weights, trust_pickle)
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     converted, result = pipeline(loaded.model, args, kwargs)

@@ -280,6 +280,13 @@ def test_convert_fused_with_inline_norms_fused_too(tmp_path):
     )
     assert result.exit_code == 2
     assert "--fuse-inline fuses norms inside other forwards: give --to fused" in result.output
+    pickled = tmp_path / "h.pt"
+    result = _run(
+        "convert", f"{ZOO}:HandWrittenNet", "--input-shape", "3,16", "--to", "fused", "--fuse-inline", "-o",
+        str(pickled),
+    )  # fmt: skip
+    assert result.exit_code == 2 and not pickled.exists()
+    assert "cannot be pickled" in result.output and "save as .pt2 or .onnx" in result.output
 
 
 def test_pt2_outputs_take_other_input_shapes(tmp_path):

@@ -8,6 +8,7 @@ back to the module path that ran it.
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,10 @@ def export_program(
     """torch.export (non-strict) with every input dim dynamic that the model leaves free (``Dim.AUTO``:
     export keeps a dim static where the code fixes it); a fully static export when that fails."""
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
+    # Dim.AUTO on a size-1 dim makes export log that it stays static: expected here, not news
+    quiet = logging.getLogger("torch._export.non_strict_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -117,6 +122,8 @@ def export_program(
             return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
         except Exception:  # data-dependent shapes and the like: the static program still serves
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
+        finally:
+            quiet.setLevel(level)
 
 
 def export_module(

@@ -1,8 +1,9 @@
 """The pass framework: a pass finds candidate sites, checks each, rewrites or skips it with a reason.
 
 A pass declares its kind (exact, architectural, data-driven; DESIGN.md), never mutates its input unless
-``inplace=True``, keeps no state between sites (everything a site needs travels in a
-:class:`PassContext`), and returns ``(model, PassReport)``. Reports are plain data.
+``inplace=True`` (then the returned model is the one to use: a pass may replace the root), keeps no state
+between sites (everything a site needs travels in a :class:`PassContext`), and returns
+``(model, PassReport)``. Reports are plain data.
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class Pass(ABC):
                 report.skips.append(Skip(self.name, site.path, reason))
                 continue
             report.changes.append(self.rewrite(site, ctx))
+        if ctx.model is not target and inplace:
+            _consumed(target, self.name)
         return ctx.model, report
 
     @abstractmethod
@@ -124,6 +127,19 @@ class Pass(ABC):
     @abstractmethod
     def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
         """Rewrite one checked site of ``ctx.model`` in place and describe the change."""
+
+
+def _consumed(model: nn.Module, pass_name: str) -> None:
+    """Make a model that an in-place pass replaced (its root became a GraphModule) refuse to run: it
+    shares edited submodules with the replacement, so running it would silently compute something else."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"this model was rewritten in place by {pass_name}, which returned a new root module: use the "
+            "model the pass returned"
+        )
+
+    model.forward = forward  # type: ignore[method-assign]
 
 
 def build_context(

@@ -367,9 +367,17 @@ def _owner_name(owner: str) -> str:
     return owner or "the root module"
 
 
+class _ChildrenAsLeaves(fx.Tracer):
+    """Trace one module's own forward only: every submodule stays a call, so the GraphModule built from
+    the graph holds the very submodules (with their classes and state), not a re-traced copy of them."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
 def _owner_graph(owner: nn.Module) -> tuple[fx.Graph | None, str]:
     try:
-        return fx.Tracer().trace(owner), ""
+        return _ChildrenAsLeaves().trace(owner), ""
     except Exception as exc:  # tracing fails in many ways; we only report it
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         return None, f"{type(exc).__name__}: {first}"
@@ -578,9 +586,10 @@ class FoldBatchNorm(Pass):
         # Built after the edit, the GraphModule copies only what its graph still reads: the BN's
         # statistics and affine leave the state_dict.
         module = fx.GraphModule(owner, graph, class_name=type(owner).__name__)
-        module.train(owner.training)
+        # its own flag only: its submodules are the owner's, each in the mode it was in
+        module.training = owner.training
         if plan.owner:
-            replace_submodule(ctx.model, plan.owner, module)
+            ctx.model.set_submodule(plan.owner, module)
         else:
             # the call is in the model's own forward: the returned model is this GraphModule
             ctx.replace_model(module)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
 
 from normswap.graph.analysis import GraphView
 from normswap.graph.capture import CapturedGraph
@@ -192,8 +193,11 @@ def _eps(node: fx.Node, eps: object) -> float | None:
     if isinstance(eps, int | float) and not isinstance(eps, bool):
         return float(eps)
     meta = tensor_meta(node.args[0]) if eps is None and isinstance(node.args[0], fx.Node) else None
-    # rms_norm(eps=None) takes the epsilon of the input's dtype, fixed once the graph is captured
-    return float(torch.finfo(meta[1]).eps) if meta is not None and meta[1].is_floating_point else None
+    if meta is None or not meta[1].is_floating_point:
+        return None
+    # rms_norm(eps=None) takes the epsilon of its accumulation dtype: fp64 for fp64 inputs, fp32 for
+    # fp32 and the half precisions (which it computes in fp32); fixed once the graph is captured
+    return float(torch.finfo(torch.float64 if meta[1] == torch.float64 else torch.float32).eps)
 
 
 def _site(node: fx.Node) -> str:
@@ -223,9 +227,17 @@ def _record(
             return value
 
     seen: dict[fx.Node, Any] = {}
-    flat = fx_pytree.tree_flatten_spec((tuple(args or ()), dict(kwargs or {})), gm._in_spec)
-    with torch.no_grad():
-        Recorder(gm).run(*flat)
+    inputs = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    flat = fx_pytree.tree_flatten_spec((tuple(inputs[0] or ()), dict(inputs[1] or {})), gm._in_spec)
+    # The run must leave no trace: a train-mode BatchNorm's statistics or a step counter would advance.
+    buffers = {name: b.clone() for name, b in gm.named_buffers()}
+    try:
+        with torch.no_grad():
+            Recorder(gm).run(*flat)
+    finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                b.copy_(buffers[name])
     return seen
 
 

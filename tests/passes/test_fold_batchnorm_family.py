@@ -595,3 +595,55 @@ def test_a_hand_written_batchnorm_without_vector_statistics_is_refused():
         "_HandBatchNorm does not keep its statistics and affine as per-channel vectors named running_mean, "
         "running_var, weight, bias"
     )
+
+
+class _RootAndBlock(nn.Module):
+    """F.batch_norm in the root's forward, then a custom block with its own call and a timm norm+act."""
+
+    def __init__(self) -> None:
+        from timm.layers import BatchNormAct2d
+
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.register_buffer("rm", 0.5 * torch.randn(4))
+        self.register_buffer("rv", torch.rand(4) + 0.5)
+        self.blk = _FunctionalConvBN(4, 4)
+        self.conv2 = nn.Conv2d(4, 4, 1)
+        self.bn2 = BatchNormAct2d(4)
+        self.frozen = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.blk(F.batch_norm(self.conv(x), self.rm, self.rv, None, None, False, 0.1, 1e-5))
+        return self.frozen(self.bn2(self.conv2(y)))
+
+
+def test_root_fold_keeps_submodules_their_classes_and_modes():
+    torch.manual_seed(0)
+    model = model_zoo.randomize_norms(_RootAndBlock()).train()
+    for child in (model.frozen, model.bn2, model.blk):  # frozen parts of a model in train mode
+        child.eval()
+    x = torch.randn(2, 3, 6, 6)
+    folded, report = FoldBatchNorm()(model, (x,))
+    assert sorted(c.site for c in report.changes) == [
+        "<root>::batch_norm",
+        "blk::batch_norm_1",
+        "bn2",
+        "frozen",
+    ]
+    assert isinstance(folded, fx.GraphModule) and folded.training
+    # the root's own flag only: the block and its conv keep the eval mode they were in
+    assert isinstance(folded.blk, fx.GraphModule) and not folded.blk.training and not folded.blk.conv.training
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_an_in_place_root_fold_retires_the_model_passed_in():
+    torch.manual_seed(0)
+    model = _FunctionalConvBN(3, 4).eval()
+    x = torch.randn(2, 3, 8, 8)
+    want = model(x)
+    folded, _ = FoldBatchNorm()(model, (x,), inplace=True)
+    torch.testing.assert_close(folded(x), want, atol=1e-5, rtol=1e-5)
+    # its conv is folded but its forward still normalizes: running it must fail, not mislead
+    with pytest.raises(RuntimeError, match="rewritten in place by fold_batchnorm"):
+        model(x)

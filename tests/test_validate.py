@@ -97,3 +97,23 @@ def test_cli_batches_from_data_and_usage_errors(tmp_path):
     result = _run("validate", f"{ZOO}:resnet18_factory", f"{ZOO}:gpt2_factory")
     assert result.exit_code == 2
     assert "cannot compare: the converted model fails on these inputs: RuntimeError" in result.output
+
+
+def test_a_pt2_of_channel_norms_compares_in_its_layout(tmp_path):
+    import math
+
+    from normswap.load import save_model
+    from normswap.load.model_file import load_model
+    from normswap.passes import FuseNorm
+
+    model, args, kwargs = model_zoo.convnext_tiny()
+    converted, _ = Pipeline([FuseNorm()])(model, args, kwargs)
+    save_model(converted, tmp_path / "c.pt2", args, kwargs)
+    loaded = load_model(str(tmp_path / "c.pt2")).model
+    report = validate_models(model, loaded, [(args, kwargs)], norm_paths=["stem.1"])
+    stem = next(layer for layer in report.layers if layer.path == "stem.1")
+    # the .pt2's module normalizes the NHWC view, timm's LayerNorm2d returns NCHW: same values, permuted
+    assert stem.sqnr_db > 100 and stem.layout_note.startswith("compared in the converted module's layout")
+    # its plain containers (stem, stages.0, ...) are never called by the flat graph: not compared
+    assert all(not math.isnan(layer.sqnr_db) for layer in report.layers)
+    assert report.first_divergent is None

@@ -42,7 +42,8 @@ class LayerDivergence:
     max_abs: float
     max_rel: float
     cosine: float
-    note: str = ""
+    note: str = ""  # why the layer could not be compared (it then counts as divergent)
+    layout_note: str = ""  # how it was compared, when not as is
 
 
 @dataclass
@@ -177,6 +178,11 @@ def validate_models(
     report.outputs = _compare_outputs(ref_outputs, new_outputs)
     originals, convs = dict(original.named_modules()), dict(converted.named_modules())
     for path in order:
+        if not new_layers[path] and type(convs[path]) is nn.Module:
+            # a plain container of a .pt2's module: the flat graph never calls it, so there is nothing
+            # to compare (its contents are compared one by one)
+            report.shared_modules -= 1
+            continue
         layer = _compare_layer(
             path, ref_layers[path], new_layers[path], originals[path], convs[path], path in norms
         )
@@ -221,6 +227,13 @@ def _compare_layer(
         is_norm=is_norm,
         calls=len(refs),
     )
+    note = ""
+    if len(refs) == len(news) and any(r.shape != n.shape for r, n in zip(refs, news, strict=True)):
+        aligned = [_to_layout(r, n.shape) for r, n in zip(refs, news, strict=True)]
+        if all(a is not None for a in aligned):
+            # a .pt2 lifts a channel norm's op alone, without the permutes around it (timm LayerNorm2d)
+            refs = aligned  # type: ignore[assignment]
+            note = "compared in the converted module's layout (its output is a permutation of the original's)"
     shapes_ok = len(refs) == len(news) and all(r.shape == n.shape for r, n in zip(refs, news, strict=False))
     if not shapes_ok:
         return LayerDivergence(**common, sqnr_db=math.nan, max_abs=math.nan, max_rel=math.nan, cosine=math.nan,
@@ -237,7 +250,22 @@ def _compare_layer(
         max_abs=max_abs,
         max_rel=max_abs / max_ref if max_ref > 0 else (0.0 if max_abs == 0 else math.inf),
         cosine=float(ref @ out / denom) if denom > 0 else (1.0 if max_abs == 0 else 0.0),
+        layout_note=note,
     )
+
+
+def _to_layout(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
+    """``tensor`` with its dims permuted to ``shape``: dims of equal size keep their order (NCHW with
+    H == W goes to NHWC, not NWHC); None when no permutation gives the shape."""
+    if tensor.ndim != len(shape) or sorted(tensor.shape) != sorted(shape):
+        return None
+    unused = list(range(tensor.ndim))
+    order = []
+    for size in shape:
+        source = next(i for i in unused if tensor.shape[i] == size)
+        unused.remove(source)
+        order.append(source)
+    return tensor.permute(order)
 
 
 def _diverges(layer: LayerDivergence, exact: bool, min_sqnr_db: float, refs: list[torch.Tensor]) -> bool:

@@ -39,3 +39,19 @@ def test_gpt2_pt2_layernorms_become_swappable(tmp_path):
     torch.testing.assert_close(gm(*args, **kwargs)[0], model(*args, **kwargs).logits, rtol=0, atol=0)
     _, report = SwapNorm("rmsnorm")(gm, args, kwargs)
     assert len(report.changes) == 5
+
+
+def test_fused_channel_norms_lift_back_to_channel_modules(tmp_path):
+    from normswap.modules.fused import FusedChannelLayerNorm
+    from normswap.passes import fuse_norm
+
+    model, args, kwargs = model_zoo.convnext_tiny()
+    fused, _ = fuse_norm(model, args, kwargs)
+    gm = lift_exported_module(_exported_module(fused, args, kwargs, tmp_path))
+    stem = gm.get_submodule("stem.1")
+    # movedim -> fused op -> movedim back is one module again, over the same dim as before
+    assert isinstance(stem, FusedChannelLayerNorm) and stem.channel_dim == -3
+    assert not any("movedim" in str(n.target) for n in gm.graph.nodes)
+    assert set(gm.state_dict()) == set(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*args), fused(*args), rtol=0, atol=0)

@@ -180,6 +180,59 @@ def _fused_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module 
     return m
 
 
+def _channel_wrap(node: fx.Node, output: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """(input, back-permute, channel dim) when a fused norm op normalizes ``x.movedim(d, -1)`` and its
+    only reader moves the dim back: the layout :class:`normswap.modules.fused.FusedChannelLayerNorm`
+    and ``FusedChannelRMSNorm`` export to."""
+    if op_name(node) not in _TUPLE_OPS:
+        return None
+    moved, readers = node.args[0], list(output.users)
+    if not isinstance(moved, fx.Node) or len(moved.users) != 1 or len(readers) != 1:
+        return None
+    perm, back = _as_permutation(moved), _as_permutation(readers[0])
+    if perm is None or back is None:
+        return None
+    rank, dim = len(perm), perm[-1]
+    if dim == rank - 1 or perm != [i for i in range(rank) if i != dim] + [dim]:
+        return None
+    if back != sorted(range(rank), key=perm.__getitem__):
+        return None
+    return moved.args[0], readers[0], dim - rank  # type: ignore[return-value]
+
+
+def _as_permutation(node: fx.Node) -> list[int] | None:
+    """The dims order of a ``permute`` or ``movedim`` node (its input's rank read from the graph)."""
+    source = node.args[0] if node.args else None
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    rank = val.ndim
+    if op_name(node) == "permute":
+        dims = node.args[1] if isinstance(node.args[1], list | tuple) else node.args[1:]
+        return [d % rank for d in dims]  # type: ignore[union-attr]
+    if op_name(node) == "movedim" and all(isinstance(d, int) for d in node.args[1:3]):
+        src, dst = node.args[1] % rank, node.args[2] % rank  # type: ignore[operator]
+        order = [i for i in range(rank) if i != src]
+        order.insert(dst, src)
+        return order
+    return None
+
+
+def _channel_module(module: nn.Module, channel_dim: int) -> nn.Module:
+    from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm, FusedRMSNorm, NormSpec
+
+    cls = FusedChannelRMSNorm if isinstance(module, FusedRMSNorm) else FusedChannelLayerNorm
+    spec = NormSpec(
+        normalized_shape=tuple(module.normalized_shape),
+        eps=module.eps,
+        elementwise_affine=module.elementwise_affine,
+        bias=module.bias is not None,
+        casting=module.casting,
+        weight_offset=module.weight_offset,
+    )
+    return cls.from_channel_norm(module, spec, channel_dim)
+
+
 def _normalized_output(node: fx.Node) -> fx.Node | None:
     """For an op returning ``(y, statistics...)``: the ``getitem(node, 0)`` node, if nothing else is read."""
     items = list(node.users)
@@ -227,15 +280,24 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
         module = builder(gm, node, holder)
         if module is None or any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
             continue
+        source, channel = node.args[0], _channel_wrap(node, replaced)
+        if channel is not None:
+            # x.movedim(d, -1) -> fused op -> movedim back: one channel-norm module, as the model had
+            source, replaced, module = channel[0], channel[1], _channel_module(module, channel[2])
         gm.set_submodule(prefix, module)
         attrs = _tensor_args(node)
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(prefix, (node.args[0],))
+            call = gm.graph.call_module(prefix, (source,))
         call.meta = dict(replaced.meta)
         replaced.replace_all_uses_with(call)
+        if channel is not None:
+            gm.graph.erase_node(replaced)
         for item in list(node.users):  # the (now unread) getitems of a tuple-returning op
             gm.graph.erase_node(item)
+        moved = node.args[0]
         gm.graph.erase_node(node)
+        if channel is not None and isinstance(moved, fx.Node) and not moved.users:
+            gm.graph.erase_node(moved)
         for a in attrs:
             if not a.users:
                 gm.graph.erase_node(a)

@@ -87,7 +87,7 @@ def input_dims(
     model: nn.Module, example_args: tuple, example_kwargs: dict[str, Any], dim: Any
 ) -> tuple[Any, ...] | dict[str, Any]:
     """``dynamic_shapes`` for torch.export giving every dim of every input tensor ``dim(tensor, i)``
-    (a ``Dim``, ``Dim.AUTO``, or None to keep it static)."""
+    (a ``Dim``, ``Dim.AUTO`` or ``Dim.STATIC``)."""
 
     def spec(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
@@ -105,11 +105,21 @@ def input_dims(
     return tuple(spec(a) for a in example_args)
 
 
+def _free_dim(tensor: torch.Tensor, dim: int) -> Any:
+    """Which input dims export may make dynamic: the batch dim of every input, and every dim of an
+    integer input (token ids and masks: the sequence length). Image sizes stay static: symbolic heights
+    and widths make export reason about every pooling and unfold (timm's MobileViT took minutes)."""
+    if dim == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
+        return torch.export.Dim.AUTO
+    return torch.export.Dim.STATIC
+
+
 def export_program(
     model: nn.Module, example_args: tuple | None, example_kwargs: dict[str, Any] | None
 ) -> torch.export.ExportedProgram:
-    """torch.export (non-strict) with every input dim dynamic that the model leaves free (``Dim.AUTO``:
-    export keeps a dim static where the code fixes it); a fully static export when that fails."""
+    """torch.export (non-strict) with the batch dim and the sequence dims of integer inputs dynamic where
+    the model leaves them free (``Dim.AUTO``: export keeps a dim static where the code fixes it, see
+    :func:`_free_dim`); a fully static export when that fails."""
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
     # Dim.AUTO on a size-1 dim makes export log that it stays static: expected here, not news
     quiet = logging.getLogger("torch._export.non_strict_utils")
@@ -118,7 +128,7 @@ def export_program(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            dynamic = input_dims(model, args, kwargs, lambda tensor, i: torch.export.Dim.AUTO)
+            dynamic = input_dims(model, args, kwargs, _free_dim)
             return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
         except Exception:  # data-dependent shapes and the like: the static program still serves
             return torch.export.export(model, args, kwargs=kwargs, strict=False)

@@ -41,8 +41,6 @@ the forward, the very cost folding exists to remove. Removing the node is exact 
 
 from __future__ import annotations
 
-import sys
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +55,7 @@ from normswap.graph.ops import arg, rank
 from normswap.modules.affine import ChannelAffine
 from normswap.modules.copying import weight_norm_hooks
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
+from normswap.passes.norm_act import is_identity, norm_act_tail, with_tail
 from normswap.passes.weights import (
     bn_scale_shift,
     fold_bn_into_conv_transpose_weights,
@@ -72,7 +71,6 @@ _LAYERS_TEXT = "a Conv, ConvTranspose or Linear"
 # BatchNorm forwards that compute nothing but the normalization in eval mode.
 _PLAIN_BN_FORWARDS = (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward)
 # timm's norm+act classes: normalize, then run ``self.drop`` and ``self.act`` (in that order).
-_TIMM_NORM_ACT = ("BatchNormAct2d", "SyncBatchNormAct", "FrozenBatchNormAct2d")
 # Argument order of the two spellings of batch norm found in graphs (fx keeps F.batch_norm calls).
 _ATEN_BN_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
 _F_BN_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
@@ -102,39 +100,10 @@ class _Plan:
     bn_args: dict[str, Any] = field(default_factory=dict)  # functional: parameter names and eps
 
 
-def _norm_act_tail(bn: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """``[("drop", m), ("act", m)]`` for timm's norm+act classes (what runs after the norm, in order),
-    None for any other class."""
-    timm_layers = sys.modules.get("timm.layers.norm_act")  # imported already if the model uses it
-    if timm_layers is None:
-        return None
-    for name in _TIMM_NORM_ACT:
-        cls = getattr(timm_layers, name, None)
-        if cls is not None and type(bn).forward is cls.forward:
-            return [(part, getattr(bn, part)) for part in ("drop", "act") if hasattr(bn, part)]
-    return None
-
-
-def _is_identity(modules: list[tuple[str, nn.Module]]) -> bool:
-    return all(isinstance(m, nn.Identity) for _, m in modules)
-
-
-def _replacement(tail: list[tuple[str, nn.Module]], head: nn.Module | None = None) -> nn.Module:
-    """What takes the BN's place: ``head`` (an affine, or nothing) followed by the kept activation.
-
-    The activation keeps its name (``bn1.act``), so its parameters keep their state_dict keys."""
-    parts = ([("affine", head)] if head is not None else []) + (tail if not _is_identity(tail) else [])
-    if not parts:
-        return nn.Identity()
-    if len(parts) == 1 and head is not None:
-        return head
-    return nn.Sequential(OrderedDict(parts))
-
-
 def _module_guard(site: NormSite, bn: nn.Module) -> str | None:
     """Reasons that hold whatever the BN's neighbours are."""
     if isinstance(bn, nn.modules.batchnorm._BatchNorm):
-        if type(bn).forward not in _PLAIN_BN_FORWARDS and _norm_act_tail(bn) is None:
+        if type(bn).forward not in _PLAIN_BN_FORWARDS and norm_act_tail(bn) is None:
             return f"{_class(bn)}.forward does more than normalize (e.g. an activation); folding it would drop that"
         if bn.training:
             return (
@@ -142,7 +111,7 @@ def _module_guard(site: NormSite, bn: nn.Module) -> str | None:
             )
         if not bn.track_running_stats or bn.running_mean is None:
             return "BatchNorm has track_running_stats=False: no statistics to fold"
-    elif _norm_act_tail(bn) is None and list(bn.children()):
+    elif norm_act_tail(bn) is None and list(bn.children()):
         names = ", ".join(name for name, _ in bn.named_children())
         return f"{_class(bn)} has submodules ({names}) besides its statistics; folding it would drop them"
     stats = [getattr(bn, name, None) for name in ("running_mean", "running_var", "weight", "bias")]
@@ -275,7 +244,7 @@ def _forward(
     """Fold into the layer that reads the BN's output; None when no such layer is there at all."""
     view = ctx.view
     assert view is not None
-    if not _is_identity(_norm_act_tail(bn) or []):
+    if not is_identity(norm_act_tail(bn) or []):
         return None  # the layer after reads the activation's output, not the BN's
     consumers = bn_call.consumers()
     layers = [
@@ -503,13 +472,13 @@ class FoldBatchNorm(Pass):
             return self._rewrite_functional(site, plan, ctx)
         bn = site.module
         assert bn is not None
-        tail = _norm_act_tail(bn) or []
+        tail = norm_act_tail(bn) or []
         scale, shift = _scale_shift(site, bn)
         if plan.how == "affine":
             dtype = bn.weight.dtype if getattr(bn, "weight", None) is not None else bn.running_mean.dtype
             affine = ChannelAffine.from_scale_shift(scale, shift, dtype, bn.running_mean.device)
-            replace_submodule(ctx.model, site.path, _replacement(tail, affine))
-            kept = f", then its {' and '.join(n for n, _ in tail)}" if not _is_identity(tail) else ""
+            replace_submodule(ctx.model, site.path, with_tail(tail, affine))
+            kept = f", then its {' and '.join(n for n, _ in tail)}" if not is_identity(tail) else ""
             return Change(
                 self.name,
                 site.path,
@@ -522,7 +491,7 @@ class FoldBatchNorm(Pass):
         if plan.how == "backward":
             bias_added = _fold_backward(layer, scale, shift)
             description = f"folded into {_named(plan.layer, layer)}"
-            if not _is_identity(tail):
+            if not is_identity(tail):
                 description += (
                     f"; kept its {' and '.join(n for n, m in tail if not isinstance(m, nn.Identity))}"
                 )
@@ -531,7 +500,7 @@ class FoldBatchNorm(Pass):
             weight, bias = fold_bn_into_next_layer_weights(layer.weight, layer.bias, scale, shift, groups)
             bias_added = _set_weights(layer, weight, bias)
             description = f"folded forward into the next layer {_named(plan.layer, layer)}"
-        replace_submodule(ctx.model, site.path, _replacement(tail))
+        replace_submodule(ctx.model, site.path, with_tail(tail))
         return Change(
             self.name,
             site.path,

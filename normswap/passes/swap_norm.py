@@ -45,6 +45,7 @@ from normswap.modules.layout import (
 )
 from normswap.modules.norms import LayerNorm, RMSNorm
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
+from normswap.passes.norm_act import is_identity, norm_act_tail, with_tail
 from normswap.validate.metrics import record_module_inputs, sqnr_db
 
 SWAP_TARGETS = {
@@ -243,14 +244,20 @@ class SwapNorm(Pass):
         }
         if self.target_kind == "batch":
             details["statistics"] = "example inputs" if sample is not None else "defaults (mean 0, var 1)"
+        tail = norm_act_tail(old)
+        if tail and not is_identity(tail):
+            # timm's BatchNormAct2d: only the norm is swapped; its dropout and activation still follow
+            new = with_tail(tail, new, head_name="norm")
+            details["kept"] = [name for name, _ in tail]
         if sample is not None:
             new = new.to(sample.device)
             with torch.no_grad():
                 details["site_sqnr_db"] = sqnr_db(old(sample), new(sample))
         replace_submodule(ctx.model, site.path, new)
-        return Change(
-            self.name, site.path, self.kind, f"{type(old).__name__} -> {type(new).__name__}", details
-        )
+        what = f"{type(old).__name__} -> {details['to_class']}"
+        if "kept" in details:
+            what += f", then its {' and '.join(details['kept'])} as before"
+        return Change(self.name, site.path, self.kind, what, details)
 
 
 def _captured_input(ctx: PassContext, module: nn.Module) -> torch.Tensor | None:

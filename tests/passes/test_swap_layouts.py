@@ -201,3 +201,16 @@ def test_timm_rmsnorm2d_keeps_its_reshaped_weight():
     converted, report = SwapNorm("layernorm")(model, (torch.randn(2, 3, 5, 5),))
     assert report.changes[0].details["feature_dim"] == 1
     torch.testing.assert_close(converted[1].weight, model[1].weight)
+
+
+@pytest.mark.parametrize("to", ["identity", "rmsnorm", "groupnorm"])
+def test_timm_batchnorm_act_keeps_its_activation(to):
+    from timm.layers import BatchNormAct2d
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), BatchNormAct2d(8, act_layer=nn.ReLU)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    converted, report = SwapNorm(to, groups=2 if to == "groupnorm" else None)(model, (x,))
+    assert report.changes[0].details["kept"] == ["drop", "act"]
+    assert report.changes[0].description.endswith("then its drop and act as before")
+    assert converted[1].act is not model[1].act and isinstance(converted[1].act, nn.ReLU)
+    assert float(converted(x).min()) >= 0  # the ReLU still runs after the swapped norm

@@ -69,6 +69,12 @@ def normalize_module_path(path: str) -> str:
     return "" if path in ("L['self']", "L__self__") else path
 
 
+def module_path(node: fx.Node) -> str:
+    """The path of the innermost module whose forward ran ``node`` ("" for the root's own forward)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return normalize_module_path(list(stack.values())[-1][0]) if stack else ""
+
+
 class GraphView:
     """Index of a captured graph by module call, parameter and node."""
 
@@ -105,12 +111,7 @@ class GraphView:
         return None
 
     def innermost_path(self, node: fx.Node) -> str:
-        stack = node.meta.get("nn_module_stack") or {}
-        if node.op == "call_module":
-            return str(node.target)
-        if not stack:
-            return ""
-        return normalize_module_path(list(stack.values())[-1][0])
+        return str(node.target) if node.op == "call_module" else module_path(node)
 
     def call_count(self, path: str) -> int:
         return len(self.calls.get(path, ()))

@@ -219,18 +219,12 @@ def _as_permutation(node: fx.Node) -> list[int] | None:
 
 
 def _channel_module(module: nn.Module, channel_dim: int) -> nn.Module:
-    from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm, FusedRMSNorm, NormSpec
+    from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm, spec_of
+    from normswap.modules.norms import LayerNorm, RMSNorm
 
-    cls = FusedChannelRMSNorm if isinstance(module, FusedRMSNorm) else FusedChannelLayerNorm
-    spec = NormSpec(
-        normalized_shape=tuple(module.normalized_shape),
-        eps=module.eps,
-        elementwise_affine=module.elementwise_affine,
-        bias=module.bias is not None,
-        casting=module.casting,
-        weight_offset=module.weight_offset,
-    )
-    return cls.from_channel_norm(module, spec, channel_dim)
+    rms = isinstance(module, RMSNorm)
+    cls = FusedChannelRMSNorm if rms else FusedChannelLayerNorm
+    return cls.from_channel_norm(module, spec_of(module, RMSNorm if rms else LayerNorm), channel_dim)
 
 
 def _normalized_output(node: fx.Node) -> fx.Node | None:

@@ -48,6 +48,7 @@ from normswap.kernels._launch import (
 from normswap.modules.functional import layer_norm_reference, rms_norm_reference
 
 _force_triton_on_cpu = 0
+_REFERENCES = {"rms": rms_norm_reference, "layer": layer_norm_reference}
 
 
 @contextlib.contextmanager
@@ -97,9 +98,9 @@ def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     several times the launcher's own host time, and at a few rows that host time is the whole cost.
     It is only needed when something records or transforms the call: torch.compile, a dispatch mode
     (export's fake and proxy tracing), a functorch transform or the legacy vmap of batched gradients,
-    torch.jit.trace, or a tensor subclass. Plain tensors the
-    Triton kernels take, with nothing watching, go to the same kernels through an autograd.Function
-    (:func:`_eager_function`) instead; CPU tensors and other dtypes keep the op and its reference math.
+    torch.jit.trace, or a tensor subclass. Plain tensors the Triton kernels take, with nothing watching,
+    go to the same kernels through an autograd.Function (``_EAGER_FUNCTIONS``) instead; CPU tensors and
+    other dtypes keep the op and its reference math.
     """
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
@@ -134,7 +135,7 @@ def _reference_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     h = x + residual if residual is not None else None
     src = h if h is not None else x
-    reference = rms_norm_reference if kind == "rms" else layer_norm_reference
+    reference = _REFERENCES[kind]
     # The reference function defines y; the statistics are recomputed beside it the same way, for the
     # backward. Outputs are made contiguous because the fake implementations promise that.
     y = reference(src, 1, weight, bias, eps, casting, weight_offset).contiguous()
@@ -390,7 +391,7 @@ def _differentiable_bwd(
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """First-order gradients built from differentiable ops (the reference forward, differentiated)."""
-    reference = rms_norm_reference if kind == "rms" else layer_norm_reference
+    reference = _REFERENCES[kind]
     inputs = [t for t in (normalized, weight, bias) if t is not None]
     with torch.enable_grad():
         y = reference(normalized, 1, weight, bias, ctx.eps, ctx.casting, ctx.weight_offset)  # type: ignore[attr-defined]
@@ -450,7 +451,7 @@ def _norm(
         # custom ops do not (they gave errors, or silently wrong jacfwd tangents): compose the reference
         # math from torch ops instead, which every transform differentiates
         h = x + residual if residual is not None else None
-        reference = rms_norm_reference if kind == "rms" else layer_norm_reference
+        reference = _REFERENCES[kind]
         y = reference(h if h is not None else x, normalized_ndim, weight, bias, eps, casting, weight_offset)
         return y, h
     xf, w, b = _flatten(x, weight, bias, normalized_ndim)

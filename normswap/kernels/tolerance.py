@@ -7,6 +7,8 @@ mantissa bits than bf16. Outputs and gradients are held to the same figures.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 KERNEL_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
@@ -27,3 +29,12 @@ def within_kernel_tolerance(reference: torch.Tensor, output: torch.Tensor) -> bo
     ref = reference.detach().double()
     out = output.detach().double().to(ref.device)
     return bool(((out - ref).abs() <= atol + rtol * ref.abs()).all())
+
+
+def kernel_difference(reference: torch.Tensor, output: torch.Tensor) -> tuple[float, bool]:
+    """(max abs difference, whether ``output`` reproduces ``reference``: same shape and dtype, within the
+    kernel tolerance everywhere); the difference is inf when the shapes differ."""
+    if output.shape != reference.shape:
+        return math.inf, False
+    diff = float((output.double() - reference.double()).abs().max()) if reference.numel() else 0.0
+    return diff, output.dtype == reference.dtype and within_kernel_tolerance(reference, output)

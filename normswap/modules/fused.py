@@ -158,6 +158,14 @@ class FusedLayerNorm(LayerNorm, FusedNorm):
         return layer_norm(x, *self._numerics())
 
 
+def channel_dim_of(dims: tuple[int, ...] | None) -> int | None:
+    """The ``channel_dim`` of a fused channel norm for a norm over ``dims`` (negative): the one dim it
+    normalizes when that is not the last (-3 for timm's LayerNorm2d on NCHW), else None."""
+    if dims is None or len(dims) != 1 or dims[0] >= -1:
+        return None
+    return dims[0]
+
+
 class _ChannelDim(FusedNorm):
     """Mixin: normalize one channel dim instead of the trailing dims (timm's LayerNorm2d, RmsNorm2d).
 
@@ -223,5 +231,6 @@ __all__ = [
     "FusedNorm",
     "FusedRMSNorm",
     "NormSpec",
+    "channel_dim_of",
     "spec_of",
 ]

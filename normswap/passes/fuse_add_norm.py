@@ -29,8 +29,9 @@ from typing import ClassVar
 import torch
 from torch import fx, nn
 
+from normswap.graph.analysis import module_path
 from normswap.passes.base import Change, PassReport, RewriteKind, Skip
-from normswap.passes.graph_rewrite import GRAPH_MODULE, GraphPass, module_path, op_overload_name
+from normswap.passes.graph_rewrite import GRAPH_MODULE, GraphPass, op_overload_name
 
 _NORM_TO_ADD_NORM = {
     "rms_norm_fwd": "add_rms_norm_fwd",

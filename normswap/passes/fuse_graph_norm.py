@@ -32,15 +32,16 @@ from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from normswap.graph.analysis import GraphView
+from normswap.graph.analysis import GraphView, module_path
 from normswap.graph.capture import CapturedGraph
 from normswap.graph.ops import CAST_OPS, arg, op_name, tensor_meta
 from normswap.graph.patterns import find_norm_patterns
 from normswap.kernels import fused_norm
-from normswap.kernels.tolerance import kernel_tolerance, within_kernel_tolerance
+from normswap.kernels.tolerance import kernel_difference, kernel_tolerance
 from normswap.modules.functional import CASTING_MODES
+from normswap.modules.fused import channel_dim_of
 from normswap.passes.base import Change, PassReport, RewriteKind, Skip
-from normswap.passes.graph_rewrite import GRAPH_MODULE, GraphPass, module_path
+from normswap.passes.graph_rewrite import GRAPH_MODULE, GraphPass
 
 
 @dataclass
@@ -259,8 +260,7 @@ def _measure(norm: GraphNorm, values: dict[fx.Node, Any]) -> tuple | str:
         return f"casting mode {norm.casting!r} is not one the kernels implement {CASTING_MODES}"
     dims = norm.dims
     trailing = dims is not None and dims == tuple(range(-len(dims), 0))
-    channel = dims is not None and len(dims) == 1 and dims[0] < -1
-    if not (trailing or channel):
+    if not trailing and channel_dim_of(dims) is None:
         return f"normalizes dims {dims}: neither the trailing dims nor one channel dim"
     assert dims is not None
     normalized_shape = tuple(x.shape[d] for d in dims)
@@ -291,8 +291,8 @@ def _measure(norm: GraphNorm, values: dict[fx.Node, Any]) -> tuple | str:
         if isinstance(value, torch.Tensor) and value.dtype == got.dtype:
             norm.output, out = cast, value
             break
-    diff = float((got.double() - out.double()).abs().max()) if out.numel() else 0.0
-    if got.dtype != out.dtype or got.shape != out.shape or not within_kernel_tolerance(out, got):
+    diff, reproduced = kernel_difference(out, got)
+    if not reproduced:
         atol, rtol = kernel_tolerance(out.dtype)
         return (
             f"the fused call gives {got.dtype} {tuple(got.shape)} differing by {diff:.3g} from its "

@@ -41,7 +41,7 @@ from normswap.graph.analysis import GraphView
 from normswap.graph.capture import capture_graph
 from normswap.graph.ops import CAST_OPS, CHECK_OPS, arg, op_name
 from normswap.graph.patterns import find_norm_patterns
-from normswap.kernels.tolerance import kernel_tolerance, within_kernel_tolerance
+from normswap.kernels.tolerance import kernel_difference, kernel_tolerance
 from normswap.modules.functional import CASTING_MODES
 from normswap.modules.fused import (
     FusedChannelLayerNorm,
@@ -50,6 +50,7 @@ from normswap.modules.fused import (
     FusedNorm,
     FusedRMSNorm,
     NormSpec,
+    channel_dim_of,
     spec_of,
 )
 from normswap.modules.norms import LayerNorm, RMSNorm
@@ -151,7 +152,7 @@ def _build(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module, nn.Module]
     shape = site.normalized_shape
     if shape is None or site.eps is None:
         return "its normalized shape or eps could not be determined"
-    channel_dim = _channel_dim(site)
+    channel_dim = channel_dim_of(site.normalized_dims)
     if channel_dim is not None and len(shape) != 1:
         return (
             f"normalizes dim {channel_dim} with affine tensors of shape {shape}: the fused channel norm "
@@ -172,19 +173,11 @@ def _build(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module, nn.Module]
     return path, module, FUSED_CLASSES[site.kind].from_module(module, spec)
 
 
-def _channel_dim(site: NormSite) -> int | None:
-    """The dim of a norm over one channel dim other than the last (-3 for timm's LayerNorm2d on NCHW)."""
-    dims = site.normalized_dims
-    if dims is None or len(dims) != 1 or dims[0] >= -1:
-        return None
-    return dims[0]
-
-
 def _sample_shape(site: NormSite, lead: tuple[int, int]) -> tuple[int, ...]:
     """An input shape the site's norm accepts: ``lead`` then the normalized shape, or for a channel
     norm, the channel at its dim between small sizes (``(lead[0], C, lead[1], 5)`` for dim -3)."""
     assert site.normalized_shape is not None
-    channel_dim = _channel_dim(site)
+    channel_dim = channel_dim_of(site.normalized_dims)
     if channel_dim is None:
         return (*lead, *site.normalized_shape)
     after = [lead[1], 5, 6, 7][: -channel_dim - 1]
@@ -324,10 +317,7 @@ def _site_difference(
             out = fused(x)
         except RuntimeError:  # the semantics read off the module do not even fit its input
             return math.inf, False, where
-    if out.shape != ref.shape:
-        return math.inf, False, where
-    diff = float((out.double() - ref.double()).abs().max()) if ref.numel() else 0.0
-    return diff, out.dtype == ref.dtype and within_kernel_tolerance(ref, out), where
+    return (*kernel_difference(ref, out), where)
 
 
 def _recorded_input(ctx: PassContext, module: nn.Module) -> torch.Tensor | None:

@@ -7,13 +7,13 @@ state_dict keys, not the user's class.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.tools_common import legalize_graph
 
-from normswap.graph.analysis import normalize_module_path
 from normswap.graph.capture import export_module
 from normswap.graph.ops import op_name, real_users
 from normswap.modules.copying import copy_model
@@ -22,7 +22,7 @@ from normswap.passes.base import PassReport, RewriteKind, Skip
 GRAPH_MODULE = "torch.fx.GraphModule"
 
 
-class GraphPass:
+class GraphPass(ABC):
     """A pass over the exported graph, with :class:`normswap.passes.base.Pass`'s contract (``name``,
     ``kind``, ``__call__`` returning ``(model, report)``). Subclasses implement :meth:`rewrite_graph`;
     a model with nothing changed is returned as it came."""
@@ -52,11 +52,11 @@ class GraphPass:
             return model, report
         return finish(gm, model), report
 
+    @abstractmethod
     def rewrite_graph(
         self, gm: fx.GraphModule, report: PassReport, example_args: tuple | None, example_kwargs: dict | None
     ) -> None:
         """Edit ``gm``'s graph in place, recording each change and skip in ``report``."""
-        raise NotImplementedError
 
     def _unchanged(self, report: PassReport, reason: str) -> PassReport:
         report.graph_error = reason
@@ -93,12 +93,6 @@ def _eliminate_dead_code(graph: fx.Graph) -> None:
             return
         for node in orphan_checks:
             graph.erase_node(node)
-
-
-def module_path(node: fx.Node) -> str:
-    """The path of the innermost module that ran ``node`` ("" for the root's own forward)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return normalize_module_path(list(stack.values())[-1][0]) if stack else ""
 
 
 def op_overload_name(node: fx.Node, namespace: str) -> str | None:

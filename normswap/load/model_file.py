@@ -157,7 +157,9 @@ def _probe(path: Path, what: str) -> _Probe:
         try:
             with zipfile.ZipFile(path) as archive:
                 members = _zip_layout(archive.namelist())
-                if "archive_format" in members or "serialized_exported_program.json" in members:
+                # torch.export's pre-2.8 layout keeps its members at the zip's root
+                legacy_export = "serialized_exported_program.json" in archive.namelist()
+                if "archive_format" in members or legacy_export:
                     return _Probe(ModelFormat.EXPORTED_PROGRAM, None)
                 if "constants.pkl" in members and any(m.startswith("code/") for m in members):
                     return _Probe(ModelFormat.TORCHSCRIPT, None)
@@ -495,14 +497,22 @@ _UNREGISTERED_TYPE = re.compile(r"Deserializing ([\w.]+) in pytree is not regist
 
 
 class _Collect(logging.Handler):
+    """Keeps torch.export's log records of one load attempt, to read what failed and pass the rest on."""
+
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-        if record.exc_info and record.exc_info[1] is not None:
-            self.messages.append("".join(traceback.format_exception(record.exc_info[1])))
+        self.records.append(record)
+
+    def text(self) -> str:
+        parts = []
+        for record in self.records:
+            parts.append(record.getMessage())
+            if record.exc_info and record.exc_info[1] is not None:
+                parts.append("".join(traceback.format_exception(record.exc_info[1])))
+        return " ".join(parts)
 
 
 def _registering_module(failure: str) -> str | None:
@@ -516,47 +526,95 @@ def _registering_module(failure: str) -> str | None:
     return name.rpartition(".")[0] if name.startswith(_OUTPUT_TYPE_PACKAGES) else None
 
 
-def _read_exported_program(path: Path) -> Any:
-    """``torch.export.load``, registering what the archive needs (see :func:`_registering_module`) and
-    retrying; only archives that need it pay for those imports."""
+def _pass_on(log: logging.Logger, records: list[logging.LogRecord]) -> None:
+    """Hand the warnings of the load that succeeded (a legacy layout, a fallback to the full unpickler
+    under --trust-pickle) to torch's logger as if we had not listened: the user should see what torch
+    says. One line each: an exception torch attaches is reduced to its first line."""
+    for record in records:
+        if record.levelno < logging.WARNING:
+            continue
+        if record.exc_info and record.exc_info[1] is not None:
+            record.msg = f"{record.getMessage()} ({_describe(record.exc_info[1])})"
+            record.args = None
+            record.exc_info = None
+        log.handle(record)
+
+
+def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
+    """``torch.export.load`` of an archive that :func:`~normswap.load.archive.check_pt2_archive` passed,
+    registering what the archive needs (see :func:`_registering_module`) and retrying; only archives that
+    need it pay for those imports."""
+    from normswap.load.archive import check_program_calls, check_pt2_archive
+
     imported: set[str] = set()
     # torch names what is missing only in a warning it logs, not in the exception it raises
     export_log = logging.getLogger("torch.export")
-    while True:
-        # torch attaches its own handler to this logger; ours replaces it while we may retry
-        collect, propagate, handlers = _Collect(), export_log.propagate, export_log.handlers[:]
-        export_log.handlers = [collect]
-        export_log.propagate = False
-        try:
-            # An open file avoids torch's suffix check, so a .pt2 archive saved as model.pt still loads.
-            with path.open("rb") as f:
-                return torch.export.load(f)
-        except Exception as exc:
-            module = _registering_module(" ".join([*collect.messages, str(exc)]))
-            if module is None or module in imported:
-                raise
+    # An open file avoids torch's suffix check, so a .pt2 archive saved as model.pt still loads; the
+    # scan and the load read the same open file.
+    with path.open("rb") as f:
+        check_pt2_archive(path, f, trust_pickle=trust_pickle)
+        while True:
+            # torch's handler is set aside while an attempt may still fail and be retried; what a
+            # successful attempt logged is passed on to it afterwards
+            collect, propagate, handlers = _Collect(), export_log.propagate, export_log.handlers[:]
+            export_log.handlers = [collect]
+            export_log.propagate = False
             try:
-                importlib.import_module(module)
-            except ImportError:
-                raise exc from None
-            imported.add(module)
-        finally:
-            export_log.handlers = handlers
-            export_log.propagate = propagate
+                f.seek(0)
+                program = torch.export.load(f)
+            except Exception as exc:
+                module = _registering_module(" ".join([collect.text(), str(exc)]))
+                if module is None or module in imported:
+                    raise
+                try:
+                    importlib.import_module(module)
+                except ImportError:
+                    raise exc from None
+                imported.add(module)
+                continue
+            finally:
+                export_log.handlers = handlers
+                export_log.propagate = propagate
+            _pass_on(export_log, collect.records)
+            check_program_calls(path, program)
+            return program
 
 
-def _load_exported_program(path: Path, source: str) -> LoadedModel:
+def _example_inputs_of(ep: torch.export.ExportedProgram) -> tuple[tuple, dict] | None:
+    """The archive's stored example inputs, if they have the (args, kwargs) form torch writes."""
+    examples = ep.example_inputs
+    if examples is None:
+        return None
+    if (
+        isinstance(examples, tuple)
+        and len(examples) == 2
+        and isinstance(examples[0], (tuple, list))
+        and isinstance(examples[1], Mapping)
+        and all(isinstance(k, str) for k in examples[1])
+    ):
+        return tuple(examples[0]), dict(examples[1])
+    return None
+
+
+def _load_exported_program(path: Path, source: str, *, trust_pickle: bool) -> LoadedModel:
+    from normswap.load.archive import UnsafeArchiveError
+
     try:
-        ep = _read_exported_program(path)
+        ep = _read_exported_program(path, trust_pickle=trust_pickle)
+    except UnsafeArchiveError:
+        raise
     except Exception as exc:
         raise BadInputError(f"cannot load torch.export archive {path}: {_describe(exc)}") from None
-    examples = ep.example_inputs
-    if examples is not None:
-        args, kwargs = tuple(examples[0]), dict(examples[1])
-    else:
-        synthesized = _synthesize_example_inputs(ep)
-        args, kwargs = synthesized if synthesized is not None else (None, None)
-    model = _lift_hook(ep.module())
+    examples = _example_inputs_of(ep) or _synthesize_example_inputs(ep)
+    args, kwargs = examples if examples is not None else (None, None)
+    try:
+        module = ep.module()
+    except Exception as exc:
+        # a program torch deserialized but cannot rebuild into modules: its internals were edited
+        raise BadInputError(
+            f"cannot rebuild the program of torch.export archive {path} into a module: {_describe(exc)}"
+        ) from None
+    model = _lift_hook(module)
     return LoadedModel(model=model, example_args=args, example_kwargs=kwargs, source=source, format="pt2")
 
 
@@ -598,7 +656,7 @@ def load_model(spec: str, *, weights: str | Path | None = None, trust_pickle: bo
             )
         fmt = detect_format(path)
         if fmt is ModelFormat.EXPORTED_PROGRAM:
-            return _load_exported_program(path, spec)
+            return _load_exported_program(path, spec, trust_pickle=trust_pickle)
         if fmt is ModelFormat.TORCHSCRIPT:
             raise BadInputError(
                 f"{path} is a TorchScript archive; normswap rewrites eager or torch.export models: "

@@ -266,9 +266,13 @@ def _resolve_attribute(module: Any, attr_path: str, factory: str) -> Any:
 
 def _import_module_from_cwd(module_name: str, factory: str) -> Any:
     # The factory usually lives in the user's project, which is the working directory but is not on
-    # sys.path when normswap runs as an installed script. Put it there only for the import.
+    # sys.path when normswap runs as an installed script. The directory goes *last*, for the import
+    # only: a stray torchvision.py in it must not shadow the installed package (and run in its place).
+    # A user who wants their folder first says so with PYTHONPATH=. or names the file (models.py:build).
     saved_path = list(sys.path)
-    sys.path.insert(0, os.getcwd())
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     try:
         return importlib.import_module(module_name)
     except ImportError as exc:
@@ -413,8 +417,11 @@ def load_weights(model: nn.Module, weights: str | Path) -> None:
         )
     state = _tensors_from_probe(path, probe, "weights file")
     state_dict = _unwrap_state_dict(state, path)
+    # A model built on the meta device (accelerate's init_empty_weights) takes the file's tensors as
+    # they are; copying into a meta tensor would keep it without values.
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
     try:
-        result = model.load_state_dict(state_dict, strict=False)
+        result = model.load_state_dict(state_dict, strict=False, assign=on_meta)
     except RuntimeError as exc:
         # Shape mismatches raise even with strict=False; keep the first specific line torch gives.
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
@@ -643,11 +650,28 @@ def _refuse_weights_only_file(path: Path, kind: str) -> BadInputError:
     )
 
 
+def _refuse_meta_tensors(loaded: LoadedModel) -> LoadedModel:
+    """A model whose tensors are on the ``meta`` device has shapes but no values: nothing to rewrite or
+    compare, and every check on it would pass having compared nothing."""
+    named = (*loaded.model.named_parameters(), *loaded.model.named_buffers())
+    on_meta = [name for name, tensor in named if tensor.is_meta]
+    if on_meta:
+        raise BadInputError(
+            f"model {loaded.source} has {len(on_meta)} tensors on the meta device (shapes without values, "
+            f"e.g. {on_meta[0]}): build it with real weights, or give them with --weights"
+        )
+    return loaded
+
+
 def load_model(spec: str, *, weights: str | Path | None = None, trust_pickle: bool = False) -> LoadedModel:
     """Load the model named by ``spec``: a model file, or a factory ``package.module:callable``.
 
     An existing file wins over the factory reading, since a file name may itself contain ':'.
     """
+    return _refuse_meta_tensors(_load_model(spec, weights=weights, trust_pickle=trust_pickle))
+
+
+def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:
     path = Path(spec)
     if path.exists():
         if weights is not None:

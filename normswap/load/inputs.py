@@ -6,6 +6,10 @@ source itself (a factory's second return value, a torch.export archive's stored 
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +19,7 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError
-from normswap.load.model_file import LoadedModel, read_tensor_file
+from normswap.load.model_file import LoadedModel, _describe, _first_line, read_tensor_file
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -86,26 +90,118 @@ def _index_high(model: nn.Module | None) -> int:
     return min(sizes) if sizes else _DEFAULT_INT_HIGH
 
 
+def _bytes(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _machine_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX
+        return None
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation failure: MemoryError, or torch's CPU/CUDA allocator giving up."""
+    if isinstance(exc, MemoryError | torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(
+        phrase in text for phrase in ("can't allocate memory", "not enough memory", "out of memory")
+    )
+
+
+def _spec_text(spec: InputSpec) -> str:
+    return f"{str(spec.dtype).removeprefix('torch.')}:{','.join(map(str, spec.shape))}"
+
+
 def make_inputs(
     specs: list[InputSpec], model: nn.Module | None = None, seed: int = 0
 ) -> tuple[torch.Tensor, ...]:
     """Synthesize one tensor per spec: normal floats, integers valid as embedding ids, random bools.
 
-    Seeded so that two runs of a command compare the same numbers.
+    Seeded so that two runs of a command compare the same numbers. Inputs larger than the machine's
+    memory are refused before anything is allocated.
     """
+    # Floats are drawn in float32 and bools as int64 first: count what the drawing takes at its peak.
+    sizes = [math.prod(s.shape) * max(s.dtype.itemsize, 8 if s.dtype == torch.bool else 4) for s in specs]
+    memory = _machine_memory()
+    if memory is not None and sum(sizes) > memory:
+        big = max(range(len(specs)), key=sizes.__getitem__)
+        raise BadInputError(
+            f"input shape {_spec_text(specs[big])} needs {_bytes(sizes[big])} of memory, more than this "
+            f"machine's {_bytes(memory)}: give a smaller shape"
+        )
     generator = torch.Generator().manual_seed(seed)
     high = _index_high(model)
     tensors = []
     for spec in specs:
-        if spec.dtype == torch.bool:
-            tensors.append(torch.randint(0, 2, spec.shape, generator=generator).bool())
-        elif spec.dtype.is_floating_point:
-            # Draw in float32 and cast, so a float16 input holds the same values as its float32 twin.
-            tensors.append(torch.randn(spec.shape, generator=generator).to(spec.dtype))
-        else:
-            bound = min(high, torch.iinfo(spec.dtype).max + 1)
-            tensors.append(torch.randint(0, bound, spec.shape, generator=generator, dtype=spec.dtype))
+        try:
+            if spec.dtype == torch.bool:
+                tensors.append(torch.randint(0, 2, spec.shape, generator=generator).bool())
+            elif spec.dtype.is_floating_point:
+                # Draw in float32 and cast, so a float16 input holds the same values as its float32 twin.
+                tensors.append(torch.randn(spec.shape, generator=generator).to(spec.dtype))
+            else:
+                bound = min(high, torch.iinfo(spec.dtype).max + 1)
+                tensors.append(torch.randint(0, bound, spec.shape, generator=generator, dtype=spec.dtype))
+        except (RuntimeError, MemoryError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise BadInputError(
+                f"cannot allocate an input of shape {_spec_text(spec)}: out of memory ({_first_line(exc)}); "
+                "give a smaller shape"
+            ) from None
     return tuple(tensors)
+
+
+def describe_inputs(args: tuple | None, kwargs: Mapping[str, Any] | None = None, limit: int = 6) -> str:
+    """``(float32[1, 3, 8, 8], mask=bool[1, 8])``: what a model is called with, on one line."""
+
+    def one(value: Any, depth: int = 0) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{str(value.dtype).removeprefix('torch.')}[{', '.join(map(str, value.shape))}]"
+        if isinstance(value, (tuple, list)) and depth < 2:
+            inner = ", ".join(one(v, depth + 1) for v in value[:limit])
+            more = ", ..." if len(value) > limit else ""
+            return f"[{inner}{more}]" if isinstance(value, list) else f"({inner}{more})"
+        if isinstance(value, (int, float, bool, str)) or value is None:
+            return repr(value) if len(repr(value)) <= 20 else type(value).__name__
+        return type(value).__name__
+
+    parts = [one(v) for v in (args or ())] + [f"{k}={one(v)}" for k, v in (kwargs or {}).items()]
+    shown = parts[:limit] + ([f"... {len(parts) - limit} more"] if len(parts) > limit else [])
+    return f"({', '.join(shown)})"
+
+
+def check_inputs_fit(
+    model: nn.Module, args: tuple | None, kwargs: Mapping[str, Any] | None = None, *, what: str = "the model"
+) -> None:
+    """Run ``model`` once on the example inputs; a failure becomes a ``BadInputError`` naming them.
+
+    Commands call it before their expensive work, so inputs that do not fit the model (a wrong channel
+    count or dtype, a keyword its forward does not take, more than memory holds) end in one line, not in a
+    traceback minutes later. The inputs are copied and the random state restored: the run leaves no trace.
+    """
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    shown = describe_inputs(args, kwargs)
+    # copies, in case the forward edits its inputs in place (a tensor inside autograd cannot be copied)
+    with contextlib.suppress(Exception):
+        args, kwargs = copy.deepcopy((args, kwargs))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*args, **kwargs)
+    except Exception as exc:  # a model fails in its own ways; the user needs one sentence
+        if is_out_of_memory(exc):
+            raise BadInputError(
+                f"{what} runs out of memory on the example inputs {shown} ({_first_line(exc)}): "
+                "give smaller inputs"
+            ) from None
+        raise BadInputError(f"{what} does not run on the example inputs {shown}: {_describe(exc)}") from None
 
 
 def _is_args_kwargs_pair(value: Any) -> bool:

@@ -6,9 +6,13 @@ Every output goes to a temp file next to the destination and is renamed over it 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
+import re
 import secrets
+import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,16 +21,88 @@ from torch import nn
 
 from normswap.errors import BadInputError
 from normswap.load.model_file import _describe
+from normswap.load.paths import same_path
 
 # Output suffix -> short label of what gets written there.
 SAVE_FORMATS: dict[str, str] = {".pt2": "pt2", ".pt": "pickle", ".pth": "pickle", ".onnx": "onnx"}
 
 
+# Temp files are named ``.{name}.normswap-tmp-{host}-{pid}-{token}{suffix}``: a run killed mid-write
+# (SIGKILL, OOM killer) leaves one behind, and the next write of the same destination on the same host
+# removes it once its pid is gone. The ONNX writer may add ``.data`` beside its file.
+_TEMP_MARK = ".normswap-tmp-"
+_TOKEN = re.compile(r"[0-9a-f]{8}")
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:32] or "host"
+
+
+def _temp_stem(path: Path) -> str:
+    """``.{name}.normswap-tmp-`` for ``path``, with a long name shortened so the temp name stays valid."""
+    name = path.name
+    if len(name.encode()) > 120:  # file names are limited to 255 bytes
+        digest = hashlib.sha1(name.encode()).hexdigest()[:12]
+        name = name.encode()[:100].decode(errors="ignore") + "~" + digest
+    return f".{name}{_TEMP_MARK}"
+
+
+def _temp_path(path: Path, host: str, pid: int, token: str) -> Path:
+    return path.with_name(f"{_temp_stem(path)}{host}-{pid}-{token}{path.suffix}")
+
+
+def _pid_is_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive under another user (EPERM), or not ours to ask about
+        return False
+    return False
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Remove temp files that an earlier, killed run on this host left for this same destination."""
+    if os.name != "posix":  # os.kill(pid, 0) probes a process only on POSIX
+        return
+    stem, host = _temp_stem(path), _host()
+    endings = (path.suffix, path.suffix + ".data") if path.suffix.lower() == ".onnx" else (path.suffix,)
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(stem):
+            continue
+        rest = name[len(stem) :]
+        ending = next((e for e in endings[::-1] if rest.endswith(e)), None)
+        if ending is None:
+            continue
+        fields = rest[: len(rest) - len(ending)].rsplit("-", 2)
+        if (
+            len(fields) != 3
+            or fields[0] != host
+            or not fields[1].isdigit()
+            or not _TOKEN.fullmatch(fields[2])
+        ):
+            continue
+        pid = int(fields[1])
+        if pid == os.getpid() or not _pid_is_gone(pid):
+            continue
+        candidate = path.parent / name
+        try:
+            if stat.S_ISREG(os.lstat(candidate).st_mode):
+                candidate.unlink()
+        except OSError:  # gone already, or a read-only directory: nothing to clean
+            pass
+
+
 def _reserve_temp_path(path: Path) -> Path:
     # The temp file keeps the final suffix: torch.export.save and ONNX writers act on it. Created with
     # O_EXCL and mode 0o666 so the umask applies, as it would to a file written directly.
+    host, pid = _host(), os.getpid()
     for _ in range(100):
-        candidate = path.with_name(f".{path.stem}.tmp-{secrets.token_hex(4)}{path.suffix}")
+        candidate = _temp_path(path, host, pid, secrets.token_hex(4))
         try:
             fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
@@ -37,17 +113,25 @@ def _reserve_temp_path(path: Path) -> Path:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(temp_path)`` and move the result to ``path``; on any error remove the temp file."""
+    """Call ``write(temp_path)`` and move the result to ``path``; on any error remove the temp file.
+
+    Temp files that a killed earlier write of ``path`` left behind (same host, dead pid) are removed first.
+    """
     path = Path(path)
     parent = path.parent
     if not parent.is_dir():
         raise BadInputError(f"output directory does not exist: {parent}")
     if path.is_dir():
         raise BadInputError(f"output path is a directory: {path}")
+    _remove_stale_temps(path)
     try:
         temp = _reserve_temp_path(path)
     except PermissionError:
         raise BadInputError(f"cannot write to output directory {parent}: permission denied") from None
+    except OSError as exc:  # a read-only file system, a full disk, a name too long
+        raise BadInputError(
+            f"cannot write to output directory {parent}: {exc.strerror or _describe(exc)}"
+        ) from None
     try:
         write(temp)
         os.replace(temp, path)
@@ -61,12 +145,8 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 
 def same_file(a: Path, b: Path) -> bool:
-    if a.resolve() == b.resolve():
-        return True
-    try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
-        return False
+    """Whether two paths name one file (see :func:`normswap.load.paths.same_path`)."""
+    return same_path(a, b)
 
 
 def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path) -> None:

@@ -383,7 +383,7 @@ def test_cli_refusals_write_nothing(tiny, tmp_path, converted, data_kind, option
         "-o", str(out),
     )  # fmt: skip
     _one_line_error(result, reason)
-    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+    assert not out.exists() and not list(tmp_path.glob(".out.pt.normswap-tmp-*"))
 
 
 def test_cli_refuses_to_overwrite_the_converted_model(tiny, tmp_path):
@@ -396,7 +396,7 @@ def test_cli_refuses_to_overwrite_the_converted_model(tiny, tmp_path):
         "distill", f"{factories}:teacher", str(converted), "--trust-pickle", "--data", str(data),
         "--steps", "1", "-o", str(converted),
     )  # fmt: skip
-    _one_line_error(result, f"refusing to overwrite the input model {converted}")
+    _one_line_error(result, f"-o {converted} is also CONVERTED: choose another path")
     assert converted.read_bytes() == before
 
 

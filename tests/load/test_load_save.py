@@ -32,7 +32,7 @@ def test_atomic_write_success_leaves_no_temp(tmp_path: Path) -> None:
     assert target.read_bytes() == b"complete"
     (temp,) = seen
     assert temp.parent == tmp_path
-    assert temp.name.startswith(".out.tmp-") and temp.suffix == ".pt2"
+    assert temp.name.startswith(".out.pt2.normswap-tmp-") and temp.suffix == ".pt2"
     assert _leftovers(tmp_path) == []
 
 

@@ -1,0 +1,106 @@
+"""What a command reads and what it writes must never be the same file.
+
+Every command names its inputs (model files, a factory's source file, weights, example inputs, data) and its
+outputs (``-o``, ``--report``, ``--json``, ``--plot``); :func:`check_paths` refuses the run before any work
+starts when an output would land on an input or on another output, whatever the spelling: relative or
+absolute, through a symlinked file or directory, or a hard link to the same inode.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from normswap.errors import BadInputError
+
+PathLike = str | os.PathLike[str]
+
+
+def same_path(a: PathLike, b: PathLike) -> bool:
+    """Whether ``a`` and ``b`` name the same file, existing or not (symlinks and hard links followed)."""
+    a, b = Path(a), Path(b)
+    try:
+        # resolve() follows every symlink it can, so a file not written yet but reached through a
+        # symlinked directory resolves to where it would land.
+        if a.resolve() == b.resolve():
+            return True
+    except (OSError, RuntimeError):  # a symlink loop: compare what exists below
+        pass
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _inside(path: PathLike, directory: PathLike) -> bool:
+    try:
+        Path(path).resolve().relative_to(Path(directory).resolve())
+    except (ValueError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def _module_file(module_name: str) -> Path | None:
+    # Found without importing anything: the factory is imported after the paths are checked. The
+    # working directory comes last, as when normswap imports the factory.
+    relative = Path(*module_name.split("."))
+    for base in [*sys.path, ""]:  # "": the working directory, named relative to it in messages
+        for candidate in (Path(base) / f"{relative}.py", Path(base) / relative / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def source_paths(label: str, spec: PathLike | None) -> dict[str, Path]:
+    """The files a MODEL or DATA argument reads: the file or folder itself, or a factory's source file.
+
+    ``label`` names the argument in messages (``MODEL``, ``--data``). A spec that is neither an existing
+    path nor a factory reads nothing here; loading it reports what is wrong.
+    """
+    if spec is None:
+        return {}
+    text = os.fspath(spec)
+    path = Path(text)
+    if path.exists():
+        return {label: path}
+    target, sep, _ = text.rpartition(":")
+    if not sep or not target:
+        return {}
+    if target.endswith(".py") or "/" in target or os.sep in target or Path(target).is_file():
+        return {f"the factory file of {label}": Path(target)}
+    found = _module_file(target) if all(part.isidentifier() for part in target.split(".")) else None
+    return {f"the factory file of {label}": found} if found is not None else {}
+
+
+def _show(label: str, given: Path, other_label: str, other: Path) -> str:
+    if os.fspath(given) == os.fspath(other):
+        return f"{label} {given} is also {other_label}: choose another path"
+    return f"{label} {given} is the same file as {other_label} {other}: choose another path"
+
+
+def check_paths(reads: Mapping[str, PathLike | None], writes: Mapping[str, PathLike | None]) -> None:
+    """Refuse (``BadInputError``) a write path that is a read path or another write path.
+
+    ``reads`` and ``writes`` map an option's name (``MODEL``, ``--inputs``, ``-o``, ``--report``) to the
+    path it was given, or None when it was not. A write may not be a file inside a folder that is read
+    either when that file exists (an image of a ``--data`` folder). Call it before loading anything.
+    """
+    given_reads = [(label, Path(p)) for label, p in reads.items() if p is not None]
+    seen: list[tuple[str, Path]] = []
+    for label, value in writes.items():
+        if value is None:
+            continue
+        path = Path(value)
+        for read_label, read in given_reads:
+            if same_path(path, read):
+                raise BadInputError(_show(label, path, read_label, read))
+            if read.is_dir() and path.exists() and _inside(path, read):
+                raise BadInputError(
+                    f"{label} {path} is a file inside {read_label} {read}: choose another path"
+                )
+        for other_label, other in seen:
+            if same_path(path, other):
+                raise BadInputError(_show(label, path, other_label, other))
+        seen.append((label, path))

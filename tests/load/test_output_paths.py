@@ -1,0 +1,347 @@
+"""No command writes over what it reads or over another of its outputs; killed writes are cleaned up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+import normswap.load
+from normswap.errors import BadInputError
+from normswap.load import atomic_write
+from normswap.load import save as save_module
+from normswap.load.paths import check_paths, source_paths
+
+REPO = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+DATA_FACTORY = """\
+import torch
+
+
+def batches():
+    return [torch.randn(4, 3, 8, 8) for _ in range(3)]
+"""
+
+
+@pytest.fixture
+def files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model: torch.nn.Module) -> dict[str, Path]:
+    """The user's files, and a load_model that fails the test if a refused command got as far as loading."""
+    monkeypatch.chdir(tmp_path)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the paths must be checked before the model is loaded")
+
+    monkeypatch.setattr(normswap.load, "load_model", no_loading)
+    conv = tmp_path / "conv.py"
+    shutil.copy(REPO / "examples" / "small_convnet.py", conv)
+    model = tmp_path / "model.pt"
+    torch.save(tiny_model, model)
+    paths = {"conv": conv, "model": model}
+    for name, value in {
+        "inputs": (torch.randn(1, 3, 8, 8),),
+        "weights": {"anything": torch.zeros(1)},
+        "data": torch.randn(8, 3, 8, 8),
+    }.items():
+        paths[name] = tmp_path / f"{name}.pt"
+        torch.save(value, paths[name])
+    paths["datafac"] = tmp_path / "datafac.py"
+    paths["datafac"].write_text(DATA_FACTORY)
+    paths["out"] = tmp_path / "out.pt"
+    paths["out"].write_bytes(b"the output of an earlier run, which the user keeps")
+    return paths
+
+
+def _refused(argv: list[object], victim: Path, reason: str) -> None:
+    before = victim.read_bytes()
+    was_link = victim.is_symlink()
+    result = runner.invoke(app, [str(a) for a in argv])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error: {reason}", result.output
+    assert "Traceback" not in result.output
+    assert victim.read_bytes() == before and victim.is_symlink() == was_link
+    leftovers = [p.name for p in victim.parent.iterdir() if "tmp" in p.name and p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_report_is_the_model(files):
+    m = files["model"]
+    argv = ["convert", m, "--trust-pickle", "--to", "fused", "--input-shape", "2,4", "-o", "new.pt"]
+    _refused([*argv, "--report", m], m, f"--report {m} is also MODEL: choose another path")
+
+
+def test_report_is_the_output(files):
+    out = files["out"]
+    argv = ["convert", files["conv"].as_posix() + ":build", "--fold-bn", "-o", out, "--report", out]
+    _refused(argv, out, f"--report {out} is also -o: choose another path")
+
+
+def test_report_is_the_output_spelled_differently(files):
+    out = files["out"]
+    other = out.parent / "." / "sub" / ".." / out.name
+    (out.parent / "sub").mkdir()
+    argv = ["convert", f"{files['conv']}:build", "--fold-bn", "-o", out, "--report", other]
+    reason = f"--report {Path(other)} is the same file as -o {out}: choose another path"
+    _refused(argv, out, reason)
+
+
+@pytest.mark.parametrize("option", ["--inputs", "--weights"])
+def test_output_is_an_input_file(files, option):
+    victim = files[option.strip("-")]
+    argv = ["convert", f"{files['conv']}:build", "--fold-bn", option, victim, "-o", victim]
+    _refused(argv, victim, f"-o {victim} is also {option}: choose another path")
+
+
+def test_output_is_the_data_file(files):
+    d = files["data"]
+    argv = ["recalibrate", f"{files['conv']}:build", "--data", d, "-o", d]
+    _refused(argv, d, f"-o {d} is also --data: choose another path")
+
+
+def test_report_is_the_factory_file(files):
+    conv = files["conv"]
+    argv = ["convert", f"{conv}:build", "--fold-bn", "-o", "new.pt", "--report", conv]
+    _refused(argv, conv, f"--report {conv} is also the factory file of MODEL: choose another path")
+
+
+def test_report_is_the_file_of_a_factory_module(files):
+    # conv:build is imported from the working directory: its file is conv.py there
+    argv = ["convert", "conv:build", "--fold-bn", "-o", "new.pt", "--report", "conv.py"]
+    _refused(argv, files["conv"], "--report conv.py is also the factory file of MODEL: choose another path")
+
+
+def test_report_is_the_data_factory_file(files):
+    fac = files["datafac"]
+    argv = ["recalibrate", f"{files['conv']}:build", "--data", f"{fac}:batches", "-o", "new.pt"]
+    reason = f"--report {fac} is also the factory file of --data: choose another path"
+    _refused([*argv, "--report", fac], fac, reason)
+
+
+def test_output_is_a_symlink_to_the_model(files):
+    m = files["model"]
+    link = m.with_name("link.pt")
+    link.symlink_to(m)
+    argv = ["convert", m, "--trust-pickle", "--to", "fused", "--input-shape", "2,4", "-o", link]
+    _refused(argv, link, f"-o {link} is the same file as MODEL {m}: choose another path")
+    assert m.read_bytes() == link.read_bytes()
+
+
+def test_report_is_a_hard_link_to_the_model(files):
+    m = files["model"]
+    hard = m.with_name("hard.pt")
+    os.link(m, hard)
+    argv = ["convert", m, "--trust-pickle", "--to", "fused", "--input-shape", "2,4", "-o", "new.pt"]
+    _refused(
+        [*argv, "--report", hard], hard, f"--report {hard} is the same file as MODEL {m}: choose another path"
+    )
+    assert os.path.samefile(m, hard)
+
+
+def test_report_through_a_symlinked_directory(files, tmp_path):
+    m = files["model"]
+    alias = tmp_path.parent / f"{tmp_path.name}-alias"
+    alias.symlink_to(tmp_path, target_is_directory=True)
+    try:
+        through = alias / m.name
+        argv = ["convert", m, "--trust-pickle", "--to", "fused", "--input-shape", "2,4", "-o", "new.pt"]
+        reason = f"--report {through} is the same file as MODEL {m}: choose another path"
+        _refused([*argv, "--report", through], m, reason)
+    finally:
+        alias.unlink()
+
+
+def test_outputs_that_do_not_exist_yet_meet_through_a_symlinked_directory(files, tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real", target_is_directory=True)
+    out, report = tmp_path / "real" / "x.pt", tmp_path / "alias" / "x.pt"
+    result = runner.invoke(
+        app, ["convert", f"{files['conv']}:build", "--fold-bn", "-o", str(out), "--report", str(report)]
+    )
+    assert result.exit_code == 2
+    assert (
+        result.stderr.strip() == f"error: --report {report} is the same file as -o {out}: choose another path"
+    )
+    assert list((tmp_path / "real").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "victim", "reason"),
+    [
+        (["inspect", "{model}", "--trust-pickle", "--json", "{model}"], "model", "--json {model} is also MODEL"),
+        (
+            ["export", "{conv}:build", "--inputs", "{inputs}", "-o", "new.onnx", "--report", "{inputs}"],
+            "inputs",
+            "--report {inputs} is also --inputs",
+        ),
+        (
+            ["validate", "{conv}:build", "{model}", "--trust-pickle", "--report", "{model}"],
+            "model",
+            "--report {model} is also CONVERTED",
+        ),
+        (
+            ["validate", "{model}", "{conv}:build", "--trust-pickle", "--plot", "{out}", "--report", "{out}"],
+            "out",
+            "--report {out} is also --plot",
+        ),
+        (
+            ["validate", "{conv}:build", "{conv}:build", "--converted-weights", "{weights}", "--report",
+             "{weights}"],
+            "weights",
+            "--report {weights} is also --converted-weights",
+        ),
+        (
+            ["distill", "{conv}:build", "{conv}:build", "--data", "{data}", "--holdout", "{inputs}", "--steps",
+             "1", "-o", "{inputs}"],
+            "inputs",
+            "-o {inputs} is also --holdout",
+        ),
+        (
+            ["distill", "{conv}:build", "{model}", "--trust-pickle", "--data", "{data}", "--steps", "1", "-o",
+             "{model}"],
+            "model",
+            "-o {model} is also CONVERTED",
+        ),
+        (
+            ["convert", "{conv}:build", "--to", "groupnorm", "--groups", "2", "--calibrate", "{data}", "-o",
+             "{data}"],
+            "data",
+            "-o {data} is also --calibrate",
+        ),
+    ],
+)  # fmt: skip
+def test_every_command_checks_every_output(files, argv, victim, reason):
+    fill = {name: str(path) for name, path in files.items()}
+    argv = [a.format(**fill) for a in argv]
+    _refused(argv, files[victim], reason.format(**fill) + ": choose another path")
+
+
+def test_check_paths_lets_distinct_paths_through(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "cat.jpg").write_bytes(b"jpeg")
+    reads = {"MODEL": tmp_path / "model.pt", "--data": images, "--inputs": None}
+    check_paths(reads, {"-o": tmp_path / "out.pt", "--report": images / "report.json", "--json": None})
+    with pytest.raises(BadInputError, match=r"^--report .*cat\.jpg is a file inside --data .*images: choose"):
+        check_paths(reads, {"-o": tmp_path / "out.pt", "--report": images / "cat.jpg"})
+
+
+def test_source_paths_of_model_and_data_specs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "models.py").write_text("")
+    (tmp_path / "m.pt").write_bytes(b"x")
+    assert source_paths("MODEL", "m.pt") == {"MODEL": Path("m.pt")}
+    assert source_paths("MODEL", "pkg.models:build") == {"the factory file of MODEL": Path("pkg/models.py")}
+    assert source_paths("--data", "lib/data.py:batches") == {
+        "the factory file of --data": Path("lib/data.py")
+    }
+    assert source_paths("MODEL", "no_such_module:build") == {}
+    assert source_paths("--holdout", None) == {}
+
+
+# --- temp files of killed runs ----------------------------------------------------------------------
+
+
+def _temps(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".normswap-tmp-" in p.name)
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork and SIGKILL")
+def test_a_killed_write_leaves_a_temp_that_the_next_write_removes(tmp_path):
+    dest = tmp_path / "model.pt"
+    dest.write_bytes(b"the previous model")
+    chunk = b"\x17" * (1 << 20)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: writes 50 MB of a 100 MB file, says so, then hangs until killed
+        try:
+            os.close(read_end)
+
+            def slow(temp: Path) -> None:
+                with open(temp, "wb") as f:
+                    for _ in range(50):
+                        f.write(chunk)
+                    f.flush()
+                    os.write(write_end, b"x")
+                    signal.pause()
+
+            atomic_write(dest, slow)
+        finally:
+            os._exit(1)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"x"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read_end)
+    assert dest.read_bytes() == b"the previous model"
+    (stale,) = _temps(tmp_path)
+    assert stale.startswith(f".model.pt.normswap-tmp-{save_module._host()}-{pid}-") and stale.endswith(".pt")
+    assert (tmp_path / stale).stat().st_size == 50 << 20
+
+    def complete(temp: Path) -> None:
+        with open(temp, "wb") as f:
+            for _ in range(100):
+                f.write(chunk)
+
+    atomic_write(dest, complete)
+    assert _temps(tmp_path) == []
+    assert dest.stat().st_size == 100 << 20
+
+
+def test_only_stale_temps_of_this_destination_and_host_are_removed(tmp_path):
+    dest = tmp_path / "out.onnx"
+    host, dead = save_module._host(), _dead_pid()
+
+    def temp(path: Path, host: str, pid: int, token: str = "0a1b2c3d") -> Path:
+        made = save_module._temp_path(path, host, pid, token)
+        made.write_bytes(b"partial")
+        return made
+
+    stale = [temp(dest, host, dead), temp(dest, host, dead, "99aabbcc")]
+    side = stale[0].with_name(stale[0].name + ".data")  # the ONNX writer's external data beside it
+    side.write_bytes(b"partial")
+    kept = [
+        temp(dest, host, os.getpid()),  # this process: a write in progress
+        temp(dest, host, 1),  # a live pid
+        temp(dest, "another-host", dead),  # another machine sharing the folder
+        temp(tmp_path / "other.onnx", host, dead),  # another destination
+        tmp_path / f".out.onnx.normswap-tmp-{host}-{dead}-nothex!.onnx",  # not a name normswap makes
+        tmp_path / "out.onnx.bak",
+    ]
+    for path in kept[-2:]:
+        path.write_bytes(b"mine")
+    atomic_write(dest, lambda t: t.write_bytes(b"new"))
+    assert dest.read_bytes() == b"new"
+    assert not any(p.exists() for p in [*stale, side])
+    assert all(p.exists() for p in kept)
+
+
+def test_temp_names_keep_the_suffix_and_stay_short(tmp_path):
+    seen: list[Path] = []
+
+    def write(temp: Path) -> None:
+        seen.append(temp)
+        temp.write_bytes(b"x")
+
+    for name in ("out.pt2", "m" * 200 + ".pt2"):
+        atomic_write(tmp_path / name, write)
+    assert seen[0].name.startswith(f".out.pt2.normswap-tmp-{save_module._host()}-{os.getpid()}-")
+    assert all(p.suffix == ".pt2" and len(p.name) < 255 for p in seen)
+    assert _temps(tmp_path) == []

@@ -32,7 +32,9 @@ err = Console(stderr=True, highlight=False)
 
 MODEL_HELP = (
     "A .pt2 archive (torch.export), a factory 'package.module:callable' or 'file.py:callable' returning "
-    "the model or (model, example_inputs), or a pickled module (.pt) with --trust-pickle."
+    "the model or (model, example_inputs), or a pickled module (.pt) with --trust-pickle. A factory is "
+    "Python code that normswap imports and runs, as you asked; installed packages win over same-named "
+    "modules in the working directory. A .pt2 runs nothing of its own."
 )
 ModelArg = Annotated[str, typer.Argument(help=MODEL_HELP, show_default=False)]
 WeightsOpt = Annotated[
@@ -40,7 +42,12 @@ WeightsOpt = Annotated[
 ]
 TrustPickleOpt = Annotated[
     bool,
-    typer.Option("--trust-pickle", help="Allow loading a pickled module (unpickling runs arbitrary code)."),
+    typer.Option(
+        "--trust-pickle",
+        help="Allow unpickling: a pickled module (.pt), and pickled members of a .pt2 that torch's "
+        "weights-only loader refuses. Unpickling runs whatever code the file names: only for files you "
+        "trust. (Factories, package.module:callable, always run: they are code you chose.)",
+    ),
 ]
 InputsOpt = Annotated[
     Path | None,
@@ -76,12 +83,15 @@ def _handles_errors(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from rich.markup import escape
+
         from normswap.errors import NormswapError
 
         try:
             return fn(*args, **kwargs)
         except NormswapError as exc:
-            err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+            # escaped: a path or an input like data[1].pt is text, not rich markup
+            err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
@@ -113,6 +123,31 @@ def _load(model: str, weights: Path | None, trust_pickle: bool):
     # Conversion and validation are about inference: BatchNorm must use its running statistics.
     set_inference_mode(loaded.model)
     return loaded
+
+
+def _check_paths(reads: dict[str, Any], writes: dict[str, Any]) -> None:
+    """Refuse, before any work, an output that is an input or another output (keys name the options).
+
+    A key in capitals (MODEL, ORIGINAL, CONVERTED) or a data option (--data, --calibrate, --holdout) holds a
+    spec: the file or folder it names, or the source file of its factory, is what it reads.
+    """
+    from normswap.load.paths import check_paths, source_paths
+
+    spec_labels = {"MODEL", "ORIGINAL", "CONVERTED", "--data", "--calibrate", "--holdout"}
+    paths: dict[str, Any] = {}
+    for label, value in reads.items():
+        if label in spec_labels:
+            paths.update(source_paths(label, value))
+        else:
+            paths[label] = value
+    check_paths(paths, writes)
+
+
+def _check_inputs_fit(model: Any, args: Any, kwargs: Any, what: str = "the model") -> None:
+    """One run of the user's model on the example inputs, so inputs that do not fit fail in one line."""
+    from normswap.load.inputs import check_inputs_fit
+
+    check_inputs_fit(model, args, kwargs, what=what)
 
 
 def _fmt_float(value: float | None, digits: int = 3) -> str:
@@ -181,9 +216,12 @@ def inspect(
     from normswap.discover import find_norms
     from normswap.load import resolve_inputs
 
+    _check_paths({"MODEL": model, "--weights": weights, "--inputs": inputs}, {"--json": json_out})
     loaded = _load(model, weights, trust_pickle)
     resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     args, kwargs = resolved if resolved is not None else (None, None)
+    if inputs is not None or input_shape:
+        _check_inputs_fit(loaded.model, args, kwargs)
     inventory = find_norms(loaded.model, args, kwargs)
 
     table = Table(title=f"Norms in {model}", show_lines=False)
@@ -317,6 +355,10 @@ def convert(
     from normswap.errors import BadInputError, CheckFailedError
     from normswap.passes import ExactOnlyError, Pipeline
 
+    _check_paths(
+        {"MODEL": model, "--weights": weights, "--inputs": inputs, "--calibrate": calibrate},
+        {"-o": output, "--report": report},
+    )
     passes = _convert_passes(
         to=to,
         from_kinds=from_kinds,
@@ -350,6 +392,7 @@ def convert(
         )
     loaded = _load(model, weights, trust_pickle)
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
+    _check_inputs_fit(loaded.model, args, kwargs)
     converted, result = pipeline(loaded.model, args, kwargs)
     _print_pipeline(result)
     extra: dict[str, Any] = {}
@@ -538,6 +581,8 @@ def _not_exact_under_flag(result: Any, to: str | None) -> str | None:
 
 
 def _print_pipeline(result: Any) -> None:
+    from normswap.validate.variants import format_shapes
+
     table = Table(title="Changes", show_lines=False)
     for column in ("pass", "site", "kind", "what"):
         table.add_column(column, overflow="fold")
@@ -560,28 +605,60 @@ def _print_pipeline(result: Any) -> None:
             note = "no change" if not p.changes else "not validated (no example inputs)"
             out.print(f"{p.pass_name}: {len(p.changes)} changed, {len(p.skips)} skipped; {note}")
             continue
-        worst = max(p.validation["outputs"], key=lambda o: o["max_rel"])
+        # a model that returns no tensor compares nothing: no worst output, and never a PASS
+        worst = max(p.validation["outputs"], key=lambda o: o["max_rel"], default=None)
         if p.kind.value == "exact":
             half = p.validation.get("half_precision")
-            passed = half["within_rounding"] if half else p.validation["within_tolerance"]
+            failed = p.validation.get("failed_inputs", [])
+            passed = (half["within_rounding"] if half else p.validation["within_tolerance"]) and not failed
             verdict = "[green]PASS[/]" if passed else "[bold red]FAIL[/]"
-            out.print(
-                f"{p.pass_name} (exact): {len(p.changes)} changed, {len(p.skips)} skipped; "
+            figures = (
                 f"max abs {_fmt_float(worst['max_abs'])} = {_fmt_float(worst['max_rel'])} x max|ref| "
-                f"(tolerance {worst['tolerance']:g}) {verdict}"
+                f"(tolerance {worst['tolerance']:g})"
+                if worst is not None
+                else "the model returns no tensor to compare"
+            )
+            out.print(
+                f"{p.pass_name} (exact): {len(p.changes)} changed, {len(p.skips)} skipped; {figures} {verdict}",
+                soft_wrap=True,
             )
             if half:
                 out.print(
                     f"  judged against the model in fp32: {_fmt_float(half['rewritten_rel_error'])} x max|ref| "
                     f"vs the original's own {_fmt_float(half['original_rel_error'])} (allowed: twice that)"
                 )
+
+            verified = p.validation.get("verified_inputs", [])
+            if verified:
+                out.print(
+                    f"  verified on {len(verified)} input shape{'s' if len(verified) != 1 else ''}: "
+                    + ", ".join(format_shapes(v["shapes"]) for v in verified),
+                    soft_wrap=True,
+                )
+            for f in failed:
+                what = f.get("error") or (
+                    f"{_fmt_float(f['worst_rel'])} x max|ref|" if f.get("compared") else "no tensor compared"
+                )
+                out.print(
+                    f"  [bold red]FAIL[/] on {format_shapes(f['shapes'])} ({f['label']}): {what}",
+                    soft_wrap=True,
+                )
+            for limitation in p.validation.get("limitations", []):
+                out.print(f"  limited: {limitation}", soft_wrap=True)
+        elif worst is None:
+            out.print(
+                f"{p.pass_name} ({p.kind.value}): {len(p.changes)} changed, {len(p.skips)} skipped; "
+                "the model returns no floating-point output to compare"
+            )
         else:
             out.print(
                 f"{p.pass_name} ({p.kind.value}): {len(p.changes)} changed, {len(p.skips)} skipped; "
                 f"SQNR {_fmt_float(p.validation['worst_sqnr_db'])} dB, cosine {_fmt_float(worst['cosine'], 6)}, "
                 f"max abs {_fmt_float(worst['max_abs'])}"
             )
-    if result.overall is not None:
+    if result.overall is not None and not result.overall.outputs:
+        out.print("whole model vs original: the model returns no tensor to compare")
+    elif result.overall is not None:
         out.print(
             f"whole model vs original: SQNR {_fmt_float(result.overall.worst_sqnr_db)} dB, "
             f"max abs / max|ref| {_fmt_float(result.overall.worst_rel)}"
@@ -606,8 +683,12 @@ def export(
     """Export MODEL to ONNX and check the file in onnxruntime against PyTorch before writing it."""
     from normswap.load import require_inputs
 
+    _check_paths(
+        {"MODEL": model, "--weights": weights, "--inputs": inputs}, {"-o": output, "--report": report}
+    )
     loaded = _load(model, weights, trust_pickle)
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
+    _check_inputs_fit(loaded.model, args, kwargs)
     source = Path(model) if Path(model).exists() else None
     checked = _export_checked(loaded.model, output, args, kwargs, opset, dynamic_batch, source)
     if report is not None:
@@ -685,6 +766,17 @@ def validate(
     from normswap.errors import BadInputError, CheckFailedError
     from normswap.validate.layerwise import DEFAULT_MIN_SQNR_DB, plot_norm_sites, validate_models
 
+    _check_paths(
+        {
+            "ORIGINAL": original,
+            "CONVERTED": converted,
+            "--weights": weights,
+            "--converted-weights": converted_weights,
+            "--inputs": inputs,
+            "--data": data,
+        },
+        {"--plot": plot, "--report": report},
+    )
     if exact and min_sqnr is not None:
         raise BadInputError("--exact and --min-sqnr are two different checks: give one")
     if plot is not None and plot.suffix.lower() != ".png":
@@ -793,7 +885,8 @@ def _print_validation(result: Any) -> None:
 DATA_HELP = (
     "Calibration data: a folder of images (resized and centre-cropped to the model's input H x W, scaled "
     "to [0, 1]), a .pt file holding a tensor (N, ...), a list of batch tensors or a list of batches, or a "
-    "factory 'package.module:callable' / 'file.py:callable' returning an iterable of batches."
+    "factory 'package.module:callable' / 'file.py:callable' returning an iterable of batches (a factory is "
+    "code that normswap imports and runs)."
 )
 
 
@@ -837,11 +930,17 @@ def recalibrate(
     from normswap.errors import BadInputError, CheckFailedError
     from normswap.load import SAVE_FORMATS, resolve_inputs
 
+    _check_paths(
+        {"MODEL": model, "--data": data, "--holdout": holdout, "--weights": weights, "--inputs": inputs},
+        {"-o": output, "--report": report},
+    )
     if output.suffix not in SAVE_FORMATS:
         raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
     loaded = _load(model, weights, trust_pickle)
     resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     args, kwargs = resolved if resolved is not None else (None, None)
+    if resolved is not None:
+        _check_inputs_fit(loaded.model, args, kwargs)
     calibration, held_out = _data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
     with _progress() as progress:
         task = progress.add_task("calibrating", total=None)
@@ -988,30 +1087,38 @@ def distill(
     report: ReportOpt = None,
 ) -> None:
     """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o."""
-    import os
-
     from normswap.calibrate.distill import check_options
     from normswap.calibrate.distill import distill as distill_model
     from normswap.errors import BadInputError, CheckFailedError
     from normswap.load import SAVE_FORMATS, resolve_inputs
 
+    _check_paths(
+        {
+            "ORIGINAL": original,
+            "CONVERTED": converted,
+            "--data": data,
+            "--holdout": holdout,
+            "--weights": weights,
+            "--converted-weights": converted_weights,
+            "--inputs": inputs,
+        },
+        {"-o": output, "--report": report},
+    )
     if output.suffix not in SAVE_FORMATS:
         raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
     if temperature is not None and loss != "kl":
         raise BadInputError("--temperature applies to --loss kl")
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature or 1.0, train=train)
-    for given in (original, converted):
-        # Checked before training, not only at save time: minutes of training must not end in a refusal.
-        if Path(given).exists() and (
-            output.resolve() == Path(given).resolve() or (output.exists() and os.path.samefile(output, given))
-        ):
-            raise BadInputError(f"refusing to overwrite the input model {given}: choose another output path")
     teacher = _load(original, weights, trust_pickle)
     student = _load(converted, converted_weights, trust_pickle)
     resolved = resolve_inputs(teacher, inputs_file=inputs, input_shapes=input_shape) or resolve_inputs(
         student
     )
     args, kwargs = resolved if resolved is not None else (None, None)
+    if resolved is not None:
+        # before training: minutes of training must not end in a refusal
+        _check_inputs_fit(teacher.model, args, kwargs, what="ORIGINAL")
+        _check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
     batches, held_out = _data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
     with _progress() as progress:
         task = progress.add_task("distilling", total=steps)

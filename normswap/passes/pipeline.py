@@ -2,11 +2,18 @@
 
 Each pass is validated on its own (outputs right before it vs right after it), so an exact pass in a
 pipeline that also holds an architectural one is still held to the exact tolerance.
+
+"Exact" is a claim about the function, not about one input: an exact pass is checked on the example
+inputs and on variants of them along the dims the original model accepts freely (batch, sequence length,
+spatial size; :mod:`normswap.validate.variants`), and every tensor output is compared, integer and bool
+ones by equality. A rewritten model that raises on a variant the original accepts is not silently wrong:
+the pass's validation says which shapes it was proven on and which it does not accept.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +24,14 @@ from torch.utils import _pytree as pytree
 from normswap.modules.copying import copy_model
 from normswap.passes.base import Pass, PassReport, RewriteKind
 from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
-from normswap.validate.metrics import flatten_outputs
+from normswap.validate.metrics import TensorComparison, flatten_outputs
+from normswap.validate.variants import (
+    InputVariant,
+    accepted_variants,
+    candidate_variants,
+    describe_error,
+    format_shapes,
+)
 
 
 @dataclass
@@ -27,6 +41,9 @@ class PipelineReport:
     overall: ModelComparison | None = None
     # Exact passes whose outputs moved beyond the tolerance: a bug, and a reason not to write anything.
     exact_failures: list[str] = field(default_factory=list)
+    # The inputs beyond the example that exact passes are checked on: those the original model accepts,
+    # and those it rejects (not free sizes of the model) with its reason. None when not probed.
+    input_variants: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -42,6 +59,7 @@ class PipelineReport:
             "exact_failures": self.exact_failures,
             "passes": [p.to_dict() for p in self.passes],
             "overall": self.overall.to_dict() if self.overall else None,
+            "input_variants": self.input_variants,
         }
 
 
@@ -71,37 +89,197 @@ class Pipeline:
         original = model if inplace or not check else copy_model(model)
         current = model if inplace else copy_model(model)
         report = PipelineReport()
+        inputs = [InputVariant("example", tuple(example_args or ()), dict(example_kwargs or {}))]
+        # outputs of `current` on inputs[i]; valid while `current` is unchanged (passes without changes
+        # keep it), so each input runs once per change, not twice per pass
+        outputs: dict[int, Any] = {}
+        if check and any(p.kind is RewriteKind.EXACT for p in self.passes):
+            # the original decides which variants are free sizes; its outputs are the first reference
+            probe = accepted_variants(current, candidate_variants(example_args, example_kwargs))
+            report.input_variants = probe.to_dict()
+            inputs += probe.accepted
+            outputs.update({i: _kept(out) for i, out in enumerate(probe.outputs, start=1)})
+        live = list(range(len(inputs)))  # the inputs the current model still accepts
+        dropped: list[dict[str, Any]] = []  # inputs an earlier (architectural) change made unusable
         for p in self.passes:
-            before = (
-                run_model(current, copy.deepcopy(example_args), copy.deepcopy(example_kwargs))
-                if check
-                else None
-            )
+            exact = p.kind is RewriteKind.EXACT
+            for i in [i for i in live if exact or i == 0] if check else []:
+                if i not in outputs:
+                    try:
+                        outputs[i] = _kept(_run(current, inputs[i]))
+                    except Exception as exc:
+                        if i == 0:
+                            raise
+                        live.remove(i)
+                        dropped.append({**inputs[i].to_dict(), "error": describe_error(exc)})
+            wanted = [i for i in live if exact or i == 0] if check else []
             # a half-precision model is kept as it was, to judge an exact pass against fp32 if need be
-            snapshot = (
-                copy_model(current) if check and p.kind is RewriteKind.EXACT and _is_half(current) else None
-            )
+            snapshot = copy_model(current) if check and exact and _is_half(current) else None
+            previous = current
             current, pass_report = p(current, example_args, example_kwargs, inplace=True)
             if check and pass_report.changes:
-                after = run_model(current, copy.deepcopy(example_args), copy.deepcopy(example_kwargs))
-                comparison = compare_outputs(before, after)
-                pass_report.validation = comparison.to_dict()
-                if snapshot is not None and not comparison.within_tolerance:
-                    verdict = rounding_verdict(snapshot, before, after, example_args, example_kwargs)
-                    pass_report.validation["half_precision"] = verdict
-                    exact_ok = verdict["within_rounding"]
-                else:
-                    exact_ok = comparison.within_tolerance
-                if p.kind is RewriteKind.EXACT and not exact_ok:
-                    worst = max(comparison.outputs, key=lambda o: o.max_rel)
-                    report.exact_failures.append(
-                        f"{p.name}: {worst.name} moved by {worst.max_abs:.3g} "
-                        f"({worst.max_rel:.3g} x max|ref|, tolerance {worst.tolerance:g})"
-                    )
+                before = {i: outputs[i] for i in wanted}
+                outputs.clear()
+                check_run = _PassCheck(p, pass_report, current, snapshot)
+                earlier = list(dropped)
+                for i in wanted:
+                    accepted, after = check_run.run(inputs[i], before[i], is_example=i == 0)
+                    if not accepted:  # a limitation of this pass; later ones cannot use the input
+                        live.remove(i)
+                        dropped.append(check_run.not_accepted[-1])
+                    else:
+                        outputs[i] = after
+                failure = check_run.finish(earlier)
+                if failure is not None:
+                    report.exact_failures.append(failure)
+            elif current is not previous:
+                outputs.clear()
             report.passes.append(pass_report)
         if check and not inplace:
-            report.overall = compare_models(original, current, example_args, example_kwargs)
+            report.overall = compare_models(
+                original, current, example_args, example_kwargs, floating_only=False
+            )
         return current, report
+
+
+def _run(model: nn.Module, variant: InputVariant) -> Any:
+    return run_model(model, copy.deepcopy(variant.args), copy.deepcopy(variant.kwargs))
+
+
+def _kept(output: Any) -> Any:
+    """A model output kept as a reference: its tensors cloned, so that a pass editing a parameter in
+    place cannot change an output that aliases it."""
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, output)
+
+
+def _returned(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _moved(worst: TensorComparison) -> str:
+    if worst.mismatched is not None:
+        return (
+            f"{worst.name} ({worst.dtype}, compared for equality) differs in {worst.mismatched} of "
+            f"{math.prod(worst.shape)} values"
+        )
+    return (
+        f"{worst.name} moved by {worst.max_abs:.3g} "
+        f"({worst.max_rel:.3g} x max|ref|, tolerance {worst.tolerance:g})"
+    )
+
+
+class _PassCheck:
+    """The check of one pass that made changes: outputs before vs after on each input, collected into
+    the pass's ``validation`` dict and, for an exact pass, into at most one failure sentence."""
+
+    def __init__(self, p: Pass, pass_report: PassReport, model: nn.Module, snapshot: nn.Module | None):
+        self.name = p.name
+        self.exact = p.kind is RewriteKind.EXACT
+        self.report = pass_report
+        self.model = model
+        self.snapshot = snapshot
+        self.fp32: nn.Module | None = None
+        self.verified: list[dict[str, Any]] = []
+        self.failed: list[dict[str, Any]] = []
+        self.not_accepted: list[dict[str, Any]] = []
+        self.reasons: list[str] = []  # one per failed input, example first
+
+    def run(self, variant: InputVariant, before: Any, *, is_example: bool) -> tuple[bool, Any]:
+        """Run the rewritten model on ``variant`` and judge it; ``(True, its output)``, or
+        ``(False, None)`` when it raises on an input the model before the pass accepted (then it is a
+        limitation, not a failure)."""
+        try:
+            after = _run(self.model, variant)
+        except Exception as exc:
+            if is_example:
+                raise
+            self.not_accepted.append({**variant.to_dict(), "error": describe_error(exc)})
+            return False, None
+        shapes = variant.describe()
+        where = f"on the example inputs {shapes}" if is_example else f"on inputs {shapes} ({variant.label})"
+        try:
+            comparison = compare_outputs(before, after, floating_only=not self.exact)
+        except ValueError as exc:  # an output changed shape or went missing
+            if not self.exact:
+                raise
+            if is_example:
+                self.report.validation = {**ModelComparison().to_dict(), "error": str(exc)}
+            self.failed.append({**variant.to_dict(), "error": str(exc)})
+            self.reasons.append(f"{self.name}: {exc} {where}")
+            return True, _kept(after)
+        if is_example:
+            self.report.validation = comparison.to_dict()
+        if not self.exact:
+            return True, _kept(after)
+        entry = {
+            **variant.to_dict(),
+            "compared": len(comparison.outputs),
+            "within_tolerance": comparison.within_tolerance,
+            "worst_rel": comparison.worst_rel,
+        }
+        passed = comparison.within_tolerance
+        if not comparison.outputs:
+            if self.failed and not self.failed[0]["compared"]:
+                return True, _kept(after)  # the example compared nothing already: said once
+            reason = (
+                f"{self.name}: the model returns no tensor to compare (returned {_returned(before)}) {where}: "
+                "an exact change cannot be verified"
+            )
+        else:
+            if not passed and self.snapshot is not None:
+                verdict = self._rounding_verdict(before, after, variant)
+                entry["half_precision"] = verdict
+                if is_example:
+                    self.report.validation["half_precision"] = verdict
+                passed = verdict["within_rounding"]
+            failing = [o for o in comparison.outputs if not o.within_tolerance] or comparison.outputs
+            reason = f"{self.name}: {_moved(max(failing, key=lambda o: o.max_rel))} {where}"
+        if passed:
+            self.verified.append(entry)
+        else:
+            self.failed.append(entry)
+            self.reasons.append(reason)
+        return True, _kept(after)
+
+    def _rounding_verdict(self, before: Any, after: Any, variant: InputVariant) -> dict[str, Any]:
+        if self.fp32 is None:
+            self.fp32 = copy_model(self.snapshot).float()
+        return rounding_verdict(
+            self.snapshot,
+            before,
+            after,
+            copy.deepcopy(variant.args),
+            copy.deepcopy(variant.kwargs),
+            reference_model=self.fp32,
+        )
+
+    def finish(self, dropped: list[dict[str, Any]]) -> str | None:
+        """Record what was verified where; the failure sentence of an exact pass, or None."""
+        if self.report.validation is None:
+            self.report.validation = ModelComparison().to_dict()
+        if not self.exact:
+            return None
+        shapes = ", ".join(format_shapes(v["shapes"]) for v in self.verified) or "none"
+        limitations = [
+            f"verified on shapes {shapes}; the converted model does not accept {format_shapes(v['shapes'])}, "
+            f"which the original does ({v['error']})"
+            for v in self.not_accepted
+        ] + [
+            f"not verified on {format_shapes(v['shapes'])}: the model before this pass (after the earlier "
+            f"passes) does not accept it ({v['error']})"
+            for v in dropped
+        ]
+        self.report.validation.update(
+            verified_inputs=self.verified,
+            failed_inputs=self.failed,
+            not_accepted=self.not_accepted + dropped,
+            limitations=limitations,
+        )
+        if not self.reasons:
+            return None
+        more = len(self.reasons) - 1
+        also = [format_shapes(v["shapes"]) for v in self.failed[1:]]
+        return self.reasons[0] + (f" (also fails on {more} more: {', '.join(also)})" if more else "")
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -118,17 +296,26 @@ def _to_fp32(value: Any) -> Any:
 
 
 def rounding_verdict(
-    before_model: nn.Module, before: Any, after: Any, args: tuple | None, kwargs: dict | None
+    before_model: nn.Module,
+    before: Any,
+    after: Any,
+    args: tuple | None,
+    kwargs: dict | None,
+    *,
+    reference_model: nn.Module | None = None,
 ) -> dict[str, Any]:
     """Judge an exact rewrite of a half-precision model against the same model computed in fp32.
 
     Two half-precision runs of two equal functions differ by their rounding, which on a deep net can
     exceed the half-precision table (resnet18 in bf16 at 64x64: the unfolded model is itself 1.3e-2 x
     max|out| from fp32). The rewrite is exact when it moves the outputs no further from the fp32 function
-    than twice the distance the original half-precision model already has.
+    than twice the distance the original half-precision model already has. Integer and bool outputs
+    (argmax, ids) count the fraction of their values that differ from the fp32 model's, under the same
+    rule. ``reference_model`` is ``before_model`` already in fp32, when the caller has one.
     """
     try:
-        reference = run_model(copy_model(before_model).float(), _to_fp32(args), _to_fp32(kwargs))
+        fp32 = reference_model if reference_model is not None else copy_model(before_model).float()
+        reference = run_model(fp32, _to_fp32(args), _to_fp32(kwargs))
     except Exception as exc:  # e.g. an exported GraphModule asserts its half-precision dtypes
         return {
             "reference": f"none: the model before the pass does not run in fp32 ({type(exc).__name__})",
@@ -136,8 +323,18 @@ def rounding_verdict(
         }
     worst_before, worst_after = 0.0, 0.0
     for (_, ref), (_, old), (_, new) in zip(
-        flatten_outputs(reference), flatten_outputs(before), flatten_outputs(after), strict=True
+        flatten_outputs(reference, floating_only=False),
+        flatten_outputs(before, floating_only=False),
+        flatten_outputs(after, floating_only=False),
+        strict=True,
     ):
+        if ref.numel() == 0:
+            continue
+        if not (ref.is_floating_point() or ref.is_complex()):
+            worst_before = max(worst_before, float((old != ref).double().mean()))
+            worst_after = max(worst_after, float((new != ref).double().mean()))
+            continue
+        ref, old, new = (torch.view_as_real(t) if t.is_complex() else t for t in (ref, old, new))
         scale = float(ref.double().abs().max()) or 1.0
         worst_before = max(worst_before, float((old.double() - ref.double()).abs().max()) / scale)
         worst_after = max(worst_after, float((new.double() - ref.double()).abs().max()) / scale)

@@ -19,7 +19,9 @@ class ModelComparison:
 
     @property
     def within_tolerance(self) -> bool:
-        return all(o.within_tolerance for o in self.outputs)
+        """Every output within the exact tolerance; False when nothing was compared, since a check that
+        compared no tensor proves nothing."""
+        return bool(self.outputs) and all(o.within_tolerance for o in self.outputs)
 
     @property
     def worst_sqnr_db(self) -> float:
@@ -33,6 +35,7 @@ class ModelComparison:
         return {
             "within_tolerance": self.within_tolerance,
             "worst_sqnr_db": self.worst_sqnr_db,
+            "compared": len(self.outputs),
             "outputs": [asdict(o) for o in self.outputs],
         }
 
@@ -46,9 +49,13 @@ def run_model(model: nn.Module, args: tuple | None, kwargs: dict | None) -> Any:
         return model(*(args or ()), **(kwargs or {}))
 
 
-def compare_outputs(reference: Any, output: Any) -> ModelComparison:
-    ref_items = flatten_outputs(reference)
-    out_items = dict(flatten_outputs(output))
+def compare_outputs(reference: Any, output: Any, *, floating_only: bool = True) -> ModelComparison:
+    """Every output of ``reference`` against the same-named output of ``output``.
+
+    ``floating_only=False`` (the exact checks) also compares integer and bool outputs, by equality.
+    """
+    ref_items = flatten_outputs(reference, floating_only=floating_only)
+    out_items = dict(flatten_outputs(output, floating_only=floating_only))
     result = ModelComparison()
     for name, ref in ref_items:
         if name not in out_items:
@@ -58,9 +65,15 @@ def compare_outputs(reference: Any, output: Any) -> ModelComparison:
 
 
 def compare_models(
-    original: nn.Module, converted: nn.Module, args: tuple | None, kwargs: dict | None = None
+    original: nn.Module,
+    converted: nn.Module,
+    args: tuple | None,
+    kwargs: dict | None = None,
+    *,
+    floating_only: bool = True,
 ) -> ModelComparison:
-    """Run both models on the same (copied) inputs and compare every floating-point output."""
+    """Run both models on the same (copied) inputs and compare every floating-point output (every
+    tensor output with ``floating_only=False``)."""
     ref = run_model(original, copy.deepcopy(args), copy.deepcopy(kwargs))
     out = run_model(converted, copy.deepcopy(args), copy.deepcopy(kwargs))
-    return compare_outputs(ref, out)
+    return compare_outputs(ref, out, floating_only=floating_only)

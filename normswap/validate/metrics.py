@@ -1,7 +1,8 @@
 """Numbers that say how far one tensor is from another, and the tolerance table of exact rewrites.
 
 Exact rewrites are judged by max abs error relative to the reference's scale (DESIGN.md: fp32 within
-1e-5 x max|reference|); architectural ones by signal-to-noise ratio, ``20 log10(||ref|| / ||ref - out||)``.
+1e-5 x max|reference|), and outputs that are not floating point (ids, argmax, bool masks) by equality;
+architectural ones by signal-to-noise ratio, ``20 log10(||ref|| / ||ref - out||)``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ EXACT_TOLERANCE: dict[torch.dtype, float] = {
 
 
 def exact_tolerance(dtype: torch.dtype) -> float:
+    """The table's entry; 0 (equal or wrong) for integer and bool outputs, which have no rounding."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return 0.0
     return EXACT_TOLERANCE.get(dtype, 1e-5)
 
 
@@ -52,10 +56,30 @@ class TensorComparison:
     tolerance: float
     within_tolerance: bool
     top1_agreement: float | None = None
+    # integer and bool outputs: how many elements differ (they are compared for equality)
+    mismatched: int | None = None
 
 
 def compare_tensors(name: str, reference: torch.Tensor, output: torch.Tensor) -> TensorComparison:
-    """Every figure of ``output`` against ``reference`` (same shape)."""
+    """Every figure of ``output`` against ``reference`` (same shape).
+
+    Integer and bool tensors are within tolerance only when equal, element for element (compared as
+    they are, not through float64, which cannot tell large ids apart); the other figures still say how
+    far they moved. Complex tensors are compared as their real and imaginary parts.
+    """
+    dtype = reference.dtype
+    # None for floating tensors, judged by the tolerance; else whether the two are equal
+    exact_match = (
+        None
+        if reference.is_floating_point() or reference.is_complex()
+        else reference.shape == output.shape
+        and reference.dtype == output.dtype
+        and torch.equal(reference.detach().cpu(), output.detach().cpu())
+    )
+    if reference.is_complex():
+        reference = torch.view_as_real(reference.detach().resolve_conj())
+    if output.is_complex():
+        output = torch.view_as_real(output.detach().resolve_conj())
     ref = reference.detach().double().cpu()
     out = output.detach().double().cpu()
     if ref.shape != out.shape:
@@ -63,39 +87,49 @@ def compare_tensors(name: str, reference: torch.Tensor, output: torch.Tensor) ->
     diff = (ref - out).abs()
     max_abs = float(diff.max()) if diff.numel() else 0.0
     max_ref = float(ref.abs().max()) if ref.numel() else 0.0
-    tol = exact_tolerance(reference.dtype)
+    tol = exact_tolerance(dtype)
     flat_r, flat_o = ref.flatten(), out.flatten()
     denom = flat_r.norm() * flat_o.norm()
     cosine = float(flat_r @ flat_o / denom) if denom > 0 else (1.0 if max_abs == 0 else 0.0)
     top1 = None
-    if ref.ndim >= 2 and ref.shape[-1] > 1 and reference.is_floating_point():
+    if ref.ndim >= 2 and ref.shape[-1] > 1 and dtype.is_floating_point:
         top1 = float((ref.argmax(-1) == out.argmax(-1)).double().mean())
     return TensorComparison(
         name=name,
         shape=tuple(ref.shape),
-        dtype=str(reference.dtype).replace("torch.", ""),
+        dtype=str(dtype).replace("torch.", ""),
         max_abs=max_abs,
         max_ref=max_ref,
         max_rel=max_abs / max_ref if max_ref > 0 else (0.0 if max_abs == 0 else math.inf),
         sqnr_db=sqnr_db(ref, out),
         cosine=cosine,
         tolerance=tol,
-        within_tolerance=max_abs <= tol * max(max_ref, 1e-30) or max_abs == 0,
+        within_tolerance=(
+            exact_match if exact_match is not None else max_abs <= tol * max(max_ref, 1e-30) or max_abs == 0
+        ),
         top1_agreement=top1,
+        mismatched=int((diff != 0).sum()) if exact_match is not None else None,
     )
 
 
-def flatten_outputs(value: Any, prefix: str = "output") -> list[tuple[str, torch.Tensor]]:
-    """Floating-point tensors of a model output (tensor, tuple, dict, HF ModelOutput), with names."""
+def flatten_outputs(
+    value: Any, prefix: str = "output", *, floating_only: bool = True
+) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of a model output (tensor, tuple, dict, HF ModelOutput), with names.
+
+    ``floating_only`` (the default) keeps floating-point tensors only: what SQNR, losses and layer
+    figures need. An exact check passes ``floating_only=False`` so that integer, bool and complex
+    outputs (argmax, ids, masks) are compared too.
+    """
     if isinstance(value, torch.Tensor):
-        return [(prefix, value)] if value.is_floating_point() else []
+        return [(prefix, value)] if value.is_floating_point() or not floating_only else []
     found: list[tuple[str, torch.Tensor]] = []
     if isinstance(value, Mapping):
         for key, item in value.items():
-            found += flatten_outputs(item, f"{prefix}.{key}")
+            found += flatten_outputs(item, f"{prefix}.{key}", floating_only=floating_only)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
         for i, item in enumerate(value):
-            found += flatten_outputs(item, f"{prefix}[{i}]")
+            found += flatten_outputs(item, f"{prefix}[{i}]", floating_only=floating_only)
     return found
 
 

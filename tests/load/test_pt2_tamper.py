@@ -126,28 +126,25 @@ def _sample_inputs(clean: Path, dst: Path, marker: Path) -> Path:
     return _rewrite(clean, dst, {"data/sample_inputs/model.pt": lambda _: payload})
 
 
-def _pickled_weight(clean: Path, dst: Path, marker: Path) -> Path:
-    payload = _torch_saved(marker, f"{_TORCH}.nn.Parameter({_TORCH}.zeros(8, 8))")
-    return _rewrite(
-        clean,
-        dst,
-        {
-            "data/weights/model_weights_config.json": _edit_config("lin.weight", use_pickle=True),
-            "data/weights/weight_0": lambda _: payload,
-        },
-    )
+def _marked_pickled(config: str, entry: str, member: str, value: str) -> Callable[[Path, Path, Path], Path]:
+    """An attack that marks one payload ``use_pickle`` in its config and puts the pickle in its member."""
+
+    def build(clean: Path, dst: Path, marker: Path) -> Path:
+        payload = _torch_saved(marker, value)
+        return _rewrite(clean, dst, {config: _edit_config(entry, use_pickle=True), member: lambda _: payload})
+
+    return build
 
 
-def _pickled_constant(clean: Path, dst: Path, marker: Path) -> Path:
-    payload = _torch_saved(marker, f"{_TORCH}.ones(8)")
-    return _rewrite(
-        clean,
-        dst,
-        {
-            "data/constants/model_constants_config.json": _edit_config("offset", use_pickle=True),
-            "data/constants/tensor_0": lambda _: payload,
-        },
-    )
+_pickled_weight = _marked_pickled(
+    "data/weights/model_weights_config.json",
+    "lin.weight",
+    "data/weights/weight_0",
+    f"{_TORCH}.nn.Parameter({_TORCH}.zeros(8, 8))",
+)
+_pickled_constant = _marked_pickled(
+    "data/constants/model_constants_config.json", "offset", "data/constants/tensor_0", f"{_TORCH}.ones(8)"
+)
 
 
 def _opaque_object(clean: Path, dst: Path, marker: Path) -> Path:

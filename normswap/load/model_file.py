@@ -11,6 +11,7 @@ refuses any global outside its allowlist *before* calling it, so probing a malic
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import importlib.util
@@ -25,7 +26,7 @@ import sys
 import traceback
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -503,6 +504,18 @@ _OUTPUT_TYPE_PACKAGES = ("transformers.", "diffusers.", "timm.")
 _UNREGISTERED_TYPE = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
 
 
+# torch.export.load logs under both: torch.export (the loader) and torch._export (the deserializer, which
+# reports its fallback to the full unpickler there).
+_EXPORT_LOGGERS = ("torch.export", "torch._export")
+
+
+def _log_text(record: logging.LogRecord) -> str:
+    try:
+        return record.getMessage()
+    except (TypeError, ValueError):  # torch's own format strings sometimes lack an argument
+        return f"{record.msg} {record.args}"
+
+
 class _Collect(logging.Handler):
     """Keeps torch.export's log records of one load attempt, to read what failed and pass the rest on."""
 
@@ -516,10 +529,32 @@ class _Collect(logging.Handler):
     def text(self) -> str:
         parts = []
         for record in self.records:
-            parts.append(record.getMessage())
+            parts.append(_log_text(record))
             if record.exc_info and record.exc_info[1] is not None:
                 parts.append("".join(traceback.format_exception(record.exc_info[1])))
         return " ".join(parts)
+
+
+@contextlib.contextmanager
+def _listening() -> Iterator[_Collect]:
+    """torch.export's log records go to a collector instead of torch's handlers, for one load attempt."""
+    collect = _Collect()
+    saved = []
+    # torch's logging setup attaches handlers to each of its module loggers, not only to the parents
+    names = [
+        name
+        for name in list(logging.root.manager.loggerDict)
+        if any(name == top or name.startswith(top + ".") for top in _EXPORT_LOGGERS)
+    ]
+    for name in sorted({*_EXPORT_LOGGERS, *names}):
+        log = logging.getLogger(name)
+        saved.append((log, log.handlers[:], log.propagate))
+        log.handlers, log.propagate = [collect], False
+    try:
+        yield collect
+    finally:
+        for log, handlers, propagate in saved:
+            log.handlers, log.propagate = handlers, propagate
 
 
 def _registering_module(failure: str) -> str | None:
@@ -533,18 +568,18 @@ def _registering_module(failure: str) -> str | None:
     return name.rpartition(".")[0] if name.startswith(_OUTPUT_TYPE_PACKAGES) else None
 
 
-def _pass_on(log: logging.Logger, records: list[logging.LogRecord]) -> None:
+def _pass_on(records: list[logging.LogRecord]) -> None:
     """Hand the warnings of the load that succeeded (a legacy layout, a fallback to the full unpickler
-    under --trust-pickle) to torch's logger as if we had not listened: the user should see what torch
+    under --trust-pickle) to torch's loggers as if we had not listened: the user should see what torch
     says. One line each: an exception torch attaches is reduced to its first line."""
     for record in records:
         if record.levelno < logging.WARNING:
             continue
+        text = _log_text(record)
         if record.exc_info and record.exc_info[1] is not None:
-            record.msg = f"{record.getMessage()} ({_describe(record.exc_info[1])})"
-            record.args = None
-            record.exc_info = None
-        log.handle(record)
+            text = f"{text} ({_describe(record.exc_info[1])})"
+        record.msg, record.args, record.exc_info, record.exc_text = text, None, None, None
+        logging.getLogger(record.name).handle(record)
 
 
 def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
@@ -554,35 +589,29 @@ def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
     from normswap.load.archive import check_program_calls, check_pt2_archive
 
     imported: set[str] = set()
-    # torch names what is missing only in a warning it logs, not in the exception it raises
-    export_log = logging.getLogger("torch.export")
     # An open file avoids torch's suffix check, so a .pt2 archive saved as model.pt still loads; the
     # scan and the load read the same open file.
     with path.open("rb") as f:
         check_pt2_archive(path, f, trust_pickle=trust_pickle)
         while True:
-            # torch's handler is set aside while an attempt may still fail and be retried; what a
-            # successful attempt logged is passed on to it afterwards
-            collect, propagate, handlers = _Collect(), export_log.propagate, export_log.handlers[:]
-            export_log.handlers = [collect]
-            export_log.propagate = False
-            try:
-                f.seek(0)
-                program = torch.export.load(f)
-            except Exception as exc:
-                module = _registering_module(" ".join([collect.text(), str(exc)]))
-                if module is None or module in imported:
-                    raise
+            # torch names what is missing only in a warning it logs, not in the exception it raises;
+            # torch's handlers are set aside while an attempt may still fail and be retried, and what a
+            # successful attempt logged is passed on to them afterwards
+            with _listening() as collect:
                 try:
-                    importlib.import_module(module)
-                except ImportError:
-                    raise exc from None
-                imported.add(module)
-                continue
-            finally:
-                export_log.handlers = handlers
-                export_log.propagate = propagate
-            _pass_on(export_log, collect.records)
+                    f.seek(0)
+                    program = torch.export.load(f)
+                except Exception as exc:
+                    module = _registering_module(" ".join([collect.text(), str(exc)]))
+                    if module is None or module in imported:
+                        raise
+                    try:
+                        importlib.import_module(module)
+                    except ImportError:
+                        raise exc from None
+                    imported.add(module)
+                    continue
+            _pass_on(collect.records)
             check_program_calls(path, program)
             return program
 

@@ -415,3 +415,16 @@ def test_constant_kind_is_read_from_the_path_name_as_torch_reads_it(
     with pytest.raises(UnsafeArchiveError, match="opaque Python object"):
         load_model(str(tampered))
     assert not marker.exists()
+
+
+def test_torch_fallback_warning_reaches_the_user_under_trust_pickle(
+    tmp_path: Path, clean_archive: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """normswap listens to torch.export's log while it loads; what torch warns about a load that worked
+    (here: its fallback to the full unpickler) is passed on, one line, not swallowed."""
+    tampered = _sample_inputs(clean_archive, tmp_path / "tampered.pt2", tmp_path / "payload-ran")
+    load_model(str(tampered), trust_pickle=True)
+    err = capfd.readouterr().err
+    fallback = [line for line in err.splitlines() if "Fallback to weights_only=False succeeded" in line]
+    assert len(fallback) == 1, err
+    assert "Traceback" not in err

@@ -19,7 +19,13 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError
-from normswap.load.model_file import LoadedModel, _describe, _first_line, read_tensor_file
+from normswap.load.model_file import (
+    LoadedModel,
+    _describe,
+    _first_line,
+    is_args_kwargs_pair,
+    read_tensor_file,
+)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -204,23 +210,12 @@ def check_inputs_fit(
         raise BadInputError(f"{what} does not run on the example inputs {shown}: {_describe(exc)}") from None
 
 
-def _is_args_kwargs_pair(value: Any) -> bool:
-    # The layout of ExportedProgram.example_inputs: (args_tuple, kwargs_dict).
-    return (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and isinstance(value[0], (tuple, list))
-        and isinstance(value[1], Mapping)
-        and all(isinstance(k, str) for k in value[1])
-    )
-
-
 def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
     """Read ``--inputs``: a tensor, a tuple/list (positional args), a dict (kwargs) or an (args, kwargs) pair."""
     payload = read_tensor_file(path, what="inputs file")
     if isinstance(payload, torch.Tensor):
         return (payload,), {}
-    if _is_args_kwargs_pair(payload):
+    if is_args_kwargs_pair(payload):
         return tuple(payload[0]), dict(payload[1])
     if isinstance(payload, (tuple, list)):
         return tuple(payload), {}

@@ -616,18 +616,21 @@ def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
             return program
 
 
+def is_args_kwargs_pair(value: Any) -> bool:
+    """Whether ``value`` has the layout of ``ExportedProgram.example_inputs``: (args tuple, kwargs dict)."""
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], (tuple, list))
+        and isinstance(value[1], Mapping)
+        and all(isinstance(k, str) for k in value[1])
+    )
+
+
 def _example_inputs_of(ep: torch.export.ExportedProgram) -> tuple[tuple, dict] | None:
     """The archive's stored example inputs, if they have the (args, kwargs) form torch writes."""
     examples = ep.example_inputs
-    if examples is None:
-        return None
-    if (
-        isinstance(examples, tuple)
-        and len(examples) == 2
-        and isinstance(examples[0], (tuple, list))
-        and isinstance(examples[1], Mapping)
-        and all(isinstance(k, str) for k in examples[1])
-    ):
+    if examples is not None and is_args_kwargs_pair(examples):
         return tuple(examples[0]), dict(examples[1])
     return None
 

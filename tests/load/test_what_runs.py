@@ -79,9 +79,10 @@ def test_help_says_that_factories_run_code_next_to_trust_pickle() -> None:
     assert "Unpickling runs whatever code the file names" in text
 
 
-def test_model_on_the_meta_device_is_refused(tmp_path: Path) -> None:
-    factory = _write(
-        tmp_path / "meta_factory.py",
+def _meta_factory(path: Path) -> Path:
+    """A factory that builds its model on the meta device, as accelerate's init_empty_weights does."""
+    return _write(
+        path,
         """
         import torch
         def build():
@@ -89,6 +90,10 @@ def test_model_on_the_meta_device_is_refused(tmp_path: Path) -> None:
                 return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
         """,
     )
+
+
+def test_model_on_the_meta_device_is_refused(tmp_path: Path) -> None:
+    factory = _meta_factory(tmp_path / "meta_factory.py")
     out = tmp_path / "out.pt2"
     result = runner.invoke(
         app, ["convert", f"{factory}:build", "--to", "fused", "--input-shape", "2,4", "-o", str(out)]
@@ -100,15 +105,7 @@ def test_model_on_the_meta_device_is_refused(tmp_path: Path) -> None:
 
 
 def test_meta_model_takes_its_values_from_weights(tmp_path: Path) -> None:
-    factory = _write(
-        tmp_path / "meta_factory2.py",
-        """
-        import torch
-        def build():
-            with torch.device("meta"):
-                return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-        """,
-    )
+    factory = _meta_factory(tmp_path / "meta_factory2.py")
     torch.manual_seed(0)
     real = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     torch.save(real.state_dict(), tmp_path / "w.pt")
@@ -118,15 +115,7 @@ def test_meta_model_takes_its_values_from_weights(tmp_path: Path) -> None:
 
 
 def test_meta_model_with_partial_weights_is_refused(tmp_path: Path) -> None:
-    factory = _write(
-        tmp_path / "meta_factory3.py",
-        """
-        import torch
-        def build():
-            with torch.device("meta"):
-                return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-        """,
-    )
+    factory = _meta_factory(tmp_path / "meta_factory3.py")
     torch.save({"0.weight": torch.ones(4, 4), "0.bias": torch.ones(4)}, tmp_path / "w.pt")
     with pytest.raises(BadInputError, match=r"missing keys: 1\.weight, 1\.bias"):
         load_model(f"{factory}:build", weights=tmp_path / "w.pt")

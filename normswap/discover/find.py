@@ -2,10 +2,13 @@
 
 Module classes with known semantics are read directly (:mod:`normswap.discover.classify`). Everything
 else is found on the captured graph: functional norm calls (``F.layer_norm`` inside a block's forward),
-and norms written out as elementary ops (:mod:`normswap.graph.patterns`). A module whose whole forward
-is such a pattern (HF ``LlamaRMSNorm``, a hand-written LayerNorm class) becomes a ``structural`` module
-site and can be swapped like a torch.nn norm; a pattern inside a larger forward stays a ``pattern``
-site. Without a graph, candidate modules are probed one by one on a synthetic input.
+and norms written out as elementary ops in any algebraic form, each confirmed by running it
+(:mod:`normswap.graph.patterns`, whose docstring says what is and is not taken for a norm). A module whose
+whole forward is such a pattern (HF ``LlamaRMSNorm``, a hand-written LayerNorm class), or one
+``F.layer_norm``/``F.rms_norm`` call on its own weight and bias (nanoGPT's LayerNorm, timm's RmsNorm),
+becomes a ``structural`` module site and can be swapped like a torch.nn norm; a norm inside a larger
+forward stays a ``pattern`` or ``functional`` site. Without a graph, candidate modules are probed one by
+one on a synthetic input.
 """
 
 from __future__ import annotations
@@ -195,7 +198,7 @@ def _add_graph_sites(
         for call in view.calls.get(path, ()):
             known_calls.update(call.nodes)
 
-    for match in find_norm_patterns(view):
+    for match in find_norm_patterns(view, modules[""]):
         if match.output in known_calls or (match.input in known_calls and match.output in known_calls):
             continue
         if any(n in known_calls for n in match.nodes):
@@ -241,7 +244,47 @@ def _add_graph_sites(
             continue
         owner = view.innermost_path(n)
         path = f"{owner or '<root>'}::{n.name}"
-        sites[path] = _functional_site(view, n, kind, path, modules, order)
+        site = _functional_site(view, n, kind, path, modules, order)
+        whole = _whole_forward_site(view, n, owner, site, modules) if owner not in sites else None
+        if whole is not None:
+            sites[owner] = whole
+            for call in view.calls.get(owner, []):
+                known_calls.update(call.nodes)  # its other calls are this site too
+            continue
+        sites[path] = site
+
+
+def _whole_forward_site(
+    view: GraphView, n: fx.Node, owner: str, site: NormSite, modules: dict[str, nn.Module]
+) -> NormSite | None:
+    """The module ``owner`` as a structural site when its whole forward is the one ``F.layer_norm`` /
+    ``F.rms_norm`` call ``n`` on its own weight and bias (nanoGPT's and OLMo's LayerNorm, timm's RmsNorm):
+    such a module can be swapped like a torch.nn norm. None otherwise."""
+    module = modules.get(owner)
+    calls = view.calls.get(owner, [])
+    if op_name(n) not in ("layer_norm", "rms_norm") or module is None or list(module.children()) or not calls:
+        return None
+    # besides the call: reads of stored tensors' attributes (fx records ``self.weight.shape``)
+    extra = {
+        m for m in calls[0].nodes if m.all_input_nodes and all(view.is_param(a) for a in m.all_input_nodes)
+    }
+    if not _module_is_exactly(view, calls[0], {n, *extra}):
+        return None
+    names = []
+    for index, key in ((2, "weight"), (3, "bias")):
+        tensor = arg(n, index, key)
+        if tensor is None or (key == "bias" and op_name(n) == "rms_norm"):
+            names.append(None)
+            continue
+        name = _relative_name(view, tensor, owner) if isinstance(tensor, fx.Node) else None
+        if name is None:
+            return None  # computed in the forward, or another module's tensor
+        names.append(name)
+    cls = type(module)
+    site.path, site.source, site.module, site.training = owner, "structural", module, module.training
+    site.class_name = f"{cls.__module__}.{cls.__qualname__}"
+    site.weight_name, site.bias_name = names
+    return site
 
 
 def _users_of(node: fx.Node) -> list[fx.Node]:
@@ -369,7 +412,7 @@ def probe_module(path: str, module: nn.Module) -> NormSite | None:
         if not captured.ok:
             continue
         view = GraphView(captured)
-        matches = find_norm_patterns(view)
+        matches = find_norm_patterns(view, module)
         if len(matches) != 1:
             continue
         ops = [n for n in view.nodes if n.op in ("call_function", "call_method", "call_module")]

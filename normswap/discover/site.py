@@ -16,7 +16,8 @@ class NormSite:
     """One normalization in a model.
 
     ``source`` says how it was found: ``"module"`` (a class whose semantics we know: torch.nn's, ours,
-    FrozenBatchNorm), ``"structural"`` (a class we do not know, recognized by what its forward computes),
+    FrozenBatchNorm), ``"structural"`` (a class we do not know, recognized by what its forward computes:
+    a norm written out in any form, or one ``F.layer_norm``/``F.rms_norm`` call on its own tensors),
     ``"functional"`` (a ``F.layer_norm``-style call inside some other module's forward) or ``"pattern"``
     (a norm written out as elementary ops inside another module's forward).
     """

@@ -137,7 +137,7 @@ def find_graph_norms(gm: fx.GraphModule) -> list[GraphNorm]:
     view = GraphView(CapturedGraph(gm.graph, "export"))
     found: list[GraphNorm] = []
     covered: set[fx.Node] = set()
-    for match in find_norm_patterns(view):
+    for match in find_norm_patterns(view, gm):
         covered.update(match.nodes)
         output, casts = match.output, []
         while op_name(output) in CAST_OPS and output.args and output.args[0] in match.nodes:

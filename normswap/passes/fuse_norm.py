@@ -255,7 +255,7 @@ def _read_parameter_names(module: nn.Module, site: NormSite) -> tuple[str | None
     if isinstance(view, str):
         return view
     ops = [n for n in view.nodes if n.op in ("call_function", "call_method", "call_module")]
-    matches = find_norm_patterns(view)
+    matches = find_norm_patterns(view, module)
     if len(matches) == 1:
         covered = set(matches[0].nodes)
         weight, bias = matches[0].weight, matches[0].bias

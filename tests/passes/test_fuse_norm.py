@@ -201,8 +201,8 @@ def test_timm_norms_over_the_last_dim_and_over_channels():
     assert described == {
         "ln2d": "LayerNorm2d -> FusedChannelLayerNorm",
         "rms2d": "RmsNorm2d -> FusedChannelRMSNorm",
-        # timm's RmsNorm is one F.rms_norm call: the module whose whole forward it is gets replaced.
-        "seq.0::rms_norm": "RmsNorm -> FusedRMSNorm (module seq.0: its forward is this functional rms norm)",
+        # timm's RmsNorm is one F.rms_norm call on its own weight: discovery takes the module as the site.
+        "seq.0": "RmsNorm -> FusedRMSNorm",
         "seq.2": "LayerNorm -> FusedLayerNorm",
     }
     assert report.skips == []

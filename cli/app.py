@@ -11,12 +11,13 @@ import functools
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(
@@ -30,6 +31,43 @@ app = typer.Typer(
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 err = Console(stderr=True, highlight=False)
 
+
+def _flag(*names: str, help: str) -> Any:
+    """An on/off option. typer's rich help prints the type of every option, flags included
+    ("--exact <bool>"), unless it has a metavar: an empty one shows a flag as the bare flag it is."""
+    return typer.Option(*names, help=help, metavar="")
+
+
+def _print_version(value: bool) -> None:
+    if not value:
+        return
+    # the installed distribution's metadata: no import of normswap (nor torch) to read a version
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        number = version("normswap")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        number = "unknown (not installed)"
+    out.print(f"normswap {number}")
+    raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print normswap's version and exit.",
+            callback=_print_version,
+            is_eager=True,
+            metavar="",
+        ),
+    ] = False,
+) -> None:
+    """Find, rewrite and verify the normalization layers of a trained PyTorch model."""
+
+
 MODEL_HELP = (
     "A .pt2 archive (torch.export), a factory 'package.module:callable' or 'file.py:callable' returning "
     "the model or (model, example_inputs), or a pickled module (.pt) with --trust-pickle. A factory is "
@@ -42,7 +80,7 @@ WeightsOpt = Annotated[
 ]
 TrustPickleOpt = Annotated[
     bool,
-    typer.Option(
+    _flag(
         "--trust-pickle",
         help="Allow unpickling: a pickled module (.pt), and pickled members of a .pt2 that torch's "
         "weights-only loader refuses. Unpickling runs whatever code the file names: only for files you "
@@ -166,6 +204,42 @@ def _progress(disable: bool = False) -> Any:
     return Progress(*columns, console=err, transient=True, disable=disable or not err.is_terminal)
 
 
+@contextlib.contextmanager
+def _status(text: str, quiet: bool = False) -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr saying what is being done, for phases that take long (a capture, a pass, a
+    validation, an export); yields a function that changes the text. Shown only on a terminal and not in
+    ``quiet`` (--report) runs, so pipes, logs and scripted runs stay clean; it leaves no line behind."""
+    if quiet or not err.is_terminal:
+        yield lambda _text: None
+        return
+    from rich.live import Live
+    from rich.spinner import Spinner
+
+    spinner = Spinner("dots", text=text, style="status.spinner")
+    with Live(spinner, console=err, transient=True, refresh_per_second=12.5) as live:
+
+        def say(new: str) -> None:
+            spinner.update(text=new)
+            live.refresh()  # shown at once: a phase may end before the next timed refresh
+
+        yield say
+
+
+def _print_capture_notes(notes: list[str], what: str, consequence: str) -> None:
+    """Say which settings were turned off to capture the model (see normswap.graph.capture)."""
+    if notes:
+        out.print(f"note: {what} with {', '.join(notes)} ({consequence})", soft_wrap=True)
+
+
+def _captured_what(captured: Any) -> str:
+    return f"graph captured ({captured.method})" if captured.ok else "graph capture tried"
+
+
+# What turning a setting off for the analysis capture means for the user.
+_ANALYSIS_ONLY = "for the capture only: torch.export cannot return a cache; the model keeps its config"
+_NO_CACHE = "it returns no cache; the model's own config is unchanged"
+
+
 def _data_and_holdout(
     data: str, holdout: str | None, args: Any, kwargs: Any, batch_size: int | None, normalize: str | None
 ) -> tuple[Any, Any]:
@@ -186,6 +260,19 @@ def _data_and_holdout(
         if held_out is None:
             raise BadInputError(f"--holdout {holdout} yields no batch")
     return source, held_out
+
+
+def _check_output_before_work(model: Any, output: Path, args: Any, kwargs: Any, quiet: bool) -> None:
+    """Before minutes of training: can ``output``'s format be written? A .pt2 or .onnx is an export,
+    tried on the example inputs when they are known; a .pt must pickle."""
+    from normswap.graph.capture import capture_graph
+    from normswap.load import SAVE_FORMATS, check_writable
+
+    captured = None
+    if SAVE_FORMATS.get(output.suffix.lower()) != "pickle" and (args is not None or kwargs):
+        with _status("checking that the model can be exported", quiet):
+            captured = capture_graph(model, args, kwargs)
+    check_writable(model, output, args, kwargs, captured=captured)
 
 
 def _save_trained(
@@ -222,7 +309,8 @@ def inspect(
     args, kwargs = resolved if resolved is not None else (None, None)
     if inputs is not None or input_shape:
         _check_inputs_fit(loaded.model, args, kwargs)
-    inventory = find_norms(loaded.model, args, kwargs)
+    with _status("capturing a graph of the model", quiet=json_out is not None):
+        inventory = find_norms(loaded.model, args, kwargs)
 
     table = Table(title=f"Norms in {model}", show_lines=False)
     for column in ("path", "kind", "class", "shape", "eps", "affine", "producer -> consumers"):
@@ -240,11 +328,12 @@ def inspect(
     graph = (
         f"graph captured with {inventory.graph_method}"
         if inventory.graph_method
-        else f"no graph ({inventory.capture.reason})"
+        else f"no graph ({inventory.capture.reason}): {inventory.capture.advice}"
     )
-    out.print(f"{len(inventory)} norm sites: {counts}; {graph}")
+    out.print(f"{len(inventory)} norm sites: {counts}; {escape(graph)}", soft_wrap=True)
     if inventory.graph_method == "fx" and inventory.capture.errors:
         out.print(f"[dim]{inventory.capture.reason}[/]", soft_wrap=True)
+    _print_capture_notes(inventory.capture.notes, _captured_what(inventory.capture), _ANALYSIS_ONLY)
     if json_out is not None:
         _write_json(
             json_out,
@@ -252,6 +341,7 @@ def inspect(
                 "model": model,
                 "graph_method": inventory.graph_method,
                 "graph_errors": inventory.capture.errors,
+                "graph_notes": inventory.capture.notes,
                 "counts": inventory.counts(),
                 "sites": [s.to_dict() for s in inventory],
             },
@@ -297,11 +387,11 @@ def convert(
         typer.Option("--batch-size", min=1, help="Batch size for an image folder or a single tensor [32]."),
     ] = None,
     fold_bn: Annotated[
-        bool, typer.Option("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear beside it.")
+        bool, _flag("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear beside it.")
     ] = False,
     fuse_add: Annotated[
         bool,
-        typer.Option(
+        _flag(
             "--fuse-add",
             help="With --to fused: also fuse each residual add into the norm after it (the output becomes "
             "a torch.fx GraphModule; exact).",
@@ -309,7 +399,7 @@ def convert(
     ] = False,
     fuse_inline: Annotated[
         bool,
-        typer.Option(
+        _flag(
             "--fuse-inline",
             help="With --to fused: also fuse norms that are no module of their own (functional calls and "
             "norms written out inside another forward; the output becomes a torch.fx GraphModule; exact).",
@@ -317,7 +407,7 @@ def convert(
     ] = False,
     fold_norm_affine: Annotated[
         bool,
-        typer.Option(
+        _flag(
             "--fold-norm-affine",
             help="Fold each norm's weight and bias into the Linear layers that read it (exact).",
         ),
@@ -339,10 +429,18 @@ def convert(
     ] = "output",
     remove_weight_norm: Annotated[
         bool,
-        typer.Option("--remove-weight-norm", help="Fold every weight norm back into a plain weight (exact)."),
+        _flag("--remove-weight-norm", help="Fold every weight norm back into a plain weight (exact)."),
     ] = False,
-    exact: Annotated[
-        bool, typer.Option("--exact", help="Fail instead of applying any non-exact rewrite.")
+    exact: Annotated[bool, _flag("--exact", help="Fail instead of applying any non-exact rewrite.")] = False,
+    allow_lossy: Annotated[
+        bool,
+        _flag(
+            "--allow-lossy",
+            help="With --to rmsnorm: accept the architectural (lossy) LayerNorm -> RMSNorm swap where the "
+            "exact route failed (no graph captured, a form normswap does not handle). Without it such a "
+            "run fails and writes nothing; post-LN LayerNorms, which have no exact route, are swapped "
+            "either way.",
+        ),
     ] = False,
     opset: OpsetOpt = None,
     weights: WeightsOpt = None,
@@ -374,12 +472,20 @@ def convert(
     )
     if calibrate is not None and not any(p.name == "swap_norm" for p in passes):
         raise BadInputError("--calibrate fits swapped norms: give an architectural --to KIND")
+    if allow_lossy and exact:
+        raise BadInputError("--allow-lossy and --exact contradict each other: give one")
+    if allow_lossy and to != "rmsnorm":
+        raise BadInputError(
+            "--allow-lossy applies to --to rmsnorm, whose exact route can fall back to a lossy swap; "
+            "an architectural --to KIND is lossy by request"
+        )
     try:
         pipeline = Pipeline(passes, exact_only=exact)
     except ExactOnlyError as exc:
         raise CheckFailedError(f"--exact: {exc}; nothing written") from None
 
-    from normswap.load import SAVE_FORMATS, require_inputs, save_model
+    from normswap.graph.capture import capture_graph, capture_notes
+    from normswap.load import SAVE_FORMATS, check_writable, require_inputs, save_model
 
     if output.suffix not in SAVE_FORMATS:
         raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
@@ -390,29 +496,62 @@ def convert(
             f"{flag} makes the model an exported torch.fx GraphModule, which cannot be pickled to {output}: "
             "save as .pt2 or .onnx"
         )
+    if SAVE_FORMATS[output.suffix] == "pickle" and add_weight_norm is not None:
+        raise BadInputError(
+            f"--add-weight-norm makes parametrized modules, which torch.save cannot pickle to {output}: "
+            "save as .pt2 or .onnx"
+        )
     loaded = _load(model, weights, trust_pickle)
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     _check_inputs_fit(loaded.model, args, kwargs)
-    converted, result = pipeline(loaded.model, args, kwargs)
+    quiet = report is not None
+    # Captured once, before the work: it tells whether the output format can be written at all (a .pt2
+    # or .onnx is an export), and the first pass analyzes this same graph instead of capturing it again.
+    with _status("capturing a graph of the model (torch.export)", quiet):
+        captured = capture_graph(loaded.model, args, kwargs)
+    if SAVE_FORMATS[output.suffix] != "pickle" or not remove_weight_norm:
+        # (a weight-norm parametrization does not pickle, and --remove-weight-norm removes it)
+        check_writable(loaded.model, output, args, kwargs, captured=captured)
+    with _status("converting", quiet) as say:
+        converted, result = pipeline(loaded.model, args, kwargs, captured=captured, on_step=say)
     _print_pipeline(result)
+    _print_capture_notes(captured.notes, _captured_what(captured), _ANALYSIS_ONLY)
+    lossy = None if allow_lossy or exact else _lossy_without_consent(result, to)
     extra: dict[str, Any] = {}
-    if calibrate is not None:
+    if allow_lossy:
+        from normswap.passes.recenter_layernorm import lossy_after_failure
+
+        consented = [skip.site for skip in lossy_after_failure(result.passes)]
+        extra["lossy_by_consent"] = consented
+        if consented:
+            out.print(
+                f"note: --allow-lossy: {len(consented)} LayerNorm(s) swapped lossily where the exact route "
+                "failed (see Skipped)",
+                soft_wrap=True,
+            )
+    if calibrate is not None and lossy is None:
         extra = _calibrate_swaps(
-            loaded.model, converted, result, calibrate, calibrate_batches, batch_size, args, kwargs
+            loaded.model, converted, result, calibrate, calibrate_batches, batch_size, args, kwargs, quiet
         )
     not_exact = _not_exact_under_flag(result, to) if exact else None
 
     written = False
-    if result.ok and not_exact is None:
+    if result.ok and not_exact is None and lossy is None:
         source = Path(model) if Path(model).exists() else None
         if output.suffix.lower() == ".onnx":
-            extra["onnx"] = _export_checked(converted, output, args, kwargs, opset, False, source)
+            extra["onnx"] = _export_checked(converted, output, args, kwargs, opset, False, source, quiet)
         else:
-            label = save_model(converted, output, args, kwargs, refuse_path=source)
+            how = "exporting" if SAVE_FORMATS[output.suffix] == "pt2" else "writing"
+            with _status(f"{how} {output}", quiet):
+                label = save_model(converted, output, args, kwargs, refuse_path=source)
             out.print(f"wrote {output} ({label})")
+            if label == "pt2":
+                extra["output_notes"] = capture_notes(converted, args, kwargs)
+                _print_capture_notes(extra["output_notes"], f"{output} exported", _NO_CACHE)
         written = True
     if report is not None:
         data = {"model": model, "output": str(output), "written": written, **result.to_dict(), **extra}
+        data["graph_notes"] = captured.notes
         _write_json(report, data)
     if not result.ok:
         raise CheckFailedError(
@@ -420,6 +559,8 @@ def convert(
         )
     if not_exact is not None:
         raise CheckFailedError(not_exact)
+    if lossy is not None:
+        raise CheckFailedError(lossy)
 
 
 def _convert_passes(
@@ -527,6 +668,7 @@ def _calibrate_swaps(
     batch_size: int | None,
     args: tuple,
     kwargs: dict,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Fit the swapped norms to the original's outputs on DATA; print and return the figures."""
     import itertools
@@ -537,7 +679,7 @@ def _calibrate_swaps(
     sites = [c.site for p in result.passes if p.pass_name == "swap_norm" for c in p.changes]
     source, _ = _data_and_holdout(data, None, args, kwargs, batch_size, None)
     batches = list(itertools.islice(source, max_batches))
-    with _progress() as progress:
+    with _progress(disable=quiet) as progress:
         task = progress.add_task("calibrating", total=len(sites))
         fitted = calibrate_swapped_norms(
             original, converted, sites, batches, on_site=lambda _s: progress.advance(task)
@@ -580,14 +722,55 @@ def _not_exact_under_flag(result: Any, to: str | None) -> str | None:
     return None
 
 
+def _by_reason(skips: list[Any]) -> dict[str, list[str]]:
+    """The skipped sites under each reason, in order of first appearance."""
+    grouped: dict[str, list[str]] = {}
+    for skip in skips:
+        grouped.setdefault(skip.reason, []).append(skip.site)
+    return grouped
+
+
+def _site_list(sites: list[str], shown: int = 3) -> str:
+    if len(sites) <= shown:
+        return ", ".join(sites)
+    return f"{len(sites)} sites: {', '.join(sites[: shown - 1])}, ..., {sites[-1]}"
+
+
+def _lossy_without_consent(result: Any, to: str | None) -> str | None:
+    """--to rmsnorm: the LayerNorms that the exact route (recentering) skipped for a failure, a missing
+    graph or a form normswap does not handle, and that the architectural swap then changed. Their lossy
+    result needs --allow-lossy; a post-LN LayerNorm (skipped for the architecture) has no exact route."""
+    from normswap.passes.recenter_layernorm import lossy_after_failure
+
+    lossy = lossy_after_failure(result.passes) if to == "rmsnorm" else []
+    if not lossy:
+        return None
+    reasons = list(dict.fromkeys(skip.reason for skip in lossy))
+    why = reasons[0] if len(reasons) == 1 else f"{reasons[0]}; and {len(reasons) - 1} other reason(s)"
+    swap = next((p for p in result.passes if p.pass_name == "swap_norm"), None)
+    figures = swap.validation if swap is not None and swap.validation else {}
+    sqnr = (
+        f" (whole model SQNR {_fmt_float(figures['worst_sqnr_db'])} dB)"
+        if figures.get("worst_sqnr_db") is not None
+        else ""
+    )
+    return (
+        f"--to rmsnorm: the exact route failed for {len(lossy)} LayerNorm(s), not because of the model's "
+        f"architecture: {why}. Only the lossy swap changed them{sqnr}: fix the cause, or pass --allow-lossy "
+        "to accept the lossy swap; nothing written"
+    )
+
+
 def _print_pipeline(result: Any) -> None:
     from normswap.validate.variants import format_shapes
 
     table = Table(title="Changes", show_lines=False)
     for column in ("pass", "site", "kind", "what"):
         table.add_column(column, overflow="fold")
+    # one row per pass and reason: a cause shared by many sites (no graph captured) is said once; the
+    # JSON report keeps every site
     skips = Table(title="Skipped", show_lines=False)
-    for column in ("pass", "site", "reason"):
+    for column in ("pass", "sites", "reason"):
         skips.add_column(column, overflow="fold")
     for p in result.passes:
         for c in p.changes:
@@ -595,8 +778,8 @@ def _print_pipeline(result: Any) -> None:
             if "site_sqnr_db" in c.details:
                 what += f" (site SQNR {_fmt_float(c.details['site_sqnr_db'])} dB)"
             table.add_row(p.pass_name, c.site, c.kind.value, what)
-        for s in p.skips:
-            skips.add_row(p.pass_name, s.site, s.reason)
+        for reason, sites in _by_reason(p.skips).items():
+            skips.add_row(p.pass_name, _site_list(sites), escape(reason))
     out.print(table)
     if skips.row_count:
         out.print(skips)
@@ -672,7 +855,7 @@ def export(
     output: Annotated[Path, typer.Option("-o", "--output", help="The .onnx file to write.")],
     opset: OpsetOpt = None,
     dynamic_batch: Annotated[
-        bool, typer.Option("--dynamic-batch", help="Make dim 0 of every input a dynamic batch dim.")
+        bool, _flag("--dynamic-batch", help="Make dim 0 of every input a dynamic batch dim.")
     ] = False,
     weights: WeightsOpt = None,
     trust_pickle: TrustPickleOpt = False,
@@ -681,28 +864,47 @@ def export(
     report: ReportOpt = None,
 ) -> None:
     """Export MODEL to ONNX and check the file in onnxruntime against PyTorch before writing it."""
-    from normswap.load import require_inputs
+    from normswap.errors import BadInputError
+    from normswap.load import check_writable, require_inputs
 
     _check_paths(
         {"MODEL": model, "--weights": weights, "--inputs": inputs}, {"-o": output, "--report": report}
     )
+    if output.suffix.lower() != ".onnx":
+        raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
     loaded = _load(model, weights, trust_pickle)
+    check_writable(loaded.model, output, None)  # the ONNX packages, before the model is run
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     _check_inputs_fit(loaded.model, args, kwargs)
     source = Path(model) if Path(model).exists() else None
-    checked = _export_checked(loaded.model, output, args, kwargs, opset, dynamic_batch, source)
+    checked = _export_checked(
+        loaded.model, output, args, kwargs, opset, dynamic_batch, source, quiet=report is not None
+    )
     if report is not None:
         _write_json(report, {"model": model, "output": str(output), "written": True, "onnx": checked})
 
 
 def _export_checked(
-    model: Any, output: Path, args: tuple, kwargs: dict, opset: int | None, dynamic_batch: bool, source: Any
+    model: Any,
+    output: Path,
+    args: tuple,
+    kwargs: dict,
+    opset: int | None,
+    dynamic_batch: bool,
+    source: Any,
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Export to ONNX, check in onnxruntime, print the figures; returns them for the JSON report."""
 
     from normswap.export.onnx import export_onnx, onnx_tolerance
+    from normswap.graph.capture import capture_friendly
 
-    with contextlib.redirect_stdout(sys.stderr) if not err.is_terminal else contextlib.nullcontext():
+    with (
+        contextlib.redirect_stdout(sys.stderr) if not err.is_terminal else contextlib.nullcontext(),
+        _status(f"exporting {output} to ONNX and checking it in onnxruntime", quiet),
+        # the ONNX exporter captures with torch.export, and PyTorch's side of the check runs the same way
+        capture_friendly(model, args, kwargs) as notes,
+    ):
         # torch.onnx prints progress lines to stdout; keep stdout for normswap's own report
         result = export_onnx(
             model, output, args, kwargs, opset=opset, dynamic_batch=dynamic_batch, refuse_path=source
@@ -717,7 +919,8 @@ def _export_checked(
         f"{_fmt_float(worst.max_rel)} x max|ref| (tolerance {tol:g}) [green]PASS[/]"
     )
     out.print(f"wrote {output} (onnx)")
-    return result.to_dict()
+    _print_capture_notes(notes, f"{output} exported", _NO_CACHE)
+    return {**result.to_dict(), "capture_notes": notes}
 
 
 @app.command()
@@ -728,7 +931,7 @@ def validate(
     ],
     converted: Annotated[str, typer.Argument(help="The model to check against it.", show_default=False)],
     exact: Annotated[
-        bool, typer.Option("--exact", help="Fail (exit 1) unless every output is within the exact tolerance.")
+        bool, _flag("--exact", help="Fail (exit 1) unless every output is within the exact tolerance.")
     ] = False,
     min_sqnr: Annotated[
         float | None,
@@ -796,8 +999,9 @@ def validate(
         from normswap.load import require_inputs
 
         pairs = [require_inputs(reference, inputs_file=inputs, input_shapes=input_shape)]
-    norm_paths = _norm_paths(reference.model, pairs[0])
-    with _progress(disable=len(pairs) < 4) as bar:
+    with _status("finding the norm sites of ORIGINAL", quiet=report is not None):
+        norm_paths = _norm_paths(reference.model, pairs[0])
+    with _progress(disable=len(pairs) < 4 or report is not None) as bar:
         task = bar.add_task("comparing", total=len(pairs))
         try:
             result = validate_models(
@@ -941,8 +1145,9 @@ def recalibrate(
     args, kwargs = resolved if resolved is not None else (None, None)
     if resolved is not None:
         _check_inputs_fit(loaded.model, args, kwargs)
+    _check_output_before_work(loaded.model, output, args, kwargs, quiet=report is not None)
     calibration, held_out = _data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
-    with _progress() as progress:
+    with _progress(disable=report is not None) as progress:
         task = progress.add_task("calibrating", total=None)
         recalibrated, result = recalibrate_batchnorm(
             loaded.model,
@@ -1119,8 +1324,9 @@ def distill(
         # before training: minutes of training must not end in a refusal
         _check_inputs_fit(teacher.model, args, kwargs, what="ORIGINAL")
         _check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
+    _check_output_before_work(student.model, output, args, kwargs, quiet=report is not None)
     batches, held_out = _data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
-    with _progress() as progress:
+    with _progress(disable=report is not None) as progress:
         task = progress.add_task("distilling", total=steps)
         distilled, result = distill_model(
             teacher.model,

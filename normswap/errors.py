@@ -23,3 +23,14 @@ class CheckFailedError(NormswapError):
     """A numerical check failed; the command wrote nothing."""
 
     exit_code = 1
+
+
+def shorten(line: str, limit: int) -> str:
+    """``line`` when it fits in ``limit`` characters; else cut after its last whole word that fits
+    (never inside a word) and marked with "...", so a message never ends mid-word."""
+    if len(line) <= limit:
+        return line
+    head = line[: limit - 3]
+    if line[limit - 3] != " " and " " in head:  # the head ends inside a word: drop that word
+        head = head.rsplit(" ", 1)[0]
+    return head.rstrip(" ,;:") + "..."

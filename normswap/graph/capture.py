@@ -3,19 +3,30 @@
 The graph is only read, never run: every edit is applied to the user's module (DESIGN.md, "Analyze on a
 graph, edit the module"). Nodes of both capture methods carry ``nn_module_stack``, which maps each op
 back to the module path that ran it.
+
+A model's own settings can make it uncapturable while its computation is not: a Hugging Face model built
+with a default config returns a ``DynamicCache`` (``config.use_cache=True``), a Python object torch.export
+cannot carry out of a graph (GPT2LMHeadModel and LlamaForCausalLM fail with "Found <class DynamicCache>
+in output"; fx tracing fails on them too). :func:`capture_friendly` turns such settings off for the time
+of a capture and puts them back; the capture says so in its ``notes``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import logging
+import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from normswap.errors import shorten
 from normswap.load.mode import modes_restored
 
 
@@ -28,6 +39,8 @@ class CapturedGraph:
     errors: list[str] = field(default_factory=list)
     # Placeholder name -> qualified name of the parameter/buffer it stands for (export lifts them).
     param_names: dict[str, str] = field(default_factory=dict)
+    # Settings turned off for the capture (see :func:`capture_friendly`), e.g. "use_cache=False".
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -37,10 +50,95 @@ class CapturedGraph:
     def reason(self) -> str:
         return "; ".join(self.errors) if self.errors else ""
 
+    @property
+    def advice(self) -> str:
+        """What a user can do about a missing or shape-less graph, as one clause."""
+        if self.method == "export":
+            return ""
+        if any(e.startswith("torch.export skipped") for e in self.errors):
+            return "give example inputs (--inputs or --input-shape) so that torch.export can capture it"
+        return "make the forward traceable by torch.export on these inputs (e.g. no Python branch on a tensor's value)"
+
+
+def first_sentence(text: str, limit: int = 240) -> str:
+    """The first sentence of the first non-empty line of ``text``; when longer than ``limit``, cut at
+    a word boundary and marked with "...", never inside a word."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    end = re.search(r"[.!?](?=\s|$)", line)
+    if end is not None:
+        line = line[: end.end()]
+    return shorten(line, limit)
+
 
 def _short_error(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first[:300]}"
+    first = first_sentence(str(exc)).rstrip(".")
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+# Settings that make a model return what torch.export cannot carry out of a graph, and the value that
+# turns each off. Read from ``module.config`` of any submodule (Hugging Face, diffusers style), so a
+# wrapped or unpickled model is handled like one built by its library.
+_CAPTURE_HOSTILE = {"use_cache": False}
+
+
+def _given_names(model: nn.Module, example_args: tuple | None, example_kwargs: dict | None) -> set[str]:
+    """Names of the forward parameters the example inputs set (a setting the user gives is kept)."""
+    names = set(example_kwargs or {})
+    if example_args:
+        try:
+            bound = inspect.signature(model.forward).bind_partial(*example_args, **(example_kwargs or {}))
+        except (TypeError, ValueError):  # no signature, or inputs that do not bind: kwargs only
+            return names
+        names |= set(bound.arguments)
+    return names
+
+
+def capture_adjustments(
+    model: nn.Module, example_args: tuple | None = None, example_kwargs: dict | None = None
+) -> list[tuple[Any, str, Any]]:
+    """``(config, setting, value for the capture)`` for each capture-hostile setting a config of
+    ``model`` switches on and the example inputs leave to the config."""
+    given = _given_names(model, example_args, example_kwargs)
+    found: list[tuple[Any, str, Any]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or isinstance(config, (torch.Tensor, nn.Module)) or id(config) in seen:
+            continue
+        seen.add(id(config))
+        for name, off in _CAPTURE_HOSTILE.items():
+            if name not in given and getattr(config, name, None) not in (None, off):
+                found.append((config, name, off))
+    return found
+
+
+def capture_notes(
+    model: nn.Module, example_args: tuple | None = None, example_kwargs: dict | None = None
+) -> list[str]:
+    """What :func:`capture_friendly` would turn off for this model and inputs: ``["use_cache=False"]``."""
+    return _notes(capture_adjustments(model, example_args, example_kwargs))
+
+
+def _notes(adjustments: list[tuple[Any, str, Any]]) -> list[str]:
+    return list(dict.fromkeys(f"{name}={off}" for _, name, off in adjustments))
+
+
+@contextlib.contextmanager
+def capture_friendly(
+    model: nn.Module, example_args: tuple | None = None, example_kwargs: dict | None = None
+) -> Iterator[list[str]]:
+    """Turn off, for the time of a capture, the settings of :data:`_CAPTURE_HOSTILE` that ``model``'s
+    configs switch on and the example inputs do not set; yields a note per setting ("use_cache=False")
+    and puts every value back on exit, also on error: the user's model keeps its config."""
+    changed = capture_adjustments(model, example_args, example_kwargs)
+    saved = [(config, name, getattr(config, name)) for config, name, _ in changed]
+    try:
+        for config, name, off in changed:
+            setattr(config, name, off)
+        yield _notes(changed)
+    finally:
+        for config, name, value in reversed(saved):
+            setattr(config, name, value)
 
 
 def capture_graph(
@@ -55,11 +153,21 @@ def capture_graph(
     torch.export needs example inputs; fx symbolic tracing does not, but fails on data-dependent
     control flow. ``leaf_modules`` are kept opaque by the fx fallback.
     """
+    with capture_friendly(model, example_args, example_kwargs) as notes:
+        return _capture(model, example_args, example_kwargs, leaf_modules, notes)
+
+
+def _capture(
+    model: nn.Module,
+    example_args: tuple | None,
+    example_kwargs: dict[str, Any] | None,
+    leaf_modules: tuple[type[nn.Module], ...],
+    notes: list[str],
+) -> CapturedGraph:
     errors: list[str] = []
     if example_args is not None or example_kwargs:
         try:
-            with modes_restored(model), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with modes_restored(model), _quiet_export():
                 exported = torch.export.export(
                     model, tuple(example_args or ()), kwargs=dict(example_kwargs or {}), strict=False
                 )
@@ -68,7 +176,7 @@ def capture_graph(
             param_names.update(sig.inputs_to_parameters)
             param_names.update(sig.inputs_to_buffers)
             param_names.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
-            return CapturedGraph(exported.graph, "export", errors, param_names)
+            return CapturedGraph(exported.graph, "export", errors, param_names, notes)
         except Exception as exc:  # export failures come in many types; we only report them
             errors.append(f"torch.export failed: {_short_error(exc)}")
     else:
@@ -77,10 +185,10 @@ def capture_graph(
     try:
         tracer = _LeafTracer(leaf_modules)
         graph = tracer.trace(model)
-        return CapturedGraph(graph, "fx", errors)
+        return CapturedGraph(graph, "fx", errors, notes=notes)
     except Exception as exc:
         errors.append(f"fx tracing failed: {_short_error(exc)}")
-    return CapturedGraph(None, None, errors)
+    return CapturedGraph(None, None, errors, notes=notes)
 
 
 def input_dims(
@@ -115,36 +223,72 @@ def _free_dim(tensor: torch.Tensor, dim: int) -> Any:
 
 
 def export_program(
-    model: nn.Module, example_args: tuple | None, example_kwargs: dict[str, Any] | None
+    model: nn.Module,
+    example_args: tuple | None,
+    example_kwargs: dict[str, Any] | None,
+    *,
+    friendly: bool = True,
 ) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with the batch dim and the sequence dims of integer inputs dynamic where
     the model leaves them free (``Dim.AUTO``: export keeps a dim static where the code fixes it, see
-    :func:`_free_dim`); a fully static export when that fails."""
+    :func:`_free_dim`); a fully static export when that fails. Captured under :func:`capture_friendly`
+    unless ``friendly`` is False: the program of a Hugging Face model built with a default config then
+    returns no cache."""
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
-    # Dim.AUTO on a size-1 dim makes export log that it stays static: expected here, not news
-    quiet = logging.getLogger("torch._export.non_strict_utils")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    settings = capture_friendly(model, args, kwargs) if friendly else contextlib.nullcontext()
+    with settings, _quiet_export():
         try:
             dynamic = input_dims(model, args, kwargs, _free_dim)
             return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
         except Exception:  # data-dependent shapes and the like: the static program still serves
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
-        finally:
-            quiet.setLevel(level)
+
+
+# Loggers through which a failing or dynamic export talks to the user: the failure is reported by
+# normswap in one line instead. Dim.AUTO on a size-1 dim makes non_strict_utils log that the dim stays
+# static (expected here, not news); a data-dependent branch makes symbolic_shapes warn.
+_EXPORT_CHATTER = ("torch._export.non_strict_utils", "torch.fx.experimental.symbolic_shapes")
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Warnings, torch's export chatter and the partial graph torch.export prints to stderr when it
+    fails (hundreds of lines for a transformer) are kept from the user; the exception still comes."""
+    loggers = [logging.getLogger(name) for name in _EXPORT_CHATTER]
+    levels = [log.level for log in loggers]
+    try:
+        for log in loggers:
+            log.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
 
 
 def export_module(
     model: nn.Module, example_args: tuple | None, example_kwargs: dict[str, Any] | None
 ) -> fx.GraphModule | str:
     """:func:`export_program`'s program as a runnable GraphModule, for passes that rewrite a graph
-    rather than the module tree; or why it could not be exported, in one line."""
+    rather than the module tree; or why it could not be exported, in one line.
+
+    The module replaces the model, so it must return what the model returns: no setting is turned off
+    for this export (a GraphModule exported with ``use_cache=False`` would drop the model's cache)."""
     try:
-        program = export_program(model, example_args, example_kwargs)
+        program = export_program(model, example_args, example_kwargs, friendly=False)
     except Exception as exc:  # export fails in many ways; the reason is what matters
-        return f"torch.export failed: {_short_error(exc)}"
+        reason = f"torch.export failed: {_short_error(exc)}"
+        adjustments = capture_adjustments(model, example_args, example_kwargs)
+        if adjustments:
+            on = ", ".join(
+                dict.fromkeys(f"{name}={getattr(config, name)}" for config, name, _ in adjustments)
+            )
+            reason += (
+                f"; the model's config sets {on} and a graph rewrite must keep every output: give "
+                f"{', '.join(_notes(adjustments))} in the example inputs to allow it"
+            )
+        return reason
     return program.module()
 
 

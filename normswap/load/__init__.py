@@ -16,7 +16,7 @@ from normswap.load.model_file import (
     load_weights,
     read_tensor_file,
 )
-from normswap.load.save import SAVE_FORMATS, atomic_write, save_model
+from normswap.load.save import SAVE_FORMATS, atomic_write, check_writable, save_model
 
 __all__ = [
     "SAVE_FORMATS",
@@ -24,6 +24,7 @@ __all__ = [
     "LoadedModel",
     "ModelFormat",
     "atomic_write",
+    "check_writable",
     "detect_format",
     "load_inputs_file",
     "load_model",

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError
+from normswap.errors import BadInputError, shorten
 
 # A safetensors header larger than this is not a header but a misread length from some other format.
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
@@ -73,11 +73,12 @@ class _Probe(NamedTuple):
 
 
 def _first_line(text: object, limit: int = 200) -> str:
-    """The first non-empty line of an error text, so user-facing messages stay on one line."""
+    """The first non-empty line of an error text, so user-facing messages stay on one line; a longer
+    one is cut after its last whole word that fits (never inside a word) and marked with "..."."""
     for line in str(text).splitlines():
         line = line.strip()
         if line:
-            return line if len(line) <= limit else line[: limit - 3] + "..."
+            return shorten(line, limit)
     return ""
 
 

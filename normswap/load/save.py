@@ -7,6 +7,7 @@ Every output goes to a temp file next to the destination and is renamed over it 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import pickle
 import re
@@ -15,6 +16,7 @@ import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +24,9 @@ from torch import nn
 from normswap.errors import BadInputError
 from normswap.load.model_file import _describe
 from normswap.load.paths import same_path
+
+if TYPE_CHECKING:
+    from normswap.graph.capture import CapturedGraph
 
 # Output suffix -> short label of what gets written there.
 SAVE_FORMATS: dict[str, str] = {".pt2": "pt2", ".pt": "pickle", ".pth": "pickle", ".onnx": "onnx"}
@@ -161,6 +166,70 @@ def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | Non
     torch.export.save(ep, temp)
 
 
+class _StructurePickler(pickle.Pickler):
+    """Pickles a model's structure only: each tensor becomes a reference, so no tensor data is copied
+    and checking a large model costs what pickling its Python objects costs."""
+
+    def persistent_id(self, obj: object) -> int | None:
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            return id(obj)
+        return None
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def pickle_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be pickled to a .pt file (a lambda, a local class, an open handle inside
+    it), in one line; None when it can."""
+    try:
+        _StructurePickler(_Discard(), protocol=2).dump(model)
+    except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
+        return _describe(exc)
+    return None
+
+
+# What writing each format needs besides torch, by importable name.
+_FORMAT_PACKAGES = {"onnx": ("onnx", "onnxscript", "onnxruntime")}
+
+
+def check_writable(
+    model: nn.Module,
+    path: Path,
+    example_args: tuple | None,
+    example_kwargs: dict | None = None,
+    *,
+    captured: CapturedGraph | None = None,
+) -> None:
+    """Refuse, before any work, an output that the model could not be written to: a .onnx without the
+    ONNX packages, a .pt2 or .onnx of a model torch.export cannot capture, a .pt of a model that does
+    not pickle. ``captured`` is a :class:`~normswap.graph.capture.CapturedGraph` of the model on the
+    example inputs (a .pt2 or .onnx output is not judged without one: the caller captures it once and
+    reuses it)."""
+    path = Path(path)
+    label = SAVE_FORMATS.get(path.suffix.lower())
+    if label is None:
+        accepted = ", ".join(SAVE_FORMATS)
+        raise BadInputError(f"cannot save to {path}: unknown suffix {path.suffix!r} (accepted: {accepted})")
+    missing = [name for name in _FORMAT_PACKAGES.get(label, ()) if importlib.util.find_spec(name) is None]
+    if missing:
+        raise BadInputError(
+            f"-o {path}: writing {label} needs {', '.join(missing)}, which is not installed: "
+            f"pip install {' '.join(missing)}, or save as .pt2 or .pt"
+        )
+    if label == "pickle":
+        problem = pickle_problem(model)
+        if problem is not None:
+            raise BadInputError(f"-o {path}: the model cannot be pickled ({problem}); save as .pt2 instead")
+    elif captured is not None and captured.method != "export":
+        raise BadInputError(
+            f"-o {path}: a {label} file is written from a torch.export capture, and the model cannot be "
+            f"captured ({captured.reason}): {captured.advice}, or save as .pt"
+        )
+
+
 def _write_pickle(model: nn.Module, temp: Path) -> None:
     try:
         torch.save(model, temp)
@@ -175,19 +244,22 @@ def _write_onnx(
     model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path, opset: int | None
 ) -> None:
     from normswap.export.onnx_ops import LAYER_NORMALIZATION_OPSET, translation_table
+    from normswap.graph.capture import capture_friendly
 
     # normswap's fused-norm ops become standard ONNX ops (LayerNormalization, RMSNormalization); the
     # table only adds translations, so models without fused norms export as before.
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
     try:
-        program = torch.onnx.export(
-            model,
-            tuple(example_args),
-            kwargs=example_kwargs or None,
-            dynamo=True,
-            opset_version=opset,
-            custom_translation_table=table,
-        )
+        # the ONNX exporter captures with torch.export: the same settings as any capture (no HF cache)
+        with capture_friendly(model, tuple(example_args), example_kwargs):
+            program = torch.onnx.export(
+                model,
+                tuple(example_args),
+                kwargs=example_kwargs or None,
+                dynamo=True,
+                opset_version=opset,
+                custom_translation_table=table,
+            )
     except Exception as exc:
         raise BadInputError(f"ONNX export of the model failed: {_describe(exc)}") from None
     if program is None:

@@ -38,6 +38,29 @@ class Change:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+class SkipCause(str, Enum):
+    """Why a site was left alone, for decisions that must not parse the reason's text.
+
+    ``architecture``: what the model computes rules the rewrite out (a post-LN residual stream that a
+    mean-seeing reader reads); ``capture``: no usable graph of the model could be captured, so the
+    rewrite could not be judged; ``unsupported``: normswap cannot do it here yet (a form it does not
+    rewrite, a fact it could not determine). A skip of the last two kinds might have been a change.
+    """
+
+    ARCHITECTURE = "architecture"
+    CAPTURE = "capture"
+    UNSUPPORTED = "unsupported"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What :meth:`Pass.check` returns to refuse a site with a known cause (a plain string leaves the
+    cause unstated)."""
+
+    reason: str
+    cause: SkipCause
+
+
 @dataclass
 class Skip:
     """One candidate site a pass left alone, and why."""
@@ -45,6 +68,7 @@ class Skip:
     pass_name: str
     site: str
     reason: str
+    cause: SkipCause | None = None
 
 
 @dataclass
@@ -55,6 +79,8 @@ class PassReport:
     skips: list[Skip] = field(default_factory=list)
     graph_method: str | None = None
     graph_error: str = ""
+    # Settings turned off for the graph capture, e.g. "use_cache=False" (normswap.graph.capture).
+    graph_notes: list[str] = field(default_factory=list)
     # Filled by the pipeline when example inputs are available: how far this pass moved the outputs.
     validation: dict[str, Any] | None = None
 
@@ -63,6 +89,8 @@ class PassReport:
         data["kind"] = self.kind.value
         for change in data["changes"]:
             change["kind"] = change["kind"].value if isinstance(change["kind"], Enum) else change["kind"]
+        for skip in data["skips"]:
+            skip["cause"] = skip["cause"].value if isinstance(skip["cause"], Enum) else skip["cause"]
         return data
 
 
@@ -100,16 +128,26 @@ class Pass(ABC):
         example_kwargs: dict[str, Any] | None = None,
         *,
         inplace: bool = False,
+        captured: CapturedGraph | None = None,
     ) -> tuple[nn.Module, PassReport]:
+        """``captured``: a graph already captured of ``model`` (or of a model of the same structure) on
+        these inputs, to use instead of capturing one again."""
         target = model if inplace else copy_model(model)
-        ctx = build_context(target, example_args, example_kwargs)
+        ctx = build_context(target, example_args, example_kwargs, captured=captured)
         report = PassReport(
-            self.name, self.kind, graph_method=ctx.captured.method, graph_error=ctx.captured.reason
+            self.name,
+            self.kind,
+            graph_method=ctx.captured.method,
+            graph_error=ctx.captured.reason,
+            graph_notes=list(ctx.captured.notes),
         )
         for site in self.candidates(ctx):
-            reason = self.check(site, ctx)
-            if reason is not None:
-                report.skips.append(Skip(self.name, site.path, reason))
+            refused = self.check(site, ctx)
+            if isinstance(refused, Refusal):
+                report.skips.append(Skip(self.name, site.path, refused.reason, refused.cause))
+                continue
+            if refused is not None:
+                report.skips.append(Skip(self.name, site.path, refused))
                 continue
             report.changes.append(self.rewrite(site, ctx))
         if ctx.model is not target and inplace:
@@ -121,8 +159,9 @@ class Pass(ABC):
         """The sites this pass considers; each will either change or be skipped with a reason."""
 
     @abstractmethod
-    def check(self, site: NormSite, ctx: PassContext) -> str | None:
-        """None when ``site`` can be rewritten, else the reason it cannot, for a person to read."""
+    def check(self, site: NormSite, ctx: PassContext) -> str | Refusal | None:
+        """None when ``site`` can be rewritten, else the reason it cannot, for a person to read (a
+        :class:`Refusal` when the pass knows the cause)."""
 
     @abstractmethod
     def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
@@ -142,10 +181,28 @@ def _consumed(model: nn.Module, pass_name: str) -> None:
     model.forward = forward  # type: ignore[method-assign]
 
 
+def capture_refusal(ctx: PassContext, unknown: str) -> Refusal:
+    """The refusal of a site that needs a graph with shapes (one torch.export captures) when there is
+    none: ``unknown`` says what the graph would have told ("the residual stream")."""
+    how = (
+        "no graph captured"
+        if ctx.view is None
+        else "the graph was captured by fx tracing, which records no shapes"
+    )
+    errors = f" ({ctx.captured.reason})" if ctx.captured.reason else ""
+    advice = f": {ctx.captured.advice}" if ctx.captured.advice else ""
+    return Refusal(f"{how}{errors}, so {unknown} is unknown{advice}", SkipCause.CAPTURE)
+
+
 def build_context(
-    model: nn.Module, example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None
+    model: nn.Module,
+    example_args: tuple | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    captured: CapturedGraph | None = None,
 ) -> PassContext:
-    captured = capture_graph(model, example_args, example_kwargs)
+    if captured is None:
+        captured = capture_graph(model, example_args, example_kwargs)
     inventory = find_norms(model, example_args, example_kwargs, captured=captured)
     view = GraphView(captured) if captured.ok else None
     return PassContext(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from normswap.graph.capture import CapturedGraph
 from normswap.modules.copying import copy_model
 from normswap.passes.base import Pass, PassReport, RewriteKind
 from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
@@ -83,7 +85,13 @@ class Pipeline:
         example_kwargs: dict[str, Any] | None = None,
         *,
         inplace: bool = False,
+        captured: CapturedGraph | None = None,
+        on_step: Callable[[str], None] | None = None,
     ) -> tuple[nn.Module, PipelineReport]:
+        """``captured``: a graph of ``model`` on these inputs already captured, used by the first pass
+        instead of capturing it again. ``on_step`` hears what is being done ("fold_batchnorm: rewriting"),
+        for a progress display."""
+        step = on_step or (lambda _what: None)
         has_inputs = example_args is not None or bool(example_kwargs)
         check = self.validate and has_inputs
         original = model if inplace or not check else copy_model(model)
@@ -95,6 +103,7 @@ class Pipeline:
         outputs: dict[int, Any] = {}
         if check and any(p.kind is RewriteKind.EXACT for p in self.passes):
             # the original decides which variants are free sizes; its outputs are the first reference
+            step("running the model on input variants")
             probe = accepted_variants(current, candidate_variants(example_args, example_kwargs))
             report.input_variants = probe.to_dict()
             inputs += probe.accepted
@@ -116,8 +125,17 @@ class Pipeline:
             # a half-precision model is kept as it was, to judge an exact pass against fp32 if need be
             snapshot = copy_model(current) if check and exact and _is_half(current) else None
             previous = current
-            current, pass_report = p(current, example_args, example_kwargs, inplace=True)
+            step(f"{p.name}: rewriting")
+            # the graph is of the model as given: only a first pass that builds its context from a
+            # graph (Pass.__call__; not a parameters-only pass nor a graph rewrite) can use it
+            if captured is not None and p is self.passes[0] and type(p).__call__ is Pass.__call__:
+                current, pass_report = p(
+                    current, example_args, example_kwargs, inplace=True, captured=captured
+                )
+            else:
+                current, pass_report = p(current, example_args, example_kwargs, inplace=True)
             if check and pass_report.changes:
+                step(f"{p.name}: validating on {len(wanted)} input{'s' if len(wanted) != 1 else ''}")
                 before = {i: outputs[i] for i in wanted}
                 outputs.clear()
                 check_run = _PassCheck(p, pass_report, current, snapshot)
@@ -136,6 +154,7 @@ class Pipeline:
                 outputs.clear()
             report.passes.append(pass_report)
         if check and not inplace:
+            step("comparing the whole model with the original")
             report.overall = compare_models(
                 original, current, example_args, example_kwargs, floating_only=False
             )

@@ -14,6 +14,12 @@ more than the last dim. A centered weight that something outside the stream also
 head is the embedding matrix) is untied: the writer gets a centered copy, the other reader keeps the
 original, and a Hugging Face config's ``tie_word_embeddings`` is set to False so that a save/load round
 trip does not tie them again.
+
+Each refusal carries its cause (:class:`~normswap.passes.base.SkipCause`): "architecture" when the
+graph shows the stream cannot be recentered or the LayerNorm is not over the last dim (a post-LN model:
+the lossy swap is then the only route), "capture" when no graph with shapes could be captured, and
+"unsupported" when normswap could not do it here (a functional layer_norm, an unknown eps, a centered
+weight that cannot be untied). A skip of the last two kinds could have been exact.
 """
 
 from __future__ import annotations
@@ -26,7 +32,18 @@ from torch import fx, nn
 from normswap.discover import NormSite
 from normswap.graph.ops import CAST_OPS, op_name
 from normswap.graph.stream import CenteredParam, Stream, close_stream
-from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
+from normswap.passes.base import (
+    Change,
+    Pass,
+    PassContext,
+    PassReport,
+    Refusal,
+    RewriteKind,
+    Skip,
+    SkipCause,
+    capture_refusal,
+    replace_submodule,
+)
 from normswap.passes.swap_norm import build_norm
 
 
@@ -68,6 +85,8 @@ class _Plan:
         self.stream_of: dict[fx.Node, int] = {}
         self.applied: set[int] = set()
         self.centered: set[str] = set()
+        # streams refused for a limitation of normswap rather than the model's graph
+        self.unsupported: set[int] = set()
         mean_blind = _mean_blind_nodes(ctx)
         self.site_streams: dict[str, list[int]] = {}
         for site in ctx.inventory:
@@ -80,6 +99,8 @@ class _Plan:
                         stream = close_stream(ctx.view, seed, mean_blind, ctx.modules)
                         if stream.ok:
                             stream.reason = _untie_problem(ctx.model, stream)
+                            if stream.reason is not None:
+                                self.unsupported.add(len(self.streams))
                         self.streams.append(stream)
                         for node in (seed, *stream.nodes):  # a refused stream may hold no nodes
                             self.stream_of.setdefault(node, len(self.streams) - 1)
@@ -189,25 +210,33 @@ class RecenterLayerNorm(Pass):
             ctx.cache["stream_plan"] = _Plan(ctx)
         return ctx.cache["stream_plan"]
 
-    def check(self, site: NormSite, ctx: PassContext) -> str | None:
+    def check(self, site: NormSite, ctx: PassContext) -> Refusal | None:
+        unsupported = SkipCause.UNSUPPORTED
         if not site.is_module:
-            return (
-                f"{site.source} layer_norm inside a forward, not a module: replacing it needs a graph rewrite"
+            return Refusal(
+                f"{site.source} layer_norm inside a forward, not a module: replacing it needs a graph rewrite",
+                unsupported,
             )
         if site.normalized_dims != (-1,):
-            return f"normalizes dims {site.normalized_dims}; only a LayerNorm over the last dim equals RMSNorm on a centered input"
+            return Refusal(
+                f"normalizes dims {site.normalized_dims}; only a LayerNorm over the last dim equals RMSNorm "
+                "on a centered input",
+                SkipCause.ARCHITECTURE,
+            )
         if site.normalized_shape is None or site.eps is None:
-            return "its normalized shape or eps could not be determined"
-        if ctx.view is None:
-            return f"no graph captured, so the residual stream is unknown ({ctx.captured.reason})"
+            return Refusal("its normalized shape or eps could not be determined", unsupported)
+        if ctx.view is None or ctx.captured.method != "export":
+            # the stream analysis reads shapes, which only torch.export records
+            return capture_refusal(ctx, "the residual stream")
         plan = self._plan(ctx)
         ids = plan.site_streams.get(site.path, [])
         if not ids:
-            return "its input could not be found in the captured graph"
+            return Refusal("its input could not be found in the captured graph", unsupported)
         for i in ids:
             reason = plan.streams[i].reason
             if reason is not None:
-                return f"input stream cannot be recentered: {reason}"
+                cause = unsupported if i in plan.unsupported else SkipCause.ARCHITECTURE
+                return Refusal(f"input stream cannot be recentered: {reason}", cause)
         return None
 
     def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
@@ -229,6 +258,21 @@ class RecenterLayerNorm(Pass):
             what += f" (centered {len(details['centered'])} writers"
             what += f", untied {len(details['untied'])})" if details["untied"] else ")"
         return Change(self.name, site.path, self.kind, what, details)
+
+
+def lossy_after_failure(reports: list[PassReport]) -> list[Skip]:
+    """The LayerNorms this pass skipped for a failure (cause "capture" or "unsupported": they might have
+    been exact) that a later pass of the same run then changed anyway: a lossy result the user did not
+    get by the model's architecture. ``reports`` are a pipeline's pass reports, in order."""
+    failed: dict[str, Skip] = {}
+    lossy: list[Skip] = []
+    for report in reports:
+        if report.pass_name == RecenterLayerNorm.name:
+            causes = (SkipCause.CAPTURE, SkipCause.UNSUPPORTED)
+            failed.update({s.site: s for s in report.skips if s.cause in causes})
+        elif report.kind is not RewriteKind.EXACT:
+            lossy += [failed.pop(c.site) for c in report.changes if c.site in failed]
+    return lossy
 
 
 def recenter_layernorm(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,12 +42,34 @@ class ModelComparison:
         }
 
 
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def attributes_restored(model: nn.Module) -> Iterator[None]:
+    """Undo what a forward rebinds on its modules. Some forwards adapt themselves to the input and keep
+    the change: Hugging Face's Swin shrinks each layer's ``window_size`` to a small input's resolution,
+    after which the example's size fails; run on an input variant, the converted model would be saved
+    so changed. Attributes set, rebound or deleted during the run are put back as they were."""
+    saved = [(vars(m), dict(vars(m))) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for attrs, before in saved:
+            for name in [name for name in attrs if name not in before]:
+                del attrs[name]
+            for name, value in before.items():
+                if attrs.get(name, _MISSING) is not value:
+                    attrs[name] = value
+
+
 def run_model(model: nn.Module, args: tuple | None, kwargs: dict | None) -> Any:
     """Run ``model`` without changing it: a model in training mode runs on a copy, since BatchNorm
-    would otherwise update its running statistics."""
+    would otherwise update its running statistics, and what the forward rebinds on its modules is
+    put back (:func:`attributes_restored`)."""
     if any(m.training for m in model.modules()):
         model = copy_model(model)
-    with torch.no_grad():
+    with torch.no_grad(), attributes_restored(model):
         return model(*(args or ()), **(kwargs or {}))
 
 

@@ -308,3 +308,27 @@ def test_a_graph_rewrite_specialized_to_the_example_shape_is_a_stated_limitation
     _print_pipeline(report)
     printed = capsys.readouterr().out
     assert "verified on 1 input shape: 1x3x16x16" in printed and "limited: verified on shapes" in printed
+
+
+def test_a_forward_that_adapts_itself_to_a_small_input_does_not_keep_the_change():
+    """HF Swin sets each layer's window_size to the input's resolution when that is smaller, and keeps
+    it: probing a small variant used to leave the model unable to run its own example (a crash in
+    convert), and would have saved the converted model so changed."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    from normswap.passes.fuse_norm import FuseNorm
+
+    torch.manual_seed(0)
+    config = SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4
+    )
+    model = model_zoo.randomize_norms(SwinForImageClassification(config)).eval()
+    windows = [layer.window_size for layer in model.modules() if hasattr(layer, "shift_size")]
+    x = torch.randn(1, 3, 32, 32)
+    converted, report = Pipeline([FuseNorm()])(model, (x,), {})
+    assert report.ok, report.exact_failures
+    assert len(_verified(report)) >= 2
+    assert [layer.window_size for layer in model.modules() if hasattr(layer, "shift_size")] == windows
+    assert [layer.window_size for layer in converted.modules() if hasattr(layer, "shift_size")] == windows
+    want = model(x).logits
+    torch.testing.assert_close(converted(x).logits, want, rtol=0, atol=1e-5 * float(want.abs().max()))

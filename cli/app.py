@@ -451,7 +451,7 @@ def convert(
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
     from normswap.errors import BadInputError, CheckFailedError
-    from normswap.passes import ExactOnlyError, Pipeline
+    from normswap.passes import ExactOnlyError, Pipeline, RemoveWeightNorm
 
     _check_paths(
         {"MODEL": model, "--weights": weights, "--inputs": inputs, "--calibrate": calibrate},
@@ -509,9 +509,13 @@ def convert(
     # or .onnx is an export), and the first pass analyzes this same graph instead of capturing it again.
     with _status("capturing a graph of the model (torch.export)", quiet):
         captured = capture_graph(loaded.model, args, kwargs)
-    if SAVE_FORMATS[output.suffix] != "pickle" or not remove_weight_norm:
-        # (a weight-norm parametrization does not pickle, and --remove-weight-norm removes it)
-        check_writable(loaded.model, output, args, kwargs, captured=captured)
+    writable = loaded.model
+    if SAVE_FORMATS[output.suffix] == "pickle" and remove_weight_norm:
+        # a weight-norm parametrization does not pickle, and what is written is the model without it:
+        # judge that model, so that anything else in it that does not pickle still fails before the work
+        writable, _ = RemoveWeightNorm()(loaded.model)
+    check_writable(writable, output, args, kwargs, captured=captured)
+    del writable
     with _status("converting", quiet) as say:
         converted, result = pipeline(loaded.model, args, kwargs, captured=captured, on_step=say)
     _print_pipeline(result)

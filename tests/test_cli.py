@@ -312,3 +312,50 @@ def test_pt2_outputs_take_other_input_shapes(tmp_path):
         torch.testing.assert_close(
             torch.export.load(out).module()(batch), want, atol=1e-4 * float(want.abs().max()), rtol=0
         )
+
+
+_WEIGHT_NORM_FACTORY = """
+import warnings
+
+import torch
+from torch import nn
+
+
+def _net():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 4, 3, padding=1), nn.Tanh(), nn.Conv1d(4, 4, 3, padding=1))
+    nn.utils.parametrizations.weight_norm(model[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated
+        nn.utils.weight_norm(model[2])
+    return model.eval()
+
+
+def both_forms():
+    return _net(), (torch.randn(2, 2, 8),)
+
+
+def with_a_lambda():
+    model = _net()
+    model.scale = lambda x: x  # does not pickle, weight norm or not
+    return model, (torch.randn(2, 2, 8),)
+"""
+
+
+def test_convert_remove_weight_norm_writes_a_pickle(tmp_path):
+    """Both weight-norm forms removed, and the plain model written to .pt; the model is still checked
+    for pickling before the work (judged as it will be written, without its weight norms)."""
+    factory = tmp_path / "weight_norm_models.py"
+    factory.write_text(_WEIGHT_NORM_FACTORY)
+    out = tmp_path / "plain.pt"
+    result = _run("convert", f"{factory}:both_forms", "--remove-weight-norm", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "remove_weight_norm (exact): 2 changed, 0 skipped" in result.output and out.exists()
+    loaded = torch.load(out, weights_only=False)
+    assert [type(m) for m in loaded] == [torch.nn.Conv1d, torch.nn.Tanh, torch.nn.Conv1d]
+
+    bad = tmp_path / "bad.pt"
+    result = _run("convert", f"{factory}:with_a_lambda", "--remove-weight-norm", "-o", str(bad))
+    assert result.exit_code == 2, result.output
+    assert "the model cannot be pickled" in result.output and "lambda" in result.output
+    assert "Changes" not in result.output and not bad.exists()  # refused before the work

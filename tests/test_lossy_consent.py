@@ -26,6 +26,7 @@ ZOO = str(Path(model_zoo.__file__))
 FACTORY = textwrap.dedent(
     '''
     import torch
+    import torch.nn.functional as F
     from torch import nn
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -62,6 +63,66 @@ FACTORY = textwrap.dedent(
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
         return model, (torch.randn(2, 3, 8, 8),)
+
+
+    class ShiftedBlock(nn.Module):
+        """A pre-LN block whose attention works on a cyclically shifted sequence, as Swin's shifted
+        windows do: the branch rolls its input and rolls its output back (torch.roll over the tokens)
+        before the residual add. With ``gelu_writer`` the MLP writes its activation straight into the
+        stream, without a projection after it."""
+
+        def __init__(self, dim, heads=2, shift=3, gelu_writer=False):
+            super().__init__()
+            self.heads, self.shift, self.gelu_writer = heads, shift, gelu_writer
+            self.norm1 = nn.LayerNorm(dim)
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.proj = nn.Linear(dim, dim)
+            self.norm2 = nn.LayerNorm(dim)
+            self.fc1 = nn.Linear(dim, dim if gelu_writer else 4 * dim)
+            self.fc2 = nn.Linear(4 * dim, dim)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            h = self.norm1(x)
+            if self.shift:
+                h = torch.roll(h, -self.shift, dims=1)
+            q, k, v = self.qkv(h).reshape(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            h = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = self.proj(h.transpose(1, 2).reshape(b, t, c))
+            if self.shift:
+                h = torch.roll(h, self.shift, dims=1)
+            x = x + h
+            h = F.gelu(self.fc1(self.norm2(x)))
+            return x + (h if self.gelu_writer else self.fc2(h))
+
+
+    class TinyLM(nn.Module):
+        def __init__(self, dim=32, layers=2, **block):
+            super().__init__()
+            self.embed = nn.Embedding(64, dim)
+            self.blocks = nn.ModuleList(ShiftedBlock(dim, **block) for _ in range(layers))
+            self.norm = nn.LayerNorm(dim)
+            self.head = nn.Linear(dim, 64)
+
+        def forward(self, input_ids):
+            x = self.embed(input_ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+
+    def shifted():
+        """Pre-LN, exact route open in principle, but torch.roll is an op the stream analysis does not
+        model: an analysis limit, not the architecture."""
+        torch.manual_seed(0)
+        return TinyLM().eval(), (_ids(),)
+
+
+    def gelu_writer():
+        """Pre-LN, but a GELU writes into the residual stream: no centering of parameters makes the
+        stream zero-mean, so the swap is lossy by architecture."""
+        torch.manual_seed(0)
+        return TinyLM(shift=0, gelu_writer=True).eval(), (_ids(),)
     '''
 )
 
@@ -178,3 +239,58 @@ def test_lossy_after_failure_counts_only_failures_that_a_lossy_pass_then_changed
     swap.changes = [Change("swap_norm", site, RewriteKind.ARCHITECTURAL, "") for site in ("a", "b")]
     assert [s.site for s in lossy_after_failure([recenter, swap])] == ["b"]
     assert lossy_after_failure([recenter]) == []
+
+
+def _factory_model(factory: str, name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_consent_models", factory)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)()
+
+
+def test_stream_analysis_limits_are_unsupported_and_what_the_graph_shows_is_architecture(factory):
+    """A residual-stream refusal says whether the graph rules recentering out (a nonlinearity written
+    into the stream) or the analysis could not tell (torch.roll, an op it does not model)."""
+    from normswap.passes.base import SkipCause
+
+    model, args = _factory_model(factory, "shifted")
+    _, report = recenter_layernorm(model, args)
+    assert report.changes == [] and len(report.skips) == 5
+    assert {s.cause for s in report.skips} == {SkipCause.UNSUPPORTED}
+    assert "(roll) writes into the residual stream, and normswap does not know" in report.skips[0].reason
+
+    model, args = _factory_model(factory, "gelu_writer")
+    _, report = recenter_layernorm(model, args)
+    assert report.changes == [] and len(report.skips) == 5
+    assert {s.cause for s in report.skips} == {SkipCause.ARCHITECTURE}
+    assert "(gelu) writes into the residual stream and is not a linear map" in report.skips[0].reason
+
+
+def test_an_analysis_limit_on_a_pre_ln_model_needs_consent(factory, tmp_path):
+    out = tmp_path / "rms.pt"
+    report = tmp_path / "report.json"
+    result = _run("convert", f"{factory}:shifted", "--to", "rmsnorm", "-o", str(out), "--report", str(report))
+    assert result.exit_code == 1, result.output
+    said = _flat(result.output)
+    assert (
+        "error: --to rmsnorm: the exact route failed for 5 LayerNorm(s), not because of the model's" in said
+    )
+    assert "(roll) writes into the residual stream, and normswap does not know" in said
+    assert "pass --allow-lossy to accept the lossy swap; nothing written" in said
+    assert not out.exists()
+    assert {s["cause"] for s in json.loads(report.read_text())["passes"][0]["skips"]} == {"unsupported"}
+
+    result = _run("convert", f"{factory}:shifted", "--to", "rmsnorm", "--allow-lossy", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "note: --allow-lossy: 5 LayerNorm(s) swapped lossily where the exact route failed" in result.output
+    assert out.exists()
+
+
+def test_a_stream_the_architecture_rules_out_is_swapped_without_the_flag(factory, tmp_path):
+    out = tmp_path / "rms.pt"
+    result = _run("convert", f"{factory}:gelu_writer", "--to", "rmsnorm", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert "recenter_layernorm: 0 changed, 5 skipped" in result.output
+    assert "swap_norm (architectural): 5 changed" in result.output and out.exists()

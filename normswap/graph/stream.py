@@ -16,6 +16,12 @@ values, a reshaping/selection that keeps the hidden dim whole, or written by a l
 (and bias) can be centered. Forwards, every reader of a stream value must be a mean-blind LayerNorm or
 itself part of the stream (a residual add, a dropout, a permute...); anything else would see the
 change.
+
+A refusal says whether the graph shows the stream cannot be recentered (a reader that sees the mean, a
+normalized value or a nonlinearity written into the stream: a post-LN layout, ``Stream.limit`` False)
+or normswap could not tell (a shape it does not know, an op or a form of the hidden dim it does not
+follow: ``Stream.limit`` True). Only the first is the model's architecture; after the second an exact
+route may well exist.
 """
 
 from __future__ import annotations
@@ -35,6 +41,26 @@ _RESHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatt
 _SUM_OPS = frozenset({"add", "sub"})
 _SCALE_OPS = frozenset({"mul", "div"})
 _NORM_OPS = frozenset({"layer_norm", "rms_norm", "batch_norm", "group_norm", "instance_norm"})
+# Nonlinear ops: what they output has a mean no centering of the parameters before them controls, and
+# what they read they see whole. One of them writing or reading the stream rules recentering out.
+_NONLINEAR_OPS = frozenset(
+    {
+        "relu", "relu6", "gelu", "silu", "mish", "elu", "selu", "celu", "leaky_relu", "softplus",
+        "hardtanh", "hardswish", "hardsigmoid", "tanh", "sigmoid", "glu", "softmax", "_softmax",
+        "log_softmax", "exp", "log", "sqrt", "rsqrt", "reciprocal", "pow", "square", "abs", "sign",
+        "clamp", "clamp_min", "clamp_max", "erf", "sin", "cos",
+    }
+)  # fmt: skip
+# Ops that read every feature of a value (a linear map over the hidden dim, a statistic of it): a
+# stream value read by one sees its mean.
+_READS_FEATURES_OPS = frozenset(
+    {
+        "linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "einsum", "conv1d", "conv2d", "conv3d",
+        "convolution", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+        "scaled_dot_product_attention", "var", "std", "var_mean", "std_mean", "amax", "amin", "max",
+        "min", "norm", "linalg_vector_norm", "logsumexp", "argmax", "argmin",
+    }
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -62,6 +88,8 @@ class Stream:
     # Parameters that other, non-stream ops also read: name -> module paths of those readers.
     shared: dict[str, set[str]] = field(default_factory=dict)
     reason: str | None = None
+    # The refusal is a limit of this analysis (normswap cannot tell), not a fact the graph shows.
+    limit: bool = False
 
     @property
     def ok(self) -> bool:
@@ -69,7 +97,12 @@ class Stream:
 
 
 class _Refused(Exception):
-    pass
+    """Why the stream cannot be recentered. ``limit``: normswap cannot tell (an unknown shape, an op or a
+    form it does not follow), rather than the graph showing that it cannot be done."""
+
+    def __init__(self, reason: str, *, limit: bool) -> None:
+        super().__init__(reason)
+        self.limit = limit
 
 
 def _shape(node: object) -> tuple[int, ...] | None:
@@ -167,12 +200,16 @@ class _StreamBuilder:
             self.stream.nodes[node] = d
             self.work.append(node)
         elif known != d:
-            raise _Refused(f"{self.describe(node)} carries the hidden dim at two positions ({known}, {d})")
+            raise _Refused(
+                f"{self.describe(node)} carries the hidden dim at two positions ({known}, {d})", limit=True
+            )
 
     def build(self, seed: fx.Node) -> Stream:
         shape = _shape(seed)
         if not shape:
-            return Stream(hidden=0, reason="the graph records no shapes (no example inputs to export with)")
+            return Stream(
+                hidden=0, reason="the graph records no shapes (no example inputs to export with)", limit=True
+            )
         self.stream = Stream(hidden=shape[-1])
         try:
             self.add(seed, len(shape) - 1)
@@ -183,6 +220,7 @@ class _StreamBuilder:
             self.finish()
         except _Refused as exc:
             self.stream.reason = str(exc)
+            self.stream.limit = exc.limit
         return self.stream
 
     # -- backwards: how is this value made, and can it be made zero-mean?
@@ -193,59 +231,74 @@ class _StreamBuilder:
             self.write_param(node, d, "direct", self.view.innermost_path(node))
             return
         if node.op == "placeholder":
-            raise _Refused(f"graph input {node.name} is written into the residual stream as it is")
+            raise _Refused(
+                f"graph input {node.name} is written into the residual stream as it is", limit=False
+            )
         if shape is None:
-            raise _Refused(f"shape of {self.describe(node)} is unknown")
+            raise _Refused(f"shape of {self.describe(node)} is unknown", limit=True)
         if self.writer(node, name, d, shape):
             return
         if self.identity_module(node):
             self.add(node.args[0], d)
         elif name in _IDENTITY_OPS:
             if name == "dropout" and arg(node, 2, "train", False):
-                raise _Refused(f"{self.describe(node)} is a dropout in training mode")
+                raise _Refused(f"{self.describe(node)} is a dropout in training mode", limit=False)
             self.add(node.args[0], d)
         elif name in _SUM_OPS:
             for operand in node.args[:2]:
                 self.sum_operand(node, operand, d, shape)
             alpha = node.kwargs.get("alpha", 1)
             if not isinstance(alpha, (int, float)):
-                raise _Refused(f"{self.describe(node)} has a tensor alpha")
+                raise _Refused(f"{self.describe(node)} has a tensor alpha", limit=True)
         elif name in _SCALE_OPS or name == "neg":
             self.scaled(node, d, shape)
         elif name in _RESHAPE_OPS:
             src = node.args[0]
             d_in = _map_reshape(shape, _shape(src) or (), d)
             if d_in is None:
-                raise _Refused(f"{self.describe(node)} splits or merges the hidden dim")
+                raise _Refused(f"{self.describe(node)} splits or merges the hidden dim", limit=True)
             self.add(src, d_in)
         elif name in ("permute", "transpose", "t", "expand", "select", "slice", "cat", "mean", "sum"):
             self.layout(node, name, d, shape)
         elif name in _NORM_OPS or self.in_norm(node):
             raise _Refused(
                 f"the output of {self.describe(node)} is written into the residual stream (a post-LN block): "
-                "a normalized value cannot be recentered through parameters"
+                "a normalized value cannot be recentered through parameters",
+                limit=False,
+            )
+        elif name in _NONLINEAR_OPS:
+            raise _Refused(
+                f"{self.describe(node)} ({name}) writes into the residual stream and is not a linear map "
+                "whose weights can be centered",
+                limit=False,
             )
         else:
+            # an op this analysis does not model (torch.roll, a gather, an unrecognized linear map...):
+            # it may well keep the stream zero-mean, but normswap cannot tell
             raise _Refused(
-                f"{self.describe(node)} ({name or node.op}) writes into the residual stream and is not a "
-                "linear map whose weights can be centered"
+                f"{self.describe(node)} ({name or node.op}) writes into the residual stream, and normswap "
+                "does not know whether it keeps the stream's mean zero",
+                limit=True,
             )
 
     def sum_operand(self, node: fx.Node, operand: object, d: int, shape: tuple[int, ...]) -> None:
         if isinstance(operand, (int, float)):
             if operand != 0:
-                raise _Refused(f"{self.describe(node)} adds the constant {operand} to the stream")
+                raise _Refused(
+                    f"{self.describe(node)} adds the constant {operand} to the stream", limit=False
+                )
             return
         if not isinstance(operand, fx.Node):
-            raise _Refused(f"{self.describe(node)} has an operand of unknown kind")
+            raise _Refused(f"{self.describe(node)} has an operand of unknown kind", limit=True)
         op_shape = _shape(operand)
         if op_shape is None:
-            raise _Refused(f"shape of {self.describe(operand)} is unknown")
+            raise _Refused(f"shape of {self.describe(operand)} is unknown", limit=True)
         d_op = d - (len(shape) - len(op_shape))
         if d_op < 0 or op_shape[d_op] != shape[d]:
             # broadcast along the hidden dim: the same value added to every feature is pure mean
             raise _Refused(
-                f"{self.describe(node)} adds {self.describe(operand)}, which is constant across the hidden dim"
+                f"{self.describe(node)} adds {self.describe(operand)}, which is constant across the hidden dim",
+                limit=False,
             )
         self.add(operand, d_op)
 
@@ -256,7 +309,7 @@ class _StreamBuilder:
         for operand in operands:
             op_shape = _shape(operand)
             if op_shape is None:
-                raise _Refused(f"shape of {self.describe(operand)} is unknown")
+                raise _Refused(f"shape of {self.describe(operand)} is unknown", limit=True)
             d_op = d - (len(shape) - len(op_shape))
             if d_op >= 0 and op_shape[d_op] != 1:
                 full.append((operand, d_op))
@@ -266,7 +319,8 @@ class _StreamBuilder:
         if len(full) != 1 or (name == "div" and full[0][0] is not node.args[0]):
             raise _Refused(
                 f"{self.describe(node)} scales the stream by a per-feature factor that cannot be folded "
-                "into the layer before it"
+                "into the layer before it",
+                limit=False,
             )
         self.add(*full[0])
 
@@ -324,13 +378,14 @@ class _StreamBuilder:
         if name == "cat":
             dim = _norm_dim(arg(node, 1, "dim", 0), len(shape))
             if dim == d:
-                raise _Refused(f"{self.describe(node)} concatenates along the hidden dim")
+                # zero-mean parts make a zero-mean whole, but the parts do not have the hidden size
+                raise _Refused(f"{self.describe(node)} concatenates along the hidden dim", limit=True)
             for part in src:
                 self.add(part, d)
             return
         src_shape = _shape(src)
         if src_shape is None:
-            raise _Refused(f"shape of {self.describe(src)} is unknown")
+            raise _Refused(f"shape of {self.describe(src)} is unknown", limit=True)
         if name == "permute":
             self.add(src, list(arg(node, 1, "dims"))[d] % len(src_shape))
         elif name in ("transpose", "t"):
@@ -343,7 +398,9 @@ class _StreamBuilder:
         elif name == "expand":
             d_in = d - (len(shape) - len(src_shape))
             if d_in < 0 or src_shape[d_in] != shape[d]:
-                raise _Refused(f"{self.describe(node)} broadcasts one value across the hidden dim")
+                raise _Refused(
+                    f"{self.describe(node)} broadcasts one value across the hidden dim", limit=False
+                )
             self.add(src, d_in)
         elif name == "select":
             dim = _norm_dim(node.args[1], len(src_shape))
@@ -351,12 +408,12 @@ class _StreamBuilder:
         elif name == "slice":
             dim = _norm_dim(arg(node, 1, "dim", 0), len(src_shape))
             if dim == d:
-                raise _Refused(f"{self.describe(node)} keeps only part of the hidden dim")
+                raise _Refused(f"{self.describe(node)} keeps only part of the hidden dim", limit=True)
             self.add(src, d)
         else:  # mean / sum over other dims: an average of zero-mean vectors is zero-mean
             dims = reduce_dims(node)
             if dims is None:
-                raise _Refused(f"{self.describe(node)} reduces over dims that are not constant")
+                raise _Refused(f"{self.describe(node)} reduces over dims that are not constant", limit=True)
             reduced = {_norm_dim(x, len(src_shape)) for x in dims} or set(range(len(src_shape)))
             kept = (
                 list(range(len(src_shape)))
@@ -364,7 +421,7 @@ class _StreamBuilder:
                 else [i for i in range(len(src_shape)) if i not in reduced]
             )
             if kept[d] in reduced:
-                raise _Refused(f"{self.describe(node)} reduces over the hidden dim")
+                raise _Refused(f"{self.describe(node)} reduces over the hidden dim", limit=False)
             self.add(src, kept[d])
 
     def writer(self, node: fx.Node, name: str | None, d: int, shape: tuple[int, ...]) -> bool:
@@ -376,11 +433,14 @@ class _StreamBuilder:
         if d != (want if want >= 0 else len(shape) + want):
             raise _Refused(
                 f"{self.describe(node)} ({name or node.op}) writes the hidden dim from its dim {d}, "
-                "not from its output features"
+                "not from its output features",
+                limit=True,
             )
         if self._groups(node, name) != 1:
             # centering a grouped conv's weight over all output channels does not center its output
-            raise _Refused(f"{self.describe(node)} is a grouped convolution writing into the stream")
+            raise _Refused(
+                f"{self.describe(node)} is a grouped convolution writing into the stream", limit=False
+            )
         self.writers.append(node)
         path = self.view.innermost_path(node)
         for tensor, dim in params:
@@ -388,7 +448,10 @@ class _StreamBuilder:
                 self.write_param_name(tensor, dim, name or "module", path, None)
             elif tensor is not None:
                 if not self.view.is_param(tensor):
-                    raise _Refused(f"{self.describe(node)} ({name}) uses a computed weight, not a parameter")
+                    # (a weight-normed or otherwise parametrized layer): normswap centers stored tensors only
+                    raise _Refused(
+                        f"{self.describe(node)} ({name}) uses a computed weight, not a parameter", limit=True
+                    )
                 self.write_param_name(self.view.param_name(tensor), dim, name or "op", path, tensor)
         return True
 
@@ -443,10 +506,12 @@ class _StreamBuilder:
         if shape is not None and dim < 0:
             dim += len(shape)
         if shape is None or not 0 <= dim < len(shape) or shape[dim] != self.stream.hidden:
-            raise _Refused(f"parameter {name} does not have the hidden size along dim {dim}")
+            raise _Refused(f"parameter {name} does not have the hidden size along dim {dim}", limit=True)
         for other in self.stream.params:
             if other.name == name and (other.dim, other.scale) != (dim, scale):
-                raise _Refused(f"parameter {name} is written into the stream in two different ways")
+                raise _Refused(
+                    f"parameter {name} is written into the stream in two different ways", limit=True
+                )
         record = CenteredParam(name, dim, path, via, scale)
         if record not in self.stream.params:
             self.stream.params.append(record)
@@ -462,7 +527,8 @@ class _StreamBuilder:
                 if value in self.stream.nodes and not self.view.is_param(value):
                     raise _Refused(
                         f"{self.describe(writer)} reads the stream it writes into (x + f(x) with no norm "
-                        "before f), so it sees the mean that centering removes"
+                        "before f), so it sees the mean that centering removes",
+                        limit=False,
                     )
         for name, node in self.param_nodes.items():
             for user in real_users(node):
@@ -485,17 +551,45 @@ class _StreamBuilder:
                 continue
             if user in self.mean_blind and _reads_as_input(user, node):
                 if shape is None or d != len(shape) - 1:
-                    raise _Refused(f"{self.describe(user)} normalizes the stream over another dim")
+                    raise _Refused(
+                        f"{self.describe(user)} normalizes the stream over another dim", limit=False
+                    )
                 continue
             if user.op == "output":
-                raise _Refused(f"{self.describe(node)} is an output of the model, which would see its mean")
+                raise _Refused(
+                    f"{self.describe(node)} is an output of the model, which would see its mean", limit=False
+                )
             d_out = self.forward_dim(user, node, d, shape)
             if d_out is None:
+                what = f"{self.describe(node)} is read by {self.describe(user)} ({op_name(user) or user.op})"
+                if self.sees_mean(user, d, shape):
+                    raise _Refused(f"{what}, which would see its mean", limit=False)
                 raise _Refused(
-                    f"{self.describe(node)} is read by {self.describe(user)} ({op_name(user) or user.op}), "
-                    "which would see its mean"
+                    f"{what}, and normswap does not know whether that reader sees the stream's mean",
+                    limit=True,
                 )
             self.add(user, d_out)
+
+    def sees_mean(self, user: fx.Node, d: int, shape: tuple[int, ...] | None) -> bool:
+        """``user``, which is not part of the stream, is known to see the mean of the stream value it
+        reads (hidden dim ``d``): a linear map, a nonlinearity, another norm, a statistic, or a
+        selection or reduction of the hidden dim. False where normswap does not know the op, or not
+        what it does to the hidden dim (a reshape that splits it, a concatenation along it, an
+        unknown shape)."""
+        if user.op == "call_module":
+            module = self.modules.get(str(user.target))
+            linear = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+            return isinstance(module, linear) or self.in_norm(user)
+        name = op_name(user)
+        if name in _NONLINEAR_OPS or name in _READS_FEATURES_OPS or name in _NORM_OPS:
+            return True
+        if shape is None or _shape(user) is None:
+            return False
+        if name in ("select", "slice"):  # reads some features only
+            return True
+        if name in ("mean", "sum"):  # over the hidden dim (forward_dim followed any other)
+            return reduce_dims(user) is not None
+        return False
 
     def forward_dim(self, user: fx.Node, src: fx.Node, d: int, shape: tuple[int, ...] | None) -> int | None:
         """The hidden dim of ``user``'s output if ``user`` is part of the stream, else None."""

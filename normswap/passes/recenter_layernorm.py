@@ -19,7 +19,9 @@ Each refusal carries its cause (:class:`~normswap.passes.base.SkipCause`): "arch
 graph shows the stream cannot be recentered or the LayerNorm is not over the last dim (a post-LN model:
 the lossy swap is then the only route), "capture" when no graph with shapes could be captured, and
 "unsupported" when normswap could not do it here (a functional layer_norm, an unknown eps, a centered
-weight that cannot be untied). A skip of the last two kinds could have been exact.
+weight that cannot be untied, a stream the analysis cannot judge: an unknown shape, an op it does not
+model such as a ``torch.roll`` on the stream, ``Stream.limit``). A skip of the last two kinds could
+have been exact.
 """
 
 from __future__ import annotations
@@ -101,6 +103,8 @@ class _Plan:
                             stream.reason = _untie_problem(ctx.model, stream)
                             if stream.reason is not None:
                                 self.unsupported.add(len(self.streams))
+                        elif stream.limit:  # the analysis could not tell, the graph did not show it
+                            self.unsupported.add(len(self.streams))
                         self.streams.append(stream)
                         for node in (seed, *stream.nodes):  # a refused stream may hold no nodes
                             self.stream_of.setdefault(node, len(self.streams) - 1)

@@ -19,9 +19,10 @@ zeros (``v / ||v||`` would be 0 / 0).
 RemoveWeightNorm finds every weight norm, in the parametrization form (``parametrizations.weight.
 original0/1`` in the state_dict) and in the deprecated hook form of ``torch.nn.utils.weight_norm``
 (``weight_g``/``weight_v``), on any tensor name (an LSTM's ``weight_hh_l0`` too), and leaves the plain
-class with a ``weight`` parameter, so the state_dict loads into the model built without weight norm. A
-weight with other parametrizations stacked on the weight norm is refused: removing them would bake those
-in too.
+class with a ``weight`` parameter, so the state_dict loads into the model built without weight norm, and
+without the load_state_dict pre-hook that ``parametrizations.weight_norm`` registers and torch's removal
+leaves behind (a local function: the module would not pickle). A weight with other parametrizations
+stacked on the weight norm is refused: removing them would bake those in too.
 
 These are not norm sites: candidates come from the modules, and no graph is captured.
 """
@@ -356,6 +357,7 @@ class RemoveWeightNorm(_LayerPass):
             requires_grad = v.requires_grad
             _own_parametrized_class(module)
             parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+            _remove_compat_hook(module, name)
         # the weight torch left behind was computed in the parameter dtype; store the fp64 result
         setattr(module, name, nn.Parameter(weight, requires_grad=requires_grad))
         if name == "weight":
@@ -390,6 +392,36 @@ def _own_parametrized_class(module: nn.Module) -> None:
         return
     namespace = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
     module.__class__ = type(cls.__name__, cls.__bases__, namespace)
+
+
+def _remove_compat_hook(module: nn.Module, name: str) -> None:
+    """Remove the load_state_dict pre-hook ``parametrizations.weight_norm`` registered for ``name``.
+
+    The hook renames old ``{name}_g``/``{name}_v`` keys to the parametrization's on load; torch's
+    ``remove_parametrizations`` leaves it behind, where it is a local function (the module no longer
+    pickles) and would rename keys the plain module does not have. Only that hook, for that name, goes.
+    """
+    for key, wrapped in list(module._load_state_dict_pre_hooks.items()):
+        hook = getattr(wrapped, "hook", wrapped)  # torch wraps it in a _WrappedHook
+        if (
+            getattr(hook, "__module__", None) == "torch.nn.utils.parametrizations"
+            and getattr(hook, "__qualname__", None) == "weight_norm.<locals>._weight_norm_compat_hook"
+            and _closure_value(hook, "name") == name
+        ):
+            del module._load_state_dict_pre_hooks[key]
+
+
+def _closure_value(function: Any, var: str) -> Any:
+    """The value a nested ``function`` closes over as ``var`` (None if it has no such variable)."""
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    names = code.co_freevars if code is not None else ()
+    for cell_name, cell in zip(names, cells, strict=False):
+        if cell_name == var:
+            try:
+                return cell.cell_contents
+            except ValueError:  # an empty cell
+                return None
+    return None
 
 
 def _parametrizations(module: nn.Module, name: str) -> list[nn.Module]:

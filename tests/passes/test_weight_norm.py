@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import warnings
@@ -277,6 +278,46 @@ def test_removed_model_saves_and_reloads(tmp_path):
     loaded = load_model(str(archive))
     assert loaded.format == "pt2"
     _assert_exact(model, loaded.model, args)
+
+
+def _keep_keys(state_dict, prefix, *args) -> None:
+    """A load_state_dict pre-hook of the user's own: removing weight norm must leave it."""
+
+
+@pytest.mark.parametrize("form", ["parametrization", "hook"])
+def test_removed_model_pickles_and_loads_back(form):
+    """torch's parametrizations.weight_norm registers a load_state_dict pre-hook (a local function that
+    maps old weight_g/weight_v keys) which its removal leaves behind: the plain model must pickle."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv1d(2, 4, 3, padding=1),
+        nn.Tanh(),
+        nn.Conv1d(4, 4, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(32, 3),
+    ).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nn.utils.weight_norm is deprecated
+        for i in (0, 2, 4):
+            if form == "parametrization":
+                nn.utils.parametrizations.weight_norm(model[i])
+            else:
+                nn.utils.weight_norm(model[i])
+    model[2]._register_load_state_dict_pre_hook(_keep_keys)
+    args = (torch.randn(2, 2, 8),)
+    plain, report = RemoveWeightNorm()(model, args)
+    assert [c.details["form"] for c in report.changes] == [form] * 3
+    assert [h.hook for h in plain[2]._load_state_dict_pre_hooks.values()] == [_keep_keys]
+    plain[2]._load_state_dict_pre_hooks.clear()  # the test's own hook would pickle by a test-module name
+
+    buffer = io.BytesIO()
+    torch.save(plain, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert [type(m) for m in loaded] == [nn.Conv1d, nn.Tanh, nn.Conv1d, nn.Flatten, nn.Linear]
+    assert all(not m._load_state_dict_pre_hooks and not m._forward_pre_hooks for m in loaded)
+    torch.testing.assert_close(loaded(*args), plain(*args), rtol=0, atol=0)
+    _assert_exact(model, loaded, args)
 
 
 def test_copy_model_copies_the_deprecated_hook_form():

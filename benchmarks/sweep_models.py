@@ -18,6 +18,12 @@ randomized so that exactness is not a coincidence of identity norms. Nothing is 
 
 Results go to ``sweep_models.jsonl`` (one line per model; a rerun skips models already there unless
 ``--fresh``) and ``sweep_models.md`` (the table).
+
+Before and after a change: check the earlier commit out as a git worktree, make a folder holding links
+``normswap`` -> WORKTREE/normswap and ``normswap_cli`` -> WORKTREE/cli, run this script from the worktree
+with that folder first on ``PYTHONPATH`` and another ``--out``, then
+``python benchmarks/sweep_models.py --compare BEFORE.jsonl AFTER.jsonl`` writes
+``sweep_models_before_after.md``.
 """
 
 from __future__ import annotations
@@ -305,6 +311,45 @@ def write_table(rows: list[dict[str, Any]], path: Path) -> None:
     )
 
 
+def totals(rows: list[dict[str, Any]], source: str) -> dict[str, int]:
+    """What the issue counts, over the models of one source (hf, torchvision, timm)."""
+    picked = [r for r in rows if r["model"].startswith(source)]
+    count: Counter[str] = Counter(models=len(picked))
+    for row in picked:
+        steps = row.get("steps")
+        if not steps:
+            count["timed out or failed"] += 1
+            continue
+        count["graph captured (default settings)"] += bool(steps.get("inspect", {}).get("graph"))
+        for step, label in (("fold_bn", "BNs folded"), ("fused", "norms fused")):
+            if steps.get(step, {}).get("exit") == 0:
+                count[label] += steps[step].get("changed", 0)
+        count["rmsnorm --exact exit 0"] += steps.get("rmsnorm", {}).get("exit") == 0
+        count["ONNX exported and checked"] += steps.get("onnx", {}).get("exit") == 0
+        count["steps that crashed (traceback)"] += sum(1 for s in steps.values() if s.get("crash"))
+    return dict(count)
+
+
+def write_comparison(before: Path, after: Path, path: Path) -> None:
+    """Totals before and after, per source, over the models both runs hold."""
+
+    def read(p: Path) -> dict[str, dict[str, Any]]:
+        return {row["model"]: row for row in map(json.loads, p.read_text().splitlines())}
+
+    old, new = read(before), read(after)
+    common = sorted(set(old) & set(new))
+    lines = ["| source | figure | before | after |", "|---|---|---|---|"]
+    for source in ("hf", "torchvision", "timm"):
+        was = totals([old[m] for m in common], source)
+        now = totals([new[m] for m in common], source)
+        for key in dict.fromkeys([*was, *now]):
+            lines.append(f"| {source} | {key} | {was.get(key, 0)} | {now.get(key, 0)} |")
+    path.write_text(
+        f"# Sweep before and after\n\n`{before.name}` vs `{after.name}`, over the {len(common)} models both "
+        "hold.\n\n" + "\n".join(lines) + "\n"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -313,10 +358,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per model [600]")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--fresh", action="store_true", help="rerun models already in the results")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="two .jsonl runs")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.one:
         print(json.dumps(run_one(options.one)))
+        return
+    if options.compare:
+        options.out.mkdir(parents=True, exist_ok=True)
+        write_comparison(*options.compare, options.out / "sweep_models_before_after.md")
         return
     options.out.mkdir(parents=True, exist_ok=True)
     jsonl = options.out / "sweep_models.jsonl"

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from normswap.errors import BadInputError, CheckFailedError
+from normswap.errors import BadInputError, CheckFailedError, shorten
 from normswap.load.mode import modes_restored
 from normswap.load.save import atomic_write, same_file
 from normswap.validate.metrics import TensorComparison, compare_tensors
@@ -62,13 +62,22 @@ def _failing_op(message: str) -> str:
     return found.group(1) if found else ""
 
 
+# The exporter's report ends with what went wrong while it translated a node:
+# "## Exception summary\n\n<class 'ValueError'>: Cannot view a tensor with shape ..."
+_EXCEPTION_SUMMARY = re.compile(r"## Exception summary\s*<class '(?:[\w]+\.)*(\w+)'>: ([^\n]+)")
+
+
 def _describe(exc: BaseException) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()  # the exporter colours its messages
     first = text.splitlines()[0][:300] if text else ""
     op = _failing_op(text)
-    return (
-        f"no ONNX translation for op {op} ({type(exc).__name__})" if op else f"{type(exc).__name__}: {first}"
-    )
+    if not op:
+        return f"{type(exc).__name__}: {first}"
+    summary = _EXCEPTION_SUMMARY.search(text)
+    if summary and "No ONNX function found" not in summary.group(2):
+        # the op has a translation; running it failed (a torch.onnx limitation, not a missing op)
+        return f"translating op {op} failed ({summary.group(1)}: {shorten(summary.group(2).strip(), 200)})"
+    return f"no ONNX translation for op {op} ({type(exc).__name__})"
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:

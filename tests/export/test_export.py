@@ -104,3 +104,28 @@ def test_dynamic_batch_with_keyword_inputs_and_modes_restored(tmp_path):
     result = export_onnx(model, tmp_path / "g.onnx", args, kwargs, dynamic_batch=True)
     assert result.checked_batch_sizes == [2, 4] and result.within_tolerance
     assert model.training and all(m.training for m in model.modules())  # exporting changed nothing
+
+
+def test_a_translation_that_fails_is_told_from_a_missing_one():
+    """torch.onnx's report names the node and, at its end, the exception its translation raised: that
+    exception is the cause to show, not "no translation"."""
+    from normswap.export.onnx import _describe
+
+    class ConversionError(RuntimeError):
+        pass
+
+    failed = ConversionError(
+        "Failed to convert the exported program to an ONNX model.\n"
+        "While executing %view_4 : call_function[target=torch.ops.aten.view.default](args = (%x, [1, 16, 64]))\n"
+        "## Exception summary\n\n<class 'ValueError'>: Cannot view a tensor with shape torch.Size([1, 16, 4, 16]) "
+        "and strides (1024, 16, 256, 1) as a tensor with shape (1, 16, 64)!\n"
+    )
+    assert _describe(failed).startswith(
+        "translating op aten.view.default failed (ValueError: Cannot view a tensor"
+    )
+    missing = ConversionError(
+        "Failed to convert.\nWhile executing %m : call_function[target=torch.ops.mylib.mystery.default]\n"
+        "## Exception summary\n\n<class 'torch.onnx._internal.exporter._errors.DispatchError'>: No ONNX "
+        "function found for <OpOverload(op='mylib.mystery', overload='default')>\n"
+    )
+    assert _describe(missing) == "no ONNX translation for op mylib.mystery.default (ConversionError)"

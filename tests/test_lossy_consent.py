@@ -142,21 +142,27 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_a_failed_exact_route_fails_the_command_and_writes_nothing(factory, tmp_path):
-    out = tmp_path / "rms.pt"
-    report = tmp_path / "report.json"
-    result = _run("convert", f"{factory}:guarded", "--to", "rmsnorm", "-o", str(out), "--report", str(report))
+def _refused_without_consent(factory: str, name: str, out: Path, detail: str, cause: str) -> None:
+    """`convert NAME --to rmsnorm` exits 1 naming the failed exact route and ``detail``, writes nothing,
+    and reports every skip with ``cause``."""
+    report = out.with_name("report.json")
+    result = _run("convert", f"{factory}:{name}", "--to", "rmsnorm", "-o", str(out), "--report", str(report))
     assert result.exit_code == 1, result.output
     said = _flat(result.output)
     assert (
-        "error: --to rmsnorm: the exact route failed for 5 LayerNorm(s), not because of the model's " in said
+        "error: --to rmsnorm: the exact route failed for 5 LayerNorm(s), not because of the model's" in said
     )
-    assert "no graph captured (torch.export failed: GuardOnDataDependentSymNode" in said
+    assert detail in said
     assert "pass --allow-lossy to accept the lossy swap; nothing written" in said
     assert not out.exists()
     data = json.loads(report.read_text())
     assert data["written"] is False
-    assert {s["cause"] for s in data["passes"][0]["skips"]} == {"capture"}
+    assert {s["cause"] for s in data["passes"][0]["skips"]} == {cause}
+
+
+def test_a_failed_exact_route_fails_the_command_and_writes_nothing(factory, tmp_path):
+    detail = "no graph captured (torch.export failed: GuardOnDataDependentSymNode"
+    _refused_without_consent(factory, "guarded", tmp_path / "rms.pt", detail, "capture")
 
 
 def test_allow_lossy_accepts_the_lossy_swap(factory, tmp_path):
@@ -270,17 +276,8 @@ def test_stream_analysis_limits_are_unsupported_and_what_the_graph_shows_is_arch
 
 def test_an_analysis_limit_on_a_pre_ln_model_needs_consent(factory, tmp_path):
     out = tmp_path / "rms.pt"
-    report = tmp_path / "report.json"
-    result = _run("convert", f"{factory}:shifted", "--to", "rmsnorm", "-o", str(out), "--report", str(report))
-    assert result.exit_code == 1, result.output
-    said = _flat(result.output)
-    assert (
-        "error: --to rmsnorm: the exact route failed for 5 LayerNorm(s), not because of the model's" in said
-    )
-    assert "(roll) writes into the residual stream, and normswap does not know" in said
-    assert "pass --allow-lossy to accept the lossy swap; nothing written" in said
-    assert not out.exists()
-    assert {s["cause"] for s in json.loads(report.read_text())["passes"][0]["skips"]} == {"unsupported"}
+    detail = "(roll) writes into the residual stream, and normswap does not know"
+    _refused_without_consent(factory, "shifted", out, detail, "unsupported")
 
     result = _run("convert", f"{factory}:shifted", "--to", "rmsnorm", "--allow-lossy", "-o", str(out))
     assert result.exit_code == 0, result.output

@@ -20,7 +20,8 @@ from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, CheckFailedError, shorten
 from normswap.load.mode import modes_restored
-from normswap.load.save import atomic_write, same_file
+from normswap.load.paths import same_path
+from normswap.load.save import atomic_write
 from normswap.validate.metrics import TensorComparison, compare_tensors
 
 # |onnxruntime - torch|max <= tol * |torch|max, by output dtype. Looser than the exact-rewrite table:
@@ -176,7 +177,7 @@ def export_onnx(
     path = Path(path)
     if path.suffix.lower() != ".onnx":
         raise BadInputError(f"-o {path}: an ONNX export is written to a .onnx file")
-    if refuse_path is not None and same_file(path, Path(refuse_path)):
+    if refuse_path is not None and same_path(path, refuse_path):
         raise BadInputError(
             f"refusing to overwrite the input model {refuse_path}: choose another output path"
         )

@@ -149,11 +149,6 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def same_file(a: Path, b: Path) -> bool:
-    """Whether two paths name one file (see :func:`normswap.load.paths.same_path`)."""
-    return same_path(a, b)
-
-
 def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path) -> None:
     from normswap.graph.capture import export_program
 
@@ -294,7 +289,7 @@ def save_model(
     if label is None:
         accepted = ", ".join(SAVE_FORMATS)
         raise BadInputError(f"cannot save to {path}: unknown suffix {path.suffix!r} (accepted: {accepted})")
-    if refuse_path is not None and same_file(path, Path(refuse_path)):
+    if refuse_path is not None and same_path(path, refuse_path):
         raise BadInputError(
             f"refusing to overwrite the input model {refuse_path}: choose another output path"
         )

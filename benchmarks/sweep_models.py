@@ -14,7 +14,8 @@ the command line a user would type, in-process with typer's runner:
 Weights are random (``pretrained=False``, configs built here), with every norm's statistics and affine
 randomized so that exactness is not a coincidence of identity norms. Nothing is downloaded.
 
-    python benchmarks/sweep_models.py [--only SUBSTRING] [--timeout S] [--out benchmarks/results]
+    python benchmarks/sweep_models.py [--only SUBSTRING] [--steps inspect,fold_bn] [--timeout S]
+                                      [--out benchmarks/results]
 
 Results go to ``sweep_models.jsonl`` (one line per model; a rerun skips models already there unless
 ``--fresh``) and ``sweep_models.md`` (the table).
@@ -231,8 +232,8 @@ def _summary(step: str, report: dict[str, Any] | None) -> dict[str, Any]:
     return {"changed": changed, "skipped": sum(skips.values()), "skip_reasons": dict(skips), "max_rel": worst}
 
 
-def run_one(spec: str) -> dict[str, Any]:
-    """All steps for one model, in this process."""
+def run_one(spec: str, steps: list[str]) -> dict[str, Any]:
+    """The chosen steps for one model, in this process."""
     from normswap_cli.app import app
     from typer.testing import CliRunner
 
@@ -240,7 +241,8 @@ def run_one(spec: str) -> dict[str, Any]:
     runner = CliRunner()
     result: dict[str, Any] = {"model": spec, "steps": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for step, argv in STEPS.items():
+        for step in steps:
+            argv = STEPS[step]
             args = [a.format(model=f"{HERE}:factory", dir=tmp) for a in argv]
             start = time.perf_counter()
             done = runner.invoke(app, args)
@@ -336,8 +338,16 @@ def write_comparison(before: Path, after: Path, path: Path) -> None:
     def read(p: Path) -> dict[str, dict[str, Any]]:
         return {row["model"]: row for row in map(json.loads, p.read_text().splitlines())}
 
+    def trimmed(row: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+        # a run may have taken fewer steps (--steps): count a step only where both runs took it
+        if "steps" not in row or "steps" not in other:
+            return row
+        return {**row, "steps": {k: v for k, v in row["steps"].items() if k in other["steps"]}}
+
     old, new = read(before), read(after)
     common = sorted(set(old) & set(new))
+    old = {m: trimmed(old[m], new[m]) for m in common}
+    new = {m: trimmed(new[m], old[m]) for m in common}
     lines = ["| source | figure | before | after |", "|---|---|---|---|"]
     for source in ("hf", "torchvision", "timm"):
         was = totals([old[m] for m in common], source)
@@ -359,10 +369,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--fresh", action="store_true", help="rerun models already in the results")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"), help="two .jsonl runs")
+    parser.add_argument(
+        "--steps", default=",".join(STEPS), help=f"comma-separated steps to take [{','.join(STEPS)}]"
+    )
     parser.add_argument("--one", help=argparse.SUPPRESS)
     options = parser.parse_args()
+    steps = options.steps.split(",")
+    if unknown := [s for s in steps if s not in STEPS]:
+        parser.error(f"unknown steps {unknown}; the steps are {list(STEPS)}")
     if options.one:
-        print(json.dumps(run_one(options.one)))
+        print(json.dumps(run_one(options.one, steps)))
         return
     if options.compare:
         options.out.mkdir(parents=True, exist_ok=True)
@@ -383,7 +399,7 @@ def main() -> None:
         start = time.perf_counter()
         try:
             finished = subprocess.run(
-                [sys.executable, str(HERE), "--one", spec],
+                [sys.executable, str(HERE), "--one", spec, "--steps", options.steps],
                 capture_output=True,
                 text=True,
                 timeout=options.timeout,

@@ -28,7 +28,7 @@ import torch
 # the same tiny Llama as the norm-affine example (also this file's factory, for the CLI)
 from fold_norm_affine import build
 
-from normswap.export.onnx_ops import translation_table
+from normswap.kernels.onnx_translation import translation_table
 from normswap.passes import FuseAddNorm, FuseNorm, Pipeline
 
 

@@ -1,5 +1,6 @@
 """normswap: find, rewrite and verify the normalization layers of trained PyTorch models."""
 
+from normswap.api import ConversionResult, ConvertConfig, SavedOutput, Verdict, convert, save
 from normswap.discover import NormInventory, NormSite, find_norms
 from normswap.errors import BadInputError, CheckFailedError, NormswapError
 from normswap.passes import (
@@ -17,6 +18,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BadInputError",
     "CheckFailedError",
+    "ConversionResult",
+    "ConvertConfig",
     "FoldBatchNorm",
     "NormInventory",
     "NormSite",
@@ -24,8 +27,12 @@ __all__ = [
     "Pipeline",
     "PipelineReport",
     "RewriteKind",
+    "SavedOutput",
     "SwapNorm",
+    "Verdict",
+    "convert",
     "find_norms",
     "fold_batchnorm",
+    "save",
     "swap_norm",
 ]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from normswap_cli import app as cli
+from normswap_cli import render
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -96,7 +97,7 @@ def test_no_progress_in_a_pipe(factory, tmp_path):
 def _terminal(monkeypatch) -> io.StringIO:
     buffer = io.StringIO()
     # wide enough that no status line wraps, whatever the length of the temp path in it
-    monkeypatch.setattr(cli, "err", Console(file=buffer, force_terminal=True, width=1000))
+    monkeypatch.setattr(render, "err", Console(file=buffer, force_terminal=True, width=1000))
     return buffer
 
 

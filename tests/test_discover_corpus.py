@@ -23,9 +23,9 @@ from normswap.discover import NormSite, find_norms
 from normswap.graph import patterns
 from normswap.graph.analysis import GraphView
 from normswap.graph.capture import capture_graph
-from normswap.kernels.tolerance import kernel_tolerance
-from normswap.modules.functional import layer_norm_reference, rms_norm_reference
+from normswap.kernels.reference import layer_norm_reference, rms_norm_reference
 from normswap.passes import FuseGraphNorm, FuseNorm, SwapNorm
+from normswap.util.tolerance import kernel_tolerance
 
 EXACT = 1e-5  # fp32: max abs error <= EXACT x max|reference output| (DESIGN.md)
 OTHER_KIND = {"layer": ("rmsnorm", "rms"), "rms": ("layernorm", "layer")}
@@ -41,9 +41,9 @@ def _fields(site: NormSite) -> dict:
         "kind": site.kind,
         "dims": site.normalized_dims,
         "eps": site.eps,
-        # None names mean torch's own: "weight" and "bias"
-        "weight": site.weight_name or ("weight" if site.affine else None),
-        "bias": site.bias_name or ("bias" if site.bias else None),
+        # the record names the tensors (torch's classes: "weight" and "bias"); None when there is none
+        "weight": site.weight_name,
+        "bias": site.bias_name,
         "offset": site.weight_offset,
         "casting": site.casting,
         "source": "structural" if site.is_module else "pattern",

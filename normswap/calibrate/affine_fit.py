@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.calibrate.data import ModelInputs, as_model_inputs
-from normswap.load.mode import modes_restored
+from normswap.util.modes import modes_restored
 from normswap.validate.metrics import flatten_outputs, sqnr_db
 
 # DyT's alpha candidates: log-spaced over the range trained models end up in (Zhu et al. 2025).

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 
 from normswap.errors import BadInputError
-from normswap.load.model_file import _describe, import_callable, read_tensor_file
+from normswap.errors import describe as _describe
+from normswap.load.factory import import_callable
+from normswap.load.model_file import read_tensor_file
 
 DEFAULT_BATCH_SIZE = 32
 

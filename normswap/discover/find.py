@@ -14,7 +14,7 @@ one on a synthetic input.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,18 +26,19 @@ from normswap.graph.analysis import GraphView, ModuleCall, normalize_module_path
 from normswap.graph.capture import CapturedGraph, capture_graph
 from normswap.graph.ops import CAST_OPS, CHECK_OPS, arg, op_name, rank, tensor_meta
 from normswap.graph.patterns import NormMatch, find_norm_patterns
+from normswap.modules.semantics import NormKind, NormSemantics, applied_eps, declared_semantics, dtype_name
 
 FUNCTIONAL_NORM_OPS = {
-    "layer_norm": "layer",
-    "batch_norm": "batch",
-    "group_norm": "group",
-    "instance_norm": "instance",
-    "rms_norm": "rms",
+    "layer_norm": NormKind.LAYER,
+    "batch_norm": NormKind.BATCH,
+    "group_norm": NormKind.GROUP,
+    "instance_norm": NormKind.INSTANCE,
+    "rms_norm": NormKind.RMS,
     # normswap's fused ops, as a converted model's graph (or a .pt2 of it) holds them
-    "rms_norm_fwd": "rms",
-    "layer_norm_fwd": "layer",
-    "add_rms_norm_fwd": "rms",
-    "add_layer_norm_fwd": "layer",
+    "rms_norm_fwd": NormKind.RMS,
+    "layer_norm_fwd": NormKind.LAYER,
+    "add_rms_norm_fwd": NormKind.RMS,
+    "add_layer_norm_fwd": NormKind.LAYER,
 }
 
 
@@ -64,7 +65,7 @@ class NormInventory:
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for site in self.sites:
-            out[site.kind] = out.get(site.kind, 0) + 1
+            out[site.kind.value] = out.get(site.kind.value, 0) + 1
         return out
 
     def by_path(self, path: str) -> NormSite:
@@ -153,7 +154,10 @@ def _relative_name(view: GraphView, node: fx.Node | None, prefix: str) -> str | 
     return name if not prefix else None
 
 
-def _site_from_match(match: NormMatch, view: GraphView, model: nn.Module, prefix: str = "") -> dict[str, Any]:
+def _semantics_from_match(
+    match: NormMatch, view: GraphView, model: nn.Module, prefix: str = ""
+) -> NormSemantics:
+    """The semantics of a norm matched in the graph; parameter names relative to the module at ``prefix``."""
     meta = tensor_meta(match.input)
     weight_shape = None
     if match.weight is not None:
@@ -162,20 +166,21 @@ def _site_from_match(match: NormMatch, view: GraphView, model: nn.Module, prefix
     shape = weight_shape
     if shape is None and meta is not None and match.dims:
         shape = tuple(meta[0][d] for d in match.dims)
-    return {
-        "kind": match.kind,
-        "normalized_dims": match.dims,
-        "normalized_shape": shape,
-        "eps": match.eps,
-        "affine": match.weight is not None,
-        "bias": match.bias is not None,
-        "running_stats": match.kind == "batch",
-        "casting": match.casting,
-        "weight_offset": match.weight_offset,
-        "dtype": str(meta[1]).replace("torch.", "") if meta else None,
-        "weight_name": _relative_name(view, match.weight, prefix),
-        "bias_name": _relative_name(view, match.bias, prefix),
-    }
+    kind = NormKind.parse(match.kind)
+    return NormSemantics(
+        kind=kind,
+        normalized_dims=match.dims,
+        normalized_shape=shape,
+        eps=match.eps,  # the constant the graph adds: as applied
+        dtype=dtype_name(meta[1]) if meta else None,
+        affine=match.weight is not None,
+        bias=match.bias is not None,
+        weight_name=_relative_name(view, match.weight, prefix),
+        bias_name=_relative_name(view, match.bias, prefix),
+        casting=match.casting,
+        weight_offset=match.weight_offset,
+        running_stats=kind is NormKind.BATCH,
+    )
 
 
 def _param_shape(model: nn.Module, name: str | None) -> tuple[int, ...] | None:
@@ -206,7 +211,7 @@ def _add_graph_sites(
         owner = _owner_path(view, match.nodes)
         calls = view.calls.get(owner, [])
         module = modules.get(owner)
-        fields = _site_from_match(match, view, modules[""], owner)
+        semantics = _semantics_from_match(match, view, modules[""], owner)
         if (
             owner
             and module is not None
@@ -218,10 +223,10 @@ def _add_graph_sites(
             sites[owner] = NormSite(
                 path=owner,
                 source="structural",
+                semantics=semantics,
                 class_name=f"{cls.__module__}.{cls.__qualname__}",
                 module=module,
                 training=module.training,
-                **fields,
             )
             for c in calls:
                 known_calls.update(c.nodes)
@@ -230,11 +235,11 @@ def _add_graph_sites(
         sites[path] = NormSite(
             path=path,
             source="pattern",
+            semantics=semantics,
             producer=view.describe(match.input, modules),
             consumers=[view.describe(u, modules) for u in _users_of(match.output)],
             call_count=1,
             order=order[match.output],
-            **fields,
         )
         known_calls.update(match.nodes)
 
@@ -283,7 +288,7 @@ def _whole_forward_site(
     cls = type(module)
     site.path, site.source, site.module, site.training = owner, "structural", module, module.training
     site.class_name = f"{cls.__module__}.{cls.__qualname__}"
-    site.weight_name, site.bias_name = names
+    site.semantics = replace(site.semantics, weight_name=names[0], bias_name=names[1])
     return site
 
 
@@ -291,28 +296,36 @@ def _users_of(node: fx.Node) -> list[fx.Node]:
     return [u for u in node.users if op_name(u) not in CHECK_OPS]
 
 
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _functional_site(
     view: GraphView,
     n: fx.Node,
-    kind: str,
+    kind: NormKind,
     path: str,
     modules: dict[str, nn.Module],
     order: dict[fx.Node, int],
 ) -> NormSite:
     x = n.args[0] if n.args else None
     meta = tensor_meta(x) if isinstance(x, fx.Node) else None
-    site = NormSite(path=path, kind=kind, source="functional", order=order[n], call_count=1)
-    site.dtype = str(meta[1]).replace("torch.", "") if meta else None
+    dtype = meta[1] if meta else None
+    fields: dict[str, Any] = {"kind": kind, "dtype": dtype_name(dtype)}
+    class_name = None
     name = op_name(n)
     if name in ("layer_norm", "rms_norm"):
         shape = arg(n, 1, "normalized_shape") or ()
         if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape):
-            site.normalized_shape = tuple(shape)
-            site.normalized_dims = tuple(range(-len(shape), 0))
-        site.affine = arg(n, 2, "weight") is not None
-        site.bias = name == "layer_norm" and arg(n, 3, "bias") is not None
+            fields["normalized_shape"] = tuple(shape)
+            fields["normalized_dims"] = tuple(range(-len(shape), 0))
+        fields["affine"] = arg(n, 2, "weight") is not None
+        fields["bias"] = name == "layer_norm" and arg(n, 3, "bias") is not None
         eps = arg(n, 4 if name == "layer_norm" else 3, "eps")
-        site.eps = float(eps) if isinstance(eps, (int, float)) else None
+        if name == "rms_norm" and eps is None:  # F.rms_norm(eps=None): the dtype's, as torch applies it
+            fields["eps"] = applied_eps(None, dtype)
+        else:
+            fields["eps"] = _number(eps)
     elif name is not None and name.endswith("_norm_fwd"):
         # (x, [residual,] weight, bias, eps, casting, weight_offset): see normswap.kernels.ops
         first = 2 if name.startswith("add_") else 1
@@ -320,36 +333,39 @@ def _functional_site(
         weight_meta = tensor_meta(weight) if isinstance(weight, fx.Node) else None
         shape = weight_meta[0] if weight_meta else (meta[0][-1:] if meta else None)
         if shape:
-            site.normalized_shape = tuple(shape)
-            site.normalized_dims = tuple(range(-len(shape), 0))
-        site.affine, site.bias = weight is not None, bias is not None
-        eps = arg(n, first + 2, "eps")
-        site.eps = float(eps) if isinstance(eps, (int, float)) else None
-        site.casting = str(arg(n, first + 3, "casting", "none"))
-        offset = arg(n, first + 4, "weight_offset", 0.0)
-        site.weight_offset = float(offset) if isinstance(offset, (int, float)) else 0.0
-        site.class_name = f"normswap::{name}"
+            fields["normalized_shape"] = tuple(shape)
+            fields["normalized_dims"] = tuple(range(-len(shape), 0))
+        fields["affine"], fields["bias"] = weight is not None, bias is not None
+        fields["eps"] = _number(arg(n, first + 2, "eps"))
+        fields["casting"] = str(arg(n, first + 3, "casting", "none"))
+        fields["weight_offset"] = _number(arg(n, first + 4, "weight_offset", 0.0)) or 0.0
+        class_name = f"normswap::{name}"
     elif name == "batch_norm":
-        site.normalized_dims = (1,)
-        site.affine = arg(n, 1, "weight") is not None
-        site.bias = arg(n, 2, "bias") is not None
-        site.running_stats = arg(n, 3, "running_mean") is not None
-        eps = arg(n, 7, "eps")
-        site.eps = float(eps) if isinstance(eps, (int, float)) else None
-        site.momentum = arg(n, 6, "momentum")
+        fields["normalized_dims"] = (1,)
+        fields["affine"] = arg(n, 1, "weight") is not None
+        fields["bias"] = arg(n, 2, "bias") is not None
+        fields["running_stats"] = arg(n, 3, "running_mean") is not None
+        fields["eps"] = _number(arg(n, 7, "eps"))
+        fields["momentum"] = _number(arg(n, 6, "momentum"))
         if meta:
-            site.normalized_shape = (meta[0][1],)
+            fields["normalized_shape"] = (meta[0][1],)
     elif name == "group_norm":
-        site.num_groups = arg(n, 1, "num_groups")
-        site.affine = arg(n, 2, "weight") is not None
-        site.bias = arg(n, 3, "bias") is not None
-        eps = arg(n, 4, "eps")
-        site.eps = float(eps) if isinstance(eps, (int, float)) else None
+        fields["num_groups"] = arg(n, 1, "num_groups")
+        fields["affine"] = arg(n, 2, "weight") is not None
+        fields["bias"] = arg(n, 3, "bias") is not None
+        fields["eps"] = _number(arg(n, 4, "eps"))
         if meta:
-            site.normalized_shape = (meta[0][1],)
-    site.producer = view.describe(x, modules) if isinstance(x, fx.Node) else None
-    site.consumers = [view.describe(u, modules) for u in _users_of(n)]
-    return site
+            fields["normalized_shape"] = (meta[0][1],)
+    return NormSite(
+        path=path,
+        source="functional",
+        semantics=NormSemantics(**fields),
+        class_name=class_name,
+        order=order[n],
+        call_count=1,
+        producer=view.describe(x, modules) if isinstance(x, fx.Node) else None,
+        consumers=[view.describe(u, modules) for u in _users_of(n)],
+    )
 
 
 def _annotate_module_site(
@@ -365,28 +381,41 @@ def _annotate_module_site(
     if inputs:
         site.producer = view.describe(inputs[0], modules)
     site.consumers = [view.describe(u, modules) for u in call.consumers()]
-    if site.kind == "layer" and site.source == "module":
-        _effective_layer_norm_dims(site, call, inputs)
-    if site.kind == "instance" and inputs:
+    if site.source != "module":
+        return  # a structural site's semantics come from this very graph
+    meta = tensor_meta(inputs[0]) if inputs else None
+    if meta is not None and meta[1].is_floating_point and dtype_name(meta[1]) != site.dtype:
+        # it runs in its input's dtype, not its parameters' (norm weights kept in fp32 in a bf16 model)
+        assert site.module is not None
+        site.semantics = declared_semantics(site.module, meta[1]) or replace(
+            site.semantics, dtype=dtype_name(meta[1])
+        )
+    dims = None
+    if site.kind is NormKind.LAYER:
+        dims = _effective_layer_norm_dims(site, call, inputs)
+    if site.kind is NormKind.INSTANCE and inputs:
         r = rank(inputs[0])
-        if r is not None:
-            site.normalized_dims = tuple(range(2 - r, 0))
+        dims = tuple(range(2 - r, 0)) if r is not None else None
+    if dims is not None:
+        site.semantics = replace(site.semantics, normalized_dims=dims)
 
 
-def _effective_layer_norm_dims(site: NormSite, call: ModuleCall, inputs: list[fx.Node]) -> None:
+def _effective_layer_norm_dims(
+    site: NormSite, call: ModuleCall, inputs: list[fx.Node]
+) -> tuple[int, ...] | None:
     """LayerNorm subclasses that permute around the op (timm LayerNorm2d) normalize another dim."""
     for n in call.nodes:
         if op_name(n) != "layer_norm":
             continue
         x = n.args[0]
         if not isinstance(x, fx.Node) or op_name(x) != "permute" or x.args[0] not in inputs:
-            return
+            return None
         # aten.permute(x, dims) and fx's Tensor.permute(x, *dims)
         perm = list(x.args[1]) if isinstance(x.args[1], list | tuple) else list(x.args[1:])
         r = len(perm)
         k = len(site.normalized_shape or ())
-        site.normalized_dims = tuple(sorted(perm[d] - r for d in range(r - k, r)))
-        return
+        return tuple(sorted(perm[d] - r for d in range(r - k, r)))
+    return None
 
 
 def _probe_candidates(modules: dict[str, nn.Module], sites: dict[str, NormSite]) -> None:
@@ -422,9 +451,9 @@ def probe_module(path: str, module: nn.Module) -> NormSite | None:
             return NormSite(
                 path=path,
                 source="structural",
+                semantics=_semantics_from_match(matches[0], view, module),
                 class_name=f"{cls.__module__}.{cls.__qualname__}",
                 module=module,
                 training=module.training,
-                **_site_from_match(matches[0], view, module),
             )
     return None

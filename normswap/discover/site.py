@@ -3,44 +3,44 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-NORM_KINDS = ("batch", "layer", "group", "instance", "rms", "other")
+from normswap.modules.semantics import NORM_KINDS, NormKind, NormSemantics
+
+
+def _semantic(name: str) -> property:
+    def get(self: NormSite) -> Any:
+        return getattr(self.semantics, name)
+
+    get.__doc__ = f"``semantics.{name}``"
+    return property(get)
 
 
 @dataclass
 class NormSite:
-    """One normalization in a model.
+    """One normalization in a model: what it computes (``semantics``) and where it sits.
 
-    ``source`` says how it was found: ``"module"`` (a class whose semantics we know: torch.nn's, ours,
-    FrozenBatchNorm), ``"structural"`` (a class we do not know, recognized by what its forward computes:
-    a norm written out in any form, or one ``F.layer_norm``/``F.rms_norm`` call on its own tensors),
-    ``"functional"`` (a ``F.layer_norm``-style call inside some other module's forward) or ``"pattern"``
-    (a norm written out as elementary ops inside another module's forward).
+    ``semantics`` (:class:`normswap.modules.semantics.NormSemantics`) is frozen and computed once, by
+    discovery: kind, normalized dims and shape, eps as applied for the dtype the norm runs in, affine and
+    bias with their parameter names, casting mode, weight offset. Every pass reads it; none reads the
+    module's attributes again. Its fields are also readable on the site itself (``site.eps`` is
+    ``site.semantics.eps``), read-only; the JSON form (:meth:`to_dict`) is flat, as it has always been.
+
+    The rest is placement, which discovery fills in as it learns it. ``source`` says how the norm was
+    found: ``"module"`` (a class whose semantics we know: torch.nn's, ours, FrozenBatchNorm),
+    ``"structural"`` (a class we do not know, recognized by what its forward computes: a norm written out
+    in any form, or one ``F.layer_norm``/``F.rms_norm`` call on its own tensors), ``"functional"`` (a
+    ``F.layer_norm``-style call inside some other module's forward) or ``"pattern"`` (a norm written out as
+    elementary ops inside another module's forward).
     """
 
     path: str
-    kind: str
     source: str
+    semantics: NormSemantics
     class_name: str | None = None
-    normalized_dims: tuple[int, ...] | None = None
-    normalized_shape: tuple[int, ...] | None = None
-    eps: float | None = None
-    affine: bool = False
-    bias: bool = False
-    running_stats: bool = False
-    momentum: float | None = None
-    num_groups: int | None = None
-    casting: str = "none"
-    weight_offset: float = 0.0
-    # Names of the norm's affine tensors inside its module ("gain", "shift" for a hand-written class);
-    # None means torch's names, "weight" and "bias".
-    weight_name: str | None = None
-    bias_name: str | None = None
-    dtype: str | None = None
     training: bool | None = None
     call_count: int | None = None
     producer: str | None = None
@@ -48,16 +48,37 @@ class NormSite:
     module: nn.Module | None = field(default=None, repr=False, compare=False)
     order: int = field(default=math.inf, repr=False, compare=False)  # type: ignore[assignment]
 
+    kind = _semantic("kind")
+    normalized_dims = _semantic("normalized_dims")
+    normalized_shape = _semantic("normalized_shape")
+    eps = _semantic("eps")
+    dtype = _semantic("dtype")
+    affine = _semantic("affine")
+    bias = _semantic("bias")
+    weight_name = _semantic("weight_name")
+    bias_name = _semantic("bias_name")
+    casting = _semantic("casting")
+    weight_offset = _semantic("weight_offset")
+    num_groups = _semantic("num_groups")
+    running_stats = _semantic("running_stats")
+    momentum = _semantic("momentum")
+
     @property
     def is_module(self) -> bool:
         """True when the norm is a whole module that can be replaced by another module."""
         return self.source in ("module", "structural")
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("module", None)
-        data.pop("order", None)
-        for key in ("normalized_dims", "normalized_shape"):
-            if data[key] is not None:
-                data[key] = list(data[key])
-        return data
+        return {
+            "path": self.path,
+            "source": self.source,
+            **self.semantics.to_dict(),
+            "class_name": self.class_name,
+            "training": self.training,
+            "call_count": self.call_count,
+            "producer": self.producer,
+            "consumers": list(self.consumers),
+        }
+
+
+__all__ = ["NORM_KINDS", "NormKind", "NormSemantics", "NormSite"]

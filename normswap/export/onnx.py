@@ -1,8 +1,9 @@
 """ONNX export that proves itself: export with torch.onnx (dynamo), run the file in onnxruntime, compare.
 
 The file is written to a temporary path, loaded in onnxruntime and run on the example inputs; only if
-its outputs agree with PyTorch's (tolerance by dtype, :data:`ONNX_TOLERANCE`) is it moved to the
-destination. normswap's fused-norm ops become standard ops through :mod:`normswap.export.onnx_ops`.
+its outputs agree with PyTorch's (tolerance by dtype: :func:`normswap.util.tolerance.onnx_tolerance`) is
+it moved to the destination. normswap's fused-norm ops become standard ops through
+:mod:`normswap.kernels.onnx_translation`.
 """
 
 from __future__ import annotations
@@ -19,14 +20,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, CheckFailedError, shorten
-from normswap.load.mode import modes_restored
 from normswap.load.paths import same_path
 from normswap.load.save import atomic_write
+from normswap.util.modes import modes_restored
+from normswap.util.tolerance import onnx_tolerance
 from normswap.validate.metrics import TensorComparison, compare_tensors
-
-# |onnxruntime - torch|max <= tol * |torch|max, by output dtype. Looser than the exact-rewrite table:
-# onnxruntime fuses and reorders reductions (e.g. its LayerNormalization kernel) on purpose.
-ONNX_TOLERANCE: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
 @dataclass
@@ -47,11 +45,6 @@ class OnnxExport:
         data = asdict(self)
         data["within_tolerance"] = self.within_tolerance
         return data
-
-
-def onnx_tolerance(dtype_name: str) -> float:
-    """:data:`ONNX_TOLERANCE` for an output dtype as comparisons record it ("float32", "bfloat16")."""
-    return ONNX_TOLERANCE.get(getattr(torch, dtype_name, torch.float32), 1e-4)
 
 
 def _failing_op(message: str) -> str:
@@ -170,9 +163,9 @@ def export_onnx(
     """Export ``model`` to ``path`` and check the file in onnxruntime; nothing is written if either fails.
 
     Raises :class:`BadInputError` when the export fails (naming the failing op when the exporter does)
-    and :class:`CheckFailedError` when onnxruntime's outputs leave :data:`ONNX_TOLERANCE`.
+    and :class:`CheckFailedError` when onnxruntime's outputs leave their tolerance (:func:`onnx_tolerance`).
     """
-    from normswap.export.onnx_ops import LAYER_NORMALIZATION_OPSET, translation_table
+    from normswap.kernels.onnx_translation import LAYER_NORMALIZATION_OPSET, translation_table
 
     path = Path(path)
     if path.suffix.lower() != ".onnx":

@@ -27,7 +27,7 @@ import torch
 from torch import fx, nn
 
 from normswap.errors import shorten
-from normswap.load.mode import modes_restored
+from normswap.util.modes import modes_restored
 
 
 @dataclass

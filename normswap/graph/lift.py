@@ -219,12 +219,11 @@ def _as_permutation(node: fx.Node) -> list[int] | None:
 
 
 def _channel_module(module: nn.Module, channel_dim: int) -> nn.Module:
-    from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm, spec_of
-    from normswap.modules.norms import LayerNorm, RMSNorm
+    from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm
+    from normswap.modules.norms import RMSNorm
 
-    rms = isinstance(module, RMSNorm)
-    cls = FusedChannelRMSNorm if rms else FusedChannelLayerNorm
-    return cls.from_channel_norm(module, spec_of(module, RMSNorm if rms else LayerNorm), channel_dim)
+    cls = FusedChannelRMSNorm if isinstance(module, RMSNorm) else FusedChannelLayerNorm
+    return cls.from_channel_norm(module, None, channel_dim)
 
 
 def _normalized_output(node: fx.Node) -> fx.Node | None:

@@ -6,8 +6,12 @@ Three tiers, as in Liger-Kernel:
    ``norm_bwd``, one pair for both norms and the residual-add variants), which run on whatever device
    their tensors are on (CUDA, or CPU under ``TRITON_INTERPRET=1``);
 2. custom ops ``torch.ops.normswap.*`` (:mod:`.ops`) with fake and autograd registrations: Triton on
-   CUDA, the reference math of :mod:`normswap.modules.functional` elsewhere;
-3. differentiable functions (:func:`rms_norm`, ...) and the modules of :mod:`normswap.modules.fused`.
+   CUDA, the reference math of :mod:`.reference` (the definition of the norms' semantics) elsewhere;
+3. differentiable functions (:func:`rms_norm`, ...), which the modules of :mod:`normswap.modules.fused`
+   call.
+
+:mod:`.onnx_translation` translates the ops to standard ONNX ops for the exporter; it imports onnxscript
+and is imported only where ONNX is written.
 
 Importing this package registers the ops (our own namespace only) and never imports triton.
 """

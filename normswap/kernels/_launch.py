@@ -15,13 +15,10 @@ import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
 
 import torch
 
-from normswap.modules.functional import CASTING_MODES
-
-NormKind = Literal["rms", "layer"]
+from normswap.kernels.reference import CASTING_MODES, KernelNormKind
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -233,7 +230,7 @@ def triton_supports(*tensors: torch.Tensor | None) -> bool:
 
 
 def norm_fwd(
-    kind: NormKind,
+    kind: KernelNormKind,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -322,7 +319,7 @@ def norm_fwd(
 
 
 def norm_bwd(
-    kind: NormKind,
+    kind: KernelNormKind,
     dy: torch.Tensor,
     dh: torch.Tensor | None,
     x: torch.Tensor,
@@ -442,7 +439,6 @@ def norm_bwd(
 
 __all__ = [
     "SUPPORTED_DTYPES",
-    "NormKind",
     "TileConfig",
     "bwd_config",
     "check_args",

@@ -21,7 +21,7 @@ implementation, so ``torch.compile`` and ``torch.export`` keep the op as one nod
 into it.
 
 Where they run: Triton on CUDA tensors of fp32/fp16/bf16; the reference math of
-:mod:`normswap.modules.functional` (and its hand-derived backward below) everywhere else, and on CPU
+:mod:`normswap.kernels.reference` (and its hand-derived backward) everywhere else, and on CPU
 unless a test asks for the Triton interpreter with :func:`triton_on_cpu`.
 """
 
@@ -36,7 +36,6 @@ from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from normswap.kernels._launch import (
-    NormKind,
     check_args,
     interpreter_enabled,
     norm_bwd,
@@ -45,10 +44,9 @@ from normswap.kernels._launch import (
     triton_available,
     triton_supports,
 )
-from normswap.modules.functional import layer_norm_reference, rms_norm_reference
+from normswap.kernels.reference import REFERENCES, KernelNormKind, reference_bwd, reference_fwd
 
 _force_triton_on_cpu = 0
-_REFERENCES = {"rms": rms_norm_reference, "layer": layer_norm_reference}
 
 
 @contextlib.contextmanager
@@ -119,84 +117,8 @@ def _empty_grad(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
 
-# ---------------------------------------------------------------------------------------------------
-# Reference implementations (CPU and anything Triton does not take)
-
-
-def _reference_fwd(
-    kind: NormKind,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    h = x + residual if residual is not None else None
-    src = h if h is not None else x
-    reference = _REFERENCES[kind]
-    # The reference function defines y; the statistics are recomputed beside it the same way, for the
-    # backward. Outputs are made contiguous because the fake implementations promise that.
-    y = reference(src, 1, weight, bias, eps, casting, weight_offset).contiguous()
-    x32 = src.float()
-    mean = None
-    if kind == "rms":
-        rstd = torch.rsqrt(x32.pow(2).mean(dim=-1) + eps)
-    else:
-        mean = x32.mean(dim=-1)
-        rstd = torch.rsqrt((x32 - mean.unsqueeze(-1)).pow(2).mean(dim=-1) + eps)
-        mean = mean.contiguous()
-    return y, h.contiguous() if h is not None else None, mean, rstd.contiguous()
-
-
-def _reference_bwd(
-    kind: NormKind,
-    dy: torch.Tensor,
-    dh: torch.Tensor | None,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    mean: torch.Tensor | None,
-    rstd: torch.Tensor,
-    casting: str,
-    weight_offset: float,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The backward of the reference math in fp32, from the saved statistics (see ``_kernels`` docs)."""
-    n_features = x.shape[-1]
-    x32 = x.float()
-    dy32 = dy.float()
-    rstd_ = rstd.float().unsqueeze(-1)
-    if kind == "rms":
-        n = x32 * rstd_
-    else:
-        assert mean is not None
-        n = (x32 - mean.float().unsqueeze(-1)) * rstd_
-    dw = None
-    if weight is not None:
-        if casting == "llama":
-            # What the reference multiplies: (w + offset) rounded in w's dtype, n rounded to x's dtype.
-            w_eff = (weight + weight_offset).float() if weight_offset else weight.float()
-            n_w = n.to(x.dtype).float()
-        else:
-            w_eff = weight.float() + weight_offset
-            n_w = n
-        g = dy32 * w_eff
-        dw = (dy32 * n_w).reshape(-1, n_features).sum(0).to(weight.dtype)
-    else:
-        g = dy32
-    db = dy32.reshape(-1, n_features).sum(0).to(bias.dtype) if bias is not None else None
-    dx = g - n * (g * n).mean(dim=-1, keepdim=True)
-    if kind == "layer":
-        dx = dx - g.mean(dim=-1, keepdim=True)
-    dx = dx * rstd_
-    if dh is not None:
-        dx = dx + dh.float()
-    return dx.to(x.dtype).contiguous(), dw, db
-
-
 def _fwd(
-    kind: NormKind,
+    kind: KernelNormKind,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -208,11 +130,11 @@ def _fwd(
     check_args(x, residual, weight, bias, casting)
     if _use_triton(x, residual, weight, bias):
         return norm_fwd(kind, x, residual, weight, bias, eps, casting, weight_offset)
-    return _reference_fwd(kind, x, residual, weight, bias, eps, casting, weight_offset)
+    return reference_fwd(kind, x, residual, weight, bias, eps, casting, weight_offset)
 
 
 def _bwd(
-    kind: NormKind,
+    kind: KernelNormKind,
     dy: torch.Tensor,
     dh: torch.Tensor | None,
     x: torch.Tensor,
@@ -226,7 +148,7 @@ def _bwd(
     if _use_triton(x, dy, dh, weight, bias):
         dx, dw, db = norm_bwd(kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset)
     else:
-        dx, dw, db = _reference_bwd(kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset)
+        dx, dw, db = reference_bwd(kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset)
     return dx, dw if dw is not None else _empty_grad(x), db if db is not None else _empty_grad(x)
 
 
@@ -240,7 +162,7 @@ def _bwd(
 class _OpFamily:
     """One norm's forward and backward op: ``{add_}{kind}_norm_{fwd,bwd}``."""
 
-    kind: NormKind
+    kind: KernelNormKind
     with_residual: bool
 
     @property
@@ -382,7 +304,7 @@ _EAGER_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
 
 
 def _differentiable_bwd(
-    kind: NormKind,
+    kind: KernelNormKind,
     ctx: object,
     dy: torch.Tensor,
     dh: tuple[torch.Tensor, ...],
@@ -391,7 +313,7 @@ def _differentiable_bwd(
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """First-order gradients built from differentiable ops (the reference forward, differentiated)."""
-    reference = _REFERENCES[kind]
+    reference = REFERENCES[kind]
     inputs = [t for t in (normalized, weight, bias) if t is not None]
     with torch.enable_grad():
         y = reference(normalized, 1, weight, bias, ctx.eps, ctx.casting, ctx.weight_offset)  # type: ignore[attr-defined]
@@ -435,7 +357,7 @@ def _flatten(
 
 
 def _norm(
-    kind: NormKind,
+    kind: KernelNormKind,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -451,7 +373,7 @@ def _norm(
         # custom ops do not (they gave errors, or silently wrong jacfwd tangents): compose the reference
         # math from torch ops instead, which every transform differentiates
         h = x + residual if residual is not None else None
-        reference = _REFERENCES[kind]
+        reference = REFERENCES[kind]
         y = reference(h if h is not None else x, normalized_ndim, weight, bias, eps, casting, weight_offset)
         return y, h
     xf, w, b = _flatten(x, weight, bias, normalized_ndim)
@@ -478,7 +400,7 @@ def rms_norm(
     weight_offset: float = 0.0,
     normalized_ndim: int = 1,
 ) -> torch.Tensor:
-    """Fused :func:`normswap.modules.functional.rms_norm_reference`, over the last ``normalized_ndim`` dims."""
+    """Fused :func:`normswap.kernels.reference.rms_norm_reference`, over the last ``normalized_ndim`` dims."""
     return _norm("rms", x, None, weight, bias, eps, casting, weight_offset, normalized_ndim)[0]
 
 
@@ -491,7 +413,7 @@ def layer_norm(
     weight_offset: float = 0.0,
     normalized_ndim: int = 1,
 ) -> torch.Tensor:
-    """Fused :func:`normswap.modules.functional.layer_norm_reference`, over the last ``normalized_ndim`` dims."""
+    """Fused :func:`normswap.kernels.reference.layer_norm_reference`, over the last ``normalized_ndim`` dims."""
     return _norm("layer", x, None, weight, bias, eps, casting, weight_offset, normalized_ndim)[0]
 
 
@@ -532,7 +454,7 @@ def fused_norm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-6,
-    kind: NormKind = "rms",
+    kind: KernelNormKind = "rms",
     casting: str = "none",
     weight_offset: float = 0.0,
     normalized_ndim: int = 1,

@@ -18,14 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError
-from normswap.load.model_file import (
-    LoadedModel,
-    _describe,
-    _first_line,
-    is_args_kwargs_pair,
-    read_tensor_file,
-)
+from normswap.errors import BadInputError, describe, first_line
+from normswap.load.model_file import LoadedModel, read_tensor_file
+from normswap.load.program import is_args_kwargs_pair
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -159,7 +154,7 @@ def make_inputs(
             if not is_out_of_memory(exc):
                 raise
             raise BadInputError(
-                f"cannot allocate an input of shape {_spec_text(spec)}: out of memory ({_first_line(exc)}); "
+                f"cannot allocate an input of shape {_spec_text(spec)}: out of memory ({first_line(exc)}); "
                 "give a smaller shape"
             ) from None
     return tuple(tensors)
@@ -204,10 +199,10 @@ def check_inputs_fit(
     except Exception as exc:  # a model fails in its own ways; the user needs one sentence
         if is_out_of_memory(exc):
             raise BadInputError(
-                f"{what} runs out of memory on the example inputs {shown} ({_first_line(exc)}): "
+                f"{what} runs out of memory on the example inputs {shown} ({first_line(exc)}): "
                 "give smaller inputs"
             ) from None
-        raise BadInputError(f"{what} does not run on the example inputs {shown}: {_describe(exc)}") from None
+        raise BadInputError(f"{what} does not run on the example inputs {shown}: {describe(exc)}") from None
 
 
 def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:

@@ -11,22 +11,14 @@ refuses any global outside its allowlist *before* calling it, so probing a malic
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import importlib
-import importlib.util
 import io
 import json
-import logging
-import os
 import pickle
 import pickletools
-import re
-import sys
-import traceback
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,11 +26,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError, shorten
+from normswap.errors import BadInputError, describe, first_line
+from normswap.load.factory import load_factory, unpack_model_and_inputs
+from normswap.load.program import load_program
 
 # A safetensors header larger than this is not a header but a misread length from some other format.
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
-_IDENTIFIER_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class ModelFormat(enum.Enum):
@@ -70,21 +63,6 @@ class _Probe(NamedTuple):
     # a mapping (a tensor, a tuple of tensors): readable as data, but neither a model nor a state dict.
     format: ModelFormat | None
     payload: Any
-
-
-def _first_line(text: object, limit: int = 200) -> str:
-    """The first non-empty line of an error text, so user-facing messages stay on one line; a longer
-    one is cut after its last whole word that fits (never inside a word) and marked with "..."."""
-    for line in str(text).splitlines():
-        line = line.strip()
-        if line:
-            return shorten(line, limit)
-    return ""
-
-
-def _describe(exc: BaseException) -> str:
-    detail = _first_line(exc)
-    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
 def _unreadable(path: Path, reason: str, what: str) -> BadInputError:
@@ -175,7 +153,7 @@ def _probe(path: Path, what: str) -> _Probe:
                 with archive.open(pkl_name) as pkl:
                     is_pickle = _is_pickle_stream(pkl)
         except zipfile.BadZipFile as exc:
-            raise _unreadable(path, f"corrupt zip archive: {_first_line(exc)}", what) from None
+            raise _unreadable(path, f"corrupt zip archive: {first_line(exc)}", what) from None
         if not is_pickle:
             raise _unreadable(path, "corrupt torch.save archive: its data.pkl is not a valid pickle", what)
     else:
@@ -198,7 +176,7 @@ def _probe(path: Path, what: str) -> _Probe:
         # class or function outside torch's allowlist, so it can only be read by running arbitrary code.
         return _Probe(ModelFormat.PICKLED_OBJECT, None)
     except Exception as exc:
-        raise _unreadable(path, f"truncated or corrupt: {_describe(exc)}", what) from None
+        raise _unreadable(path, f"truncated or corrupt: {describe(exc)}", what) from None
     if isinstance(payload, Mapping):
         return _Probe(ModelFormat.STATE_DICT, payload)
     return _Probe(None, payload)
@@ -227,7 +205,7 @@ def _tensors_from_probe(path: Path, probe: _Probe, what: str) -> Any:
         try:
             return load_file(str(path), device="cpu")
         except Exception as exc:
-            raise _unreadable(path, f"corrupt safetensors file: {_describe(exc)}", what) from None
+            raise _unreadable(path, f"corrupt safetensors file: {describe(exc)}", what) from None
     if probe.format is ModelFormat.PICKLED_OBJECT:
         raise BadInputError(
             f"{what} {path} is a pickled Python object, not tensors: save only tensors (or tuples, lists, "
@@ -248,145 +226,6 @@ def read_tensor_file(path: str | Path, *, what: str = "tensor file") -> Any:
     """
     path = Path(path)
     return _tensors_from_probe(path, _probe(path, what), what)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Factories
-
-
-def _resolve_attribute(module: Any, attr_path: str, factory: str) -> Any:
-    obj = module
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise BadInputError(
-                f"factory '{factory}': module '{module.__name__}' has no attribute '{attr_path}'"
-            ) from None
-    return obj
-
-
-def _import_module_from_cwd(module_name: str, factory: str) -> Any:
-    # The factory usually lives in the user's project, which is the working directory but is not on
-    # sys.path when normswap runs as an installed script. The directory goes *last*, for the import
-    # only: a stray torchvision.py in it must not shadow the installed package (and run in its place).
-    # A user who wants their folder first says so with PYTHONPATH=. or names the file (models.py:build).
-    saved_path = list(sys.path)
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BadInputError(f"cannot import factory module '{module_name}': {_first_line(exc)}") from None
-    except Exception as exc:
-        raise BadInputError(
-            f"factory module '{module_name}' failed while importing: {_describe(exc)}"
-        ) from None
-    finally:
-        sys.path[:] = saved_path
-
-
-def _module_name_for_file(path: Path) -> str:
-    # Registering the file under its own stem lets modules it defines be pickled (torch.save of the
-    # rewritten model) and reloaded later from the same folder; fall back to a private name on clashes.
-    stem = path.stem
-    if stem.isidentifier() and stem not in sys.modules:
-        return stem
-    safe = re.sub(r"\W", "_", stem)
-    return f"_normswap_factory_{safe}_{abs(hash(str(path))):x}"
-
-
-def _import_module_from_file(path: Path, factory: str) -> Any:
-    if not path.is_file():
-        raise BadInputError(f"factory file not found: {path} (in factory '{factory}')")
-    name = _module_name_for_file(path)
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise BadInputError(f"cannot load factory file {path}: not a Python source file")
-    module = importlib.util.module_from_spec(spec)
-    saved_path = list(sys.path)
-    # Sibling imports inside the factory file should work as they do when the user runs it directly.
-    sys.path.insert(0, str(path.resolve().parent))
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(name, None)
-        raise BadInputError(f"factory file {path} failed while importing: {_describe(exc)}") from None
-    finally:
-        sys.path[:] = saved_path
-    return module
-
-
-def _as_example_inputs(value: Any, factory: str) -> tuple[tuple | None, dict | None]:
-    """Normalize what a factory returned next to its model into (args, kwargs)."""
-    if value is None:
-        return None, None
-    if isinstance(value, torch.Tensor):
-        return (value,), {}
-    if isinstance(value, (tuple, list)):
-        return tuple(value), {}
-    if isinstance(value, Mapping):
-        if not all(isinstance(k, str) for k in value):
-            raise BadInputError(f"factory '{factory}' returned example kwargs whose keys are not all strings")
-        return (), dict(value)
-    raise BadInputError(
-        f"factory '{factory}' returned example inputs of type {type(value).__name__}: "
-        "expected a tensor, a tuple/list of positional args or a dict of kwargs"
-    )
-
-
-def _unpack_model_and_inputs(result: Any, origin: str) -> tuple[nn.Module, tuple | None, dict | None]:
-    """Accept ``module``, ``(module, inputs)`` or ``(module, args, kwargs)``."""
-    if isinstance(result, nn.Module):
-        return result, None, None
-    if isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module):
-        if len(result) == 2:
-            args, kwargs = _as_example_inputs(result[1], origin)
-            return result[0], args, kwargs
-        _, args, kwargs = result
-        if not isinstance(args, (tuple, list)) or not isinstance(kwargs, Mapping):
-            raise BadInputError(
-                f"{origin} returned (module, args, kwargs) whose args is not a tuple or kwargs not a dict"
-            )
-        return result[0], tuple(args), dict(kwargs)
-    raise BadInputError(
-        f"{origin} gave a {type(result).__name__}, not a torch.nn.Module "
-        "(expected a module, (module, example_inputs) or (module, args, kwargs))"
-    )
-
-
-def import_callable(spec: str, what: str = "factory", bad_spec: str | None = None) -> Any:
-    """The callable named by ``package.module:attr`` or ``path/to/file.py:attr`` (a dotted attr path).
-
-    ``what`` names it in messages ("factory", "data factory"); ``bad_spec`` replaces the message for a
-    spec that is neither form.
-    """
-    target, _, attr_path = spec.rpartition(":")
-    usage = bad_spec or f"bad {what} '{spec}': expected package.module:callable or path/to/file.py:callable"
-    if not target or not _IDENTIFIER_PATH.match(attr_path):
-        raise BadInputError(usage)
-    looks_like_file = target.endswith(".py") or "/" in target or os.sep in target or Path(target).is_file()
-    if looks_like_file:
-        module = _import_module_from_file(Path(target), spec)
-    elif _IDENTIFIER_PATH.match(target):
-        module = _import_module_from_cwd(target, spec)
-    else:
-        raise BadInputError(usage)
-    found = _resolve_attribute(module, attr_path, spec)
-    if not callable(found):
-        raise BadInputError(f"{what} '{spec}' is a {type(found).__name__}, not a callable")
-    return found
-
-
-def _load_factory(spec: str) -> tuple[nn.Module, tuple | None, dict | None]:
-    factory = import_callable(spec)
-    try:
-        result = factory()
-    except Exception as exc:
-        raise BadInputError(f"factory '{spec}' raised {_describe(exc)}") from None
-    return _unpack_model_and_inputs(result, f"factory '{spec}'")
 
 
 def _unwrap_state_dict(payload: Any, path: Path) -> Mapping[str, Any]:
@@ -427,8 +266,8 @@ def load_weights(model: nn.Module, weights: str | Path) -> None:
     except RuntimeError as exc:
         # Shape mismatches raise even with strict=False; keep the first specific line torch gives.
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-        detail = next((ln for ln in lines if ln.startswith("size mismatch")), _first_line(exc))
-        raise BadInputError(f"weights file {path} does not fit the model: {_first_line(detail)}") from None
+        detail = next((ln for ln in lines if ln.startswith("size mismatch")), first_line(exc))
+        raise BadInputError(f"weights file {path} does not fit the model: {first_line(detail)}") from None
     problems = []
     if result.missing_keys:
         problems.append(f"missing keys: {_key_list(list(result.missing_keys))}")
@@ -436,226 +275,6 @@ def load_weights(model: nn.Module, weights: str | Path) -> None:
         problems.append(f"unexpected keys: {_key_list(list(result.unexpected_keys))}")
     if problems:
         raise BadInputError(f"weights file {path} does not match the model: {'; '.join(problems)}")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Exported programs
-
-
-def _concrete_size(size: Any) -> int:
-    if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        # Without a recorded example size, 2 avoids the 0/1 values that export specializes on.
-        return int(hint) if hint is not None else 2
-    return int(size)
-
-
-def _synthesize_example_inputs(ep: torch.export.ExportedProgram) -> tuple[tuple, dict] | None:
-    """Build inputs matching the traced shapes/dtypes when the archive stored no example inputs."""
-    from torch.utils import _pytree as pytree
-
-    user_inputs = set(ep.graph_signature.user_inputs)
-    generator = torch.Generator().manual_seed(0)
-    leaves = []
-    for node in ep.graph.nodes:
-        if node.op != "placeholder" or node.name not in user_inputs:
-            continue
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            shape = [_concrete_size(s) for s in val.shape]
-            if val.dtype.is_floating_point or val.dtype.is_complex:
-                leaves.append(torch.randn(shape, generator=generator).to(val.dtype))
-            else:
-                leaves.append(torch.zeros(shape, dtype=val.dtype))
-        elif isinstance(val, torch.SymInt):
-            leaves.append(_concrete_size(val))
-        else:
-            leaves.append(val)
-    try:
-        args, kwargs = pytree.tree_unflatten(leaves, ep.call_spec.in_spec)
-    except Exception:
-        return None
-    return tuple(args), dict(kwargs)
-
-
-def _lift_hook(gm: nn.Module) -> nn.Module:
-    """Hand the exported graph module to ``normswap.graph.lift.lift_exported_module`` when it exists.
-
-    Lifting turns aten norm calls back into nn modules, which is what the passes rewrite. A lift that
-    returns a module replaces ``gm``; one that returns None is taken to have worked in place.
-    """
-    try:
-        lift = importlib.import_module("normswap.graph.lift")
-    except ModuleNotFoundError as exc:
-        # Only "the lift module is not written yet" is expected; a broken import inside it must surface.
-        if exc.name != "normswap.graph.lift":
-            raise
-        return gm
-    lift_exported_module = getattr(lift, "lift_exported_module", None)
-    if lift_exported_module is None:
-        return gm
-    lifted = lift_exported_module(gm)
-    return lifted if isinstance(lifted, nn.Module) else gm
-
-
-# Packages whose output classes a .pt2 may name in its pytree specs; importing one of them registers
-# those classes for deserialization (Hugging Face's ModelOutput subclasses register themselves).
-# Only these are imported on the archive's word: an archive must not choose what code runs.
-_OUTPUT_TYPE_PACKAGES = ("transformers.", "diffusers.", "timm.")
-_UNREGISTERED_TYPE = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
-
-
-# torch.export.load logs under both: torch.export (the loader) and torch._export (the deserializer, which
-# reports its fallback to the full unpickler there).
-_EXPORT_LOGGERS = ("torch.export", "torch._export")
-
-
-def _log_text(record: logging.LogRecord) -> str:
-    try:
-        return record.getMessage()
-    except (TypeError, ValueError):  # torch's own format strings sometimes lack an argument
-        return f"{record.msg} {record.args}"
-
-
-class _Collect(logging.Handler):
-    """Keeps torch.export's log records of one load attempt, to read what failed and pass the rest on."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def text(self) -> str:
-        parts = []
-        for record in self.records:
-            parts.append(_log_text(record))
-            if record.exc_info and record.exc_info[1] is not None:
-                parts.append("".join(traceback.format_exception(record.exc_info[1])))
-        return " ".join(parts)
-
-
-@contextlib.contextmanager
-def _listening() -> Iterator[_Collect]:
-    """torch.export's log records go to a collector instead of torch's handlers, for one load attempt."""
-    collect = _Collect()
-    saved = []
-    # torch's logging setup attaches handlers to each of its module loggers, not only to the parents
-    names = [
-        name
-        for name in list(logging.root.manager.loggerDict)
-        if any(name == top or name.startswith(top + ".") for top in _EXPORT_LOGGERS)
-    ]
-    for name in sorted({*_EXPORT_LOGGERS, *names}):
-        log = logging.getLogger(name)
-        saved.append((log, log.handlers[:], log.propagate))
-        log.handlers, log.propagate = [collect], False
-    try:
-        yield collect
-    finally:
-        for log, handlers, propagate in saved:
-            log.handlers, log.propagate = handlers, propagate
-
-
-def _registering_module(failure: str) -> str | None:
-    """The module to import so that a failed ``torch.export.load`` can succeed, if it is one we trust:
-    normswap's own ops (a fused model's graph calls them), or the output classes' module of a library in
-    :data:`_OUTPUT_TYPE_PACKAGES`."""
-    if "torch.ops.normswap." in failure:
-        return "normswap.kernels.ops"
-    found = _UNREGISTERED_TYPE.search(failure)
-    name = found.group(1) if found else ""
-    return name.rpartition(".")[0] if name.startswith(_OUTPUT_TYPE_PACKAGES) else None
-
-
-def _pass_on(records: list[logging.LogRecord]) -> None:
-    """Hand the warnings of the load that succeeded (a legacy layout, a fallback to the full unpickler
-    under --trust-pickle) to torch's loggers as if we had not listened: the user should see what torch
-    says. One line each: an exception torch attaches is reduced to its first line."""
-    for record in records:
-        if record.levelno < logging.WARNING:
-            continue
-        text = _log_text(record)
-        if record.exc_info and record.exc_info[1] is not None:
-            text = f"{text} ({_describe(record.exc_info[1])})"
-        record.msg, record.args, record.exc_info, record.exc_text = text, None, None, None
-        logging.getLogger(record.name).handle(record)
-
-
-def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
-    """``torch.export.load`` of an archive that :func:`~normswap.load.archive.check_pt2_archive` passed,
-    registering what the archive needs (see :func:`_registering_module`) and retrying; only archives that
-    need it pay for those imports."""
-    from normswap.load.archive import check_program_calls, check_pt2_archive
-
-    imported: set[str] = set()
-    # An open file avoids torch's suffix check, so a .pt2 archive saved as model.pt still loads; the
-    # scan and the load read the same open file.
-    with path.open("rb") as f:
-        check_pt2_archive(path, f, trust_pickle=trust_pickle)
-        while True:
-            # torch names what is missing only in a warning it logs, not in the exception it raises;
-            # torch's handlers are set aside while an attempt may still fail and be retried, and what a
-            # successful attempt logged is passed on to them afterwards
-            with _listening() as collect:
-                try:
-                    f.seek(0)
-                    program = torch.export.load(f)
-                except Exception as exc:
-                    module = _registering_module(" ".join([collect.text(), str(exc)]))
-                    if module is None or module in imported:
-                        raise
-                    try:
-                        importlib.import_module(module)
-                    except ImportError:
-                        raise exc from None
-                    imported.add(module)
-                    continue
-            _pass_on(collect.records)
-            check_program_calls(path, program)
-            return program
-
-
-def is_args_kwargs_pair(value: Any) -> bool:
-    """Whether ``value`` has the layout of ``ExportedProgram.example_inputs``: (args tuple, kwargs dict)."""
-    return (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and isinstance(value[0], (tuple, list))
-        and isinstance(value[1], Mapping)
-        and all(isinstance(k, str) for k in value[1])
-    )
-
-
-def _example_inputs_of(ep: torch.export.ExportedProgram) -> tuple[tuple, dict] | None:
-    """The archive's stored example inputs, if they have the (args, kwargs) form torch writes."""
-    examples = ep.example_inputs
-    if examples is not None and is_args_kwargs_pair(examples):
-        return tuple(examples[0]), dict(examples[1])
-    return None
-
-
-def _load_exported_program(path: Path, source: str, *, trust_pickle: bool) -> LoadedModel:
-    from normswap.load.archive import UnsafeArchiveError
-
-    try:
-        ep = _read_exported_program(path, trust_pickle=trust_pickle)
-    except UnsafeArchiveError:
-        raise
-    except Exception as exc:
-        raise BadInputError(f"cannot load torch.export archive {path}: {_describe(exc)}") from None
-    examples = _example_inputs_of(ep) or _synthesize_example_inputs(ep)
-    args, kwargs = examples if examples is not None else (None, None)
-    try:
-        module = ep.module()
-    except Exception as exc:
-        # a program torch deserialized but cannot rebuild into modules: its internals were edited
-        raise BadInputError(
-            f"cannot rebuild the program of torch.export archive {path} into a module: {_describe(exc)}"
-        ) from None
-    model = _lift_hook(module)
-    return LoadedModel(model=model, example_args=args, example_kwargs=kwargs, source=source, format="pt2")
 
 
 def _load_pickled_module(path: Path, source: str) -> LoadedModel:
@@ -671,8 +290,8 @@ def _load_pickled_module(path: Path, source: str) -> LoadedModel:
                 with path.open("rb") as f:
                     result = pickle.load(f)
     except Exception as exc:
-        raise BadInputError(f"cannot unpickle {path}: {_describe(exc)}") from None
-    model, args, kwargs = _unpack_model_and_inputs(result, f"pickle {path}")
+        raise BadInputError(f"cannot unpickle {path}: {describe(exc)}") from None
+    model, args, kwargs = unpack_model_and_inputs(result, f"pickle {path}")
     return LoadedModel(model=model, example_args=args, example_kwargs=kwargs, source=source, format="pickle")
 
 
@@ -713,7 +332,10 @@ def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) ->
             )
         fmt = detect_format(path)
         if fmt is ModelFormat.EXPORTED_PROGRAM:
-            return _load_exported_program(path, spec, trust_pickle=trust_pickle)
+            model, args, kwargs = load_program(path, trust_pickle=trust_pickle)
+            return LoadedModel(
+                model=model, example_args=args, example_kwargs=kwargs, source=spec, format="pt2"
+            )
         if fmt is ModelFormat.TORCHSCRIPT:
             raise BadInputError(
                 f"{path} is a TorchScript archive; normswap rewrites eager or torch.export models: "
@@ -734,7 +356,7 @@ def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) ->
         raise BadInputError(
             f"model file not found: {spec} (give a .pt2 file, or a factory as package.module:callable)"
         )
-    model, args, kwargs = _load_factory(spec)
+    model, args, kwargs = load_factory(spec)
     if weights is not None:
         load_weights(model, weights)
     return LoadedModel(model=model, example_args=args, example_kwargs=kwargs, source=spec, format="factory")

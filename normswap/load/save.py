@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError
-from normswap.load.model_file import _describe
+from normswap.errors import BadInputError, describe
 from normswap.load.paths import same_path
 
 if TYPE_CHECKING:
@@ -135,7 +134,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         raise BadInputError(f"cannot write to output directory {parent}: permission denied") from None
     except OSError as exc:  # a read-only file system, a full disk, a name too long
         raise BadInputError(
-            f"cannot write to output directory {parent}: {exc.strerror or _describe(exc)}"
+            f"cannot write to output directory {parent}: {exc.strerror or describe(exc)}"
         ) from None
     try:
         write(temp)
@@ -143,7 +142,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     except OSError as exc:
         # Disk full, permissions, a read-only mount: the user's environment, not a normswap bug.
         temp.unlink(missing_ok=True)
-        raise BadInputError(f"cannot write {path}: {exc.strerror or _describe(exc)}") from None
+        raise BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}") from None
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
@@ -156,7 +155,7 @@ def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | Non
         ep = export_program(model, example_args, example_kwargs)
     except Exception as exc:
         raise BadInputError(
-            f"torch.export could not trace the model for .pt2 output ({_describe(exc)}); save as .pt instead"
+            f"torch.export could not trace the model for .pt2 output ({describe(exc)}); save as .pt instead"
         ) from None
     torch.export.save(ep, temp)
 
@@ -182,7 +181,7 @@ def pickle_problem(model: nn.Module) -> str | None:
     try:
         _StructurePickler(_Discard(), protocol=2).dump(model)
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
-        return _describe(exc)
+        return describe(exc)
     return None
 
 
@@ -231,15 +230,15 @@ def _write_pickle(model: nn.Module, temp: Path) -> None:
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
         # e.g. a lambda or a local class inside the model: pickle cannot name it.
         raise BadInputError(
-            f"cannot pickle the model for .pt output ({_describe(exc)}); save as .pt2 instead"
+            f"cannot pickle the model for .pt output ({describe(exc)}); save as .pt2 instead"
         ) from None
 
 
 def _write_onnx(
     model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path, opset: int | None
 ) -> None:
-    from normswap.export.onnx_ops import LAYER_NORMALIZATION_OPSET, translation_table
     from normswap.graph.capture import capture_friendly
+    from normswap.kernels.onnx_translation import LAYER_NORMALIZATION_OPSET, translation_table
 
     # normswap's fused-norm ops become standard ONNX ops (LayerNormalization, RMSNormalization); the
     # table only adds translations, so models without fused norms export as before.
@@ -256,7 +255,7 @@ def _write_onnx(
                 custom_translation_table=table,
             )
     except Exception as exc:
-        raise BadInputError(f"ONNX export of the model failed: {_describe(exc)}") from None
+        raise BadInputError(f"ONNX export of the model failed: {describe(exc)}") from None
     if program is None:
         raise BadInputError("ONNX export of the model produced no program")
     # Initializers must stay inside the file: an external data file would be named after the temp file,

@@ -13,7 +13,6 @@ rather than ``weight``/``bias``), so the original checkpoint still loads into th
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import torch
@@ -21,60 +20,10 @@ from torch import nn
 
 from normswap.kernels.ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from normswap.modules.norms import LayerNorm, RMSNorm
+from normswap.modules.semantics import NormKind, NormSemantics, declared_semantics
 
 _F = TypeVar("_F", bound="FusedNorm")
 _C = TypeVar("_C", bound="_ChannelDim")
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """What a fused norm needs to reproduce another module: constructor arguments and parameter names."""
-
-    normalized_shape: tuple[int, ...]
-    eps: float
-    elementwise_affine: bool
-    bias: bool
-    casting: str = "none"
-    weight_offset: float = 0.0
-    # Names of the weight and bias in the source module's state_dict.
-    weight_name: str = "weight"
-    bias_name: str = "bias"
-
-    def constructor_kwargs(self) -> dict:
-        kwargs = asdict(self)
-        del kwargs["weight_name"], kwargs["bias_name"]
-        return kwargs
-
-
-def spec_of(module: nn.Module, want: type[nn.Module]) -> NormSpec:
-    """The spec of a module whose class states its semantics: normswap's reference norms (of class
-    ``want``, fused or not) and torch.nn's ``LayerNorm``/``RMSNorm`` (and subclasses such as timm's)."""
-    if isinstance(module, RMSNorm | LayerNorm):
-        if not isinstance(module, want):
-            raise TypeError(f"cannot build a fused {want.__name__} from a {type(module).__name__}")
-        return NormSpec(
-            normalized_shape=module.normalized_shape,
-            eps=module.eps,
-            elementwise_affine=module.elementwise_affine,
-            bias=module.bias is not None,
-            casting=module.casting,
-            weight_offset=module.weight_offset,
-            weight_name=getattr(module, "_weight_key", "weight"),
-            bias_name=getattr(module, "_bias_key", "bias"),
-        )
-    torch_twin = nn.RMSNorm if want is RMSNorm else nn.LayerNorm
-    if isinstance(module, torch_twin):
-        eps = module.eps
-        if eps is None:
-            # torch's RMSNorm then uses finfo(input dtype).eps: no single constant reproduces it.
-            raise ValueError("nn.RMSNorm with eps=None takes eps from the input dtype; set eps explicitly")
-        return NormSpec(
-            normalized_shape=tuple(module.normalized_shape),
-            eps=float(eps),
-            elementwise_affine=module.elementwise_affine,
-            bias=getattr(module, "bias", None) is not None,
-        )
-    raise TypeError(f"cannot build a fused {want.__name__} from a {type(module).__name__}")
 
 
 def _parameter_property(key_attr: str, default: str) -> property:
@@ -93,24 +42,28 @@ class FusedNorm(nn.Module):
     """Base of every fused norm module: ``from_module``, and weight/bias under the source's names."""
 
     _reference: type[nn.Module]
+    _kind: NormKind
 
     weight = _parameter_property("_weight_key", "weight")
     bias = _parameter_property("_bias_key", "bias")
 
     @classmethod
-    def from_module(cls: type[_F], module: nn.Module, spec: NormSpec | None = None) -> _F:
-        """A fused copy of ``module``.
+    def from_module(cls: type[_F], module: nn.Module, semantics: NormSemantics | None = None) -> _F:
+        """A fused copy of ``module``, a norm that ``semantics`` describes (discovery's record).
 
-        Without ``spec``, ``module`` must be a normswap reference norm or torch's ``LayerNorm``/``RMSNorm``;
-        with it, any module whose function the spec states (a hand-written or third-party norm) and whose
-        state_dict holds exactly the spec's parameters. Parameters are copied (not shared) with their
-        dtype, device and ``requires_grad``, under their names in ``module``; the training flag is kept.
-        ``module`` is left untouched.
+        Without ``semantics``, ``module`` must be a norm whose class states them (normswap's reference
+        norms, torch's ``LayerNorm``/``RMSNorm``): they are read by
+        :func:`normswap.modules.semantics.declared_semantics`. With them, any module whose function they
+        state (a hand-written or third-party norm) and whose state_dict holds exactly its weight and bias,
+        under the record's names. Parameters are copied (not shared) with their dtype, device and
+        ``requires_grad``, under those names; the training flag is kept. ``module`` is left untouched.
         """
-        if spec is None:
-            spec = spec_of(module, cls._reference)
-        fused = cls(**spec.constructor_kwargs(), device="meta")
-        fused._rename_parameters(spec.weight_name, spec.bias_name)
+        if semantics is None:
+            semantics = declared_semantics(module)
+        if semantics is None or semantics.kind is not cls._kind:
+            raise TypeError(f"cannot build a fused {cls._reference.__name__} from a {type(module).__name__}")
+        fused = cls(**semantics.module_kwargs(), device="meta")
+        fused._rename_parameters(semantics.weight_name or "weight", semantics.bias_name or "bias")
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         # assign=True takes each tensor's dtype and device as they are (weight and bias may differ).
         fused.load_state_dict(state, assign=True)
@@ -144,6 +97,7 @@ class FusedRMSNorm(RMSNorm, FusedNorm):
     """:class:`normswap.modules.RMSNorm` computed by the ``normswap::rms_norm_fwd`` op."""
 
     _reference = RMSNorm
+    _kind = NormKind.RMS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, *self._numerics())
@@ -153,6 +107,7 @@ class FusedLayerNorm(LayerNorm, FusedNorm):
     """:class:`normswap.modules.LayerNorm` computed by the ``normswap::layer_norm_fwd`` op."""
 
     _reference = LayerNorm
+    _kind = NormKind.LAYER
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return layer_norm(x, *self._numerics())
@@ -177,14 +132,19 @@ class _ChannelDim(FusedNorm):
     channel_dim: int = -1
 
     @classmethod
-    def from_channel_norm(cls: type[_C], module: nn.Module, spec: NormSpec, channel_dim: int) -> _C:
-        """A fused copy of ``module``, a norm over dim ``channel_dim`` that ``spec`` describes."""
-        if channel_dim >= 0 or len(spec.normalized_shape) != 1:
+    def from_channel_norm(
+        cls: type[_C], module: nn.Module, semantics: NormSemantics | None, channel_dim: int
+    ) -> _C:
+        """A fused copy of ``module``, a norm over dim ``channel_dim`` that ``semantics`` describes."""
+        if semantics is None:
+            semantics = declared_semantics(module)
+        shape = semantics.normalized_shape if semantics is not None else None
+        if channel_dim >= 0 or shape is None or len(shape) != 1:
             raise ValueError(
                 "a channel norm normalizes one dim counted from the end (e.g. -3 for NCHW), got "
-                f"dim {channel_dim} of shape {spec.normalized_shape}"
+                f"dim {channel_dim} of shape {shape}"
             )
-        fused = cls.from_module(module, spec)
+        fused = cls.from_module(module, semantics)
         fused.channel_dim = channel_dim
         return fused
 
@@ -208,6 +168,7 @@ class FusedAddRMSNorm(RMSNorm, FusedNorm):
     """``(rms_norm(x + residual), x + residual)``; same constructor and state_dict as RMSNorm."""
 
     _reference = RMSNorm
+    _kind = NormKind.RMS
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rms_norm(x, residual, *self._numerics())
@@ -217,6 +178,7 @@ class FusedAddLayerNorm(LayerNorm, FusedNorm):
     """``(layer_norm(x + residual), x + residual)``; same constructor and state_dict as LayerNorm."""
 
     _reference = LayerNorm
+    _kind = NormKind.LAYER
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return add_layer_norm(x, residual, *self._numerics())
@@ -230,7 +192,5 @@ __all__ = [
     "FusedLayerNorm",
     "FusedNorm",
     "FusedRMSNorm",
-    "NormSpec",
     "channel_dim_of",
-    "spec_of",
 ]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normswap.modules.functional import CASTING_MODES, layer_norm_reference, rms_norm_reference
+from normswap.kernels.reference import CASTING_MODES, layer_norm_reference, rms_norm_reference
 
 
 def _as_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:

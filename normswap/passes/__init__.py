@@ -1,6 +1,19 @@
-"""Graph-informed rewrites of a model's norms. One pass per file; see :mod:`normswap.passes.base`."""
+"""Graph-informed rewrites of a model's norms. One pass per file, every one the same protocol
+(:class:`Pass`: prepare, candidates, check into a plan or a refusal, apply; one driver); see
+:mod:`normswap.passes.base`."""
 
-from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, Skip, build_context
+from normswap.passes.base import (
+    Change,
+    Needs,
+    Pass,
+    PassContext,
+    PassReport,
+    Refusal,
+    RewriteKind,
+    Skip,
+    SkipCause,
+    build_context,
+)
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
 from normswap.passes.fold_norm_affine import FoldNormAffine, fold_norm_affine
 from normswap.passes.fuse_add_norm import FuseAddNorm, fuse_add_norm
@@ -21,15 +34,18 @@ __all__ = [
     "FuseAddNorm",
     "FuseGraphNorm",
     "FuseNorm",
+    "Needs",
     "Pass",
     "PassContext",
     "PassReport",
     "Pipeline",
     "PipelineReport",
     "RecenterLayerNorm",
+    "Refusal",
     "RemoveWeightNorm",
     "RewriteKind",
     "Skip",
+    "SkipCause",
     "SwapNorm",
     "add_weight_norm",
     "build_context",

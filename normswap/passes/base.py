@@ -1,30 +1,73 @@
-"""The pass framework: a pass finds candidate sites, checks each, rewrites or skips it with a reason.
+"""The pass protocol: one driver for every rewrite, so that what a pass promises holds by construction.
 
-A pass declares its kind (exact, architectural, data-driven; DESIGN.md), never mutates its input unless
-``inplace=True`` (then the returned model is the one to use: a pass may replace the root), keeps no state
-between sites (everything a site needs travels in a :class:`PassContext`), and returns
-``(model, PassReport)``. Reports are plain data.
+Every pass, whether it edits the module tree (fold BatchNorm, swap a norm), only a layer's parameters
+(add/remove weight norm) or an exported graph (fuse an add into a norm), is the same four steps:
+
+1. **prepare** what the whole run shares (recorded module inputs, the residual-stream plan, the norm
+   patterns of the graph), once, into a dataclass of the pass's own (:meth:`Pass.prepare`);
+2. list the **candidate** sites (:meth:`Pass.candidates`);
+3. **check** each into a typed plan, or a :class:`Refusal` (or a plain reason) that the report shows;
+4. **apply** each plan, which returns the :class:`Change`.
+
+Only :meth:`Pass.__call__` runs those steps, and only it decides what a pass may not decide for
+itself: copying vs in-place, the context a pass is given (``needs``), and the report. That is why a
+pass cannot mutate its input unless asked, cannot forget a skip, and cannot leave state behind: state
+between check and apply travels in the plan (typed, built by ``check``), state shared by sites in the
+prepared object (typed, built once per run), never in string-keyed caches or by recomputing it.
+
+A pass declares its kind (exact, architectural, data-driven; DESIGN.md) and what context it needs
+(:class:`Needs`): a captured graph with the norm inventory, the parameters alone (nothing is
+captured), or an exported graph that the pass edits and that becomes the result. Whether a graph the
+caller already captured can serve the pass follows from that (:attr:`Pass.reuses_capture`); whether it
+still describes the model after the pass is :attr:`Pass.keeps_capture`. With both,
+:class:`~normswap.passes.pipeline.Pipeline` captures once per graph state, not once per pass.
+
+``inplace=True`` and a new root. Module edits are made on the model itself; the returned model is the
+one to use. A change no module edit can express needs a new root (a ``torch.fx.GraphModule``): graph
+passes export the model and edit only that export (the input is never touched, the export shares its
+parameter tensors), and FoldBatchNorm removes an ``F.batch_norm`` call from the root's forward by
+building the new root beside the input, with its own folded copy of the layer, after every module edit
+of the run. So the model passed in stays a consistent model (its module edits applied, its own
+forward as it was), never a half-rewritten one; no method of a live object is rebound.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from torch import nn
+import torch
+from torch import fx, nn
 
-from normswap.discover import NormInventory, NormSite, find_norms
+from normswap.discover import NormInventory, find_norms
 from normswap.graph.analysis import GraphView
-from normswap.graph.capture import CapturedGraph, capture_graph
+from normswap.graph.capture import CapturedGraph, capture_graph, export_module
 from normswap.modules.copying import copy_model
+from normswap.passes.graph_rewrite import finish_graph
+from normswap.validate.metrics import record_module_inputs
 
 
 class RewriteKind(str, Enum):
     EXACT = "exact"
     ARCHITECTURAL = "architectural"
     DATA_DRIVEN = "data-driven"
+
+
+class Needs(str, Enum):
+    """The context a pass works in, which the driver builds.
+
+    ``graph``: a captured graph of the model (export, else fx) and the norm inventory read off it; the
+    pass edits the module tree. ``parameters``: the modules alone, nothing captured (a pass that reads
+    and writes parameters only). ``exported graph``: a GraphModule exported from the model on the example
+    inputs; the pass edits its graph and, when it changed anything, that GraphModule is the result.
+    """
+
+    GRAPH = "graph"
+    PARAMETERS = "parameters"
+    EXPORTED_GRAPH = "exported graph"
 
 
 @dataclass
@@ -96,7 +139,10 @@ class PassReport:
 
 @dataclass
 class PassContext:
-    """What a pass knows about the model while it works on it; rebuilt for every pass run."""
+    """What a pass knows about the model while it works on it; built by the driver for every run.
+
+    For a ``parameters`` pass the inventory is empty and nothing is captured; for an ``exported
+    graph`` pass ``model`` is the exported GraphModule and ``view`` its graph."""
 
     model: nn.Module
     inventory: NormInventory
@@ -105,8 +151,10 @@ class PassContext:
     modules: dict[str, nn.Module]
     example_args: tuple | None = None
     example_kwargs: dict[str, Any] | None = None
-    # Values a pass computes once per run and reads at several sites (e.g. recorded activations).
-    cache: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_inputs(self) -> bool:
+        return self.example_args is not None or bool(self.example_kwargs)
 
     def replace_model(self, model: nn.Module) -> None:
         """Make ``model`` the one the pass returns (a rewrite of the root's own forward gives a new root);
@@ -115,11 +163,61 @@ class PassContext:
         self.modules = {**self.modules, "": model}
 
 
-class Pass(ABC):
-    """Base of every pass. Subclasses implement :meth:`candidates`, :meth:`check` and :meth:`rewrite`."""
+class RecordedInputs:
+    """The input each of some modules sees when the model runs on the example inputs: state a pass's
+    sites share, so one forward records them all (at the first question, before any check has let a
+    site be applied, so before any of them is replaced). Without example inputs every answer is None."""
+
+    def __init__(self, ctx: PassContext, modules: Sequence[nn.Module]) -> None:
+        self._ctx = ctx
+        self._modules = list(modules)  # chosen now, while the module tree is the one analyzed
+        self._seen: dict[int, torch.Tensor] | None = None
+
+    def of(self, module: nn.Module) -> torch.Tensor | None:
+        ctx = self._ctx
+        if not ctx.has_inputs:
+            return None
+        if self._seen is None:
+            self._seen = record_module_inputs(ctx.model, self._modules, ctx.example_args, ctx.example_kwargs)
+        return self._seen.get(id(module))
+
+
+class Site(Protocol):
+    """What every candidate site has: the name the report shows for it."""
+
+    @property
+    def path(self) -> str: ...
+
+
+SiteT = TypeVar("SiteT", bound=Site)
+PlanT = TypeVar("PlanT")
+StateT = TypeVar("StateT")
+
+# The site of a refusal that concerns the whole model (no graph to edit).
+WHOLE_MODEL = "<model>"
+
+
+class Pass(ABC, Generic[SiteT, PlanT, StateT]):
+    """Base of every pass; see the module doc. Subclasses set ``name``, ``kind`` and ``needs`` and
+    implement :meth:`candidates`, :meth:`check` and :meth:`apply` (and :meth:`prepare` when sites share
+    per-run state). A plan is a dataclass of the pass's own, never a string (a string is a refusal)."""
 
     name: ClassVar[str]
     kind: ClassVar[RewriteKind]
+    needs: ClassVar[Needs] = Needs.GRAPH
+    # True when a graph captured before this pass still describes the model after it, for discovery and
+    # every later pass: its edits only replace norm modules by norms whose class says their semantics,
+    # at the same call sites, and change parameter values. A pass that removes a module (a folded BN
+    # becomes an Identity the stale graph would still show normalizing) or restructures one leaves it False.
+    keeps_capture: ClassVar[bool] = False
+    # for an exported-graph pass: what it does, in "no example inputs: <doing> needs a captured graph"
+    doing: ClassVar[str] = "this pass"
+
+    @property
+    def reuses_capture(self) -> bool:
+        """Whether a graph captured of the model as given, on the same inputs, can be this pass's context
+        (a parameters-only pass captures nothing; an exported-graph pass edits its own export)."""
+        return self.needs is Needs.GRAPH
 
     def __call__(
         self,
@@ -130,55 +228,100 @@ class Pass(ABC):
         inplace: bool = False,
         captured: CapturedGraph | None = None,
     ) -> tuple[nn.Module, PassReport]:
-        """``captured``: a graph already captured of ``model`` (or of a model of the same structure) on
-        these inputs, to use instead of capturing one again."""
-        target = model if inplace else copy_model(model)
-        ctx = build_context(target, example_args, example_kwargs, captured=captured)
-        report = PassReport(
-            self.name,
-            self.kind,
-            graph_method=ctx.captured.method,
-            graph_error=ctx.captured.reason,
-            graph_notes=list(ctx.captured.notes),
-        )
-        for site in self.candidates(ctx):
-            refused = self.check(site, ctx)
-            if isinstance(refused, Refusal):
-                report.skips.append(Skip(self.name, site.path, refused.reason, refused.cause))
-                continue
-            if refused is not None:
-                report.skips.append(Skip(self.name, site.path, refused))
-                continue
-            report.changes.append(self.rewrite(site, ctx))
-        if ctx.model is not target and inplace:
-            _consumed(target, self.name)
-        return ctx.model, report
+        """Run the pass: ``(model, report)``. The input is left as it was unless ``inplace``; the
+        returned model is the one to use either way. ``captured``: a graph already captured of
+        ``model`` (or of a model of the same structure) on these inputs, used instead of capturing one
+        again when the pass :attr:`reuses_capture`."""
+        report = PassReport(self.name, self.kind)
+        ctx = self._context(model, example_args, example_kwargs, inplace, captured, report)
+        if ctx is None:
+            return model, report
+        state = self.prepare(ctx)
+        for site in self.candidates(ctx, state):
+            plan = self.check(site, ctx, state)
+            if isinstance(plan, Refusal):
+                report.skips.append(Skip(self.name, site.path, plan.reason, plan.cause))
+            elif isinstance(plan, str):
+                report.skips.append(Skip(self.name, site.path, plan))
+            else:
+                report.changes.append(self.apply(plan, ctx, state))
+        if self.needs is not Needs.EXPORTED_GRAPH:
+            return ctx.model, report
+        if not report.changes:
+            return model, report  # nothing fused: the model as it came, not its export
+        assert isinstance(ctx.model, fx.GraphModule)
+        result = finish_graph(ctx.model, model)
+        # the export shares the input's parameter tensors; a result that is not in place owns its own
+        return (result if inplace else copy_model(result)), report
+
+    def _context(
+        self,
+        model: nn.Module,
+        example_args: tuple | None,
+        example_kwargs: dict[str, Any] | None,
+        inplace: bool,
+        captured: CapturedGraph | None,
+        report: PassReport,
+    ) -> PassContext | None:
+        """The context ``needs`` asks for, with the report's graph fields filled; None (and the reason
+        recorded as a skip of the whole model) when an exported graph cannot be had."""
+        if self.needs is Needs.PARAMETERS:
+            target = model if inplace else copy_model(model)
+            nothing = CapturedGraph(graph=None, method=None)
+            return PassContext(
+                target,
+                NormInventory([], nothing),
+                nothing,
+                None,
+                dict(target.named_modules()),
+                example_args,
+                example_kwargs,
+            )
+        if self.needs is Needs.GRAPH:
+            target = model if inplace else copy_model(model)
+            ctx = build_context(target, example_args, example_kwargs, captured=captured)
+            report.graph_method = ctx.captured.method
+            report.graph_error = ctx.captured.reason
+            report.graph_notes = list(ctx.captured.notes)
+            return ctx
+        if example_args is None and not example_kwargs:
+            reason = f"no example inputs: {self.doing} needs a captured graph"
+        else:
+            # never the input itself that is edited: its export is (see the module doc)
+            exported = export_module(model, example_args, example_kwargs)
+            if not isinstance(exported, str):
+                report.graph_method = "export"
+                graph = CapturedGraph(exported.graph, "export")
+                return PassContext(
+                    exported,
+                    NormInventory([], graph),
+                    graph,
+                    GraphView(graph),
+                    dict(exported.named_modules()),
+                    example_args,
+                    example_kwargs,
+                )
+            reason = exported
+        report.graph_error = reason
+        report.skips.append(Skip(self.name, WHOLE_MODEL, reason, SkipCause.CAPTURE))
+        return None
+
+    def prepare(self, ctx: PassContext) -> StateT:
+        """What the sites of one run share, computed once (the default: nothing)."""
+        return None  # type: ignore[return-value]
 
     @abstractmethod
-    def candidates(self, ctx: PassContext) -> list[NormSite]:
+    def candidates(self, ctx: PassContext, state: StateT) -> Sequence[SiteT]:
         """The sites this pass considers; each will either change or be skipped with a reason."""
 
     @abstractmethod
-    def check(self, site: NormSite, ctx: PassContext) -> str | Refusal | None:
-        """None when ``site`` can be rewritten, else the reason it cannot, for a person to read (a
+    def check(self, site: SiteT, ctx: PassContext, state: StateT) -> PlanT | Refusal | str:
+        """The plan that rewrites ``site``, or why it must not be rewritten, for a person to read (a
         :class:`Refusal` when the pass knows the cause)."""
 
     @abstractmethod
-    def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
-        """Rewrite one checked site of ``ctx.model`` in place and describe the change."""
-
-
-def _consumed(model: nn.Module, pass_name: str) -> None:
-    """Make a model that an in-place pass replaced (its root became a GraphModule) refuse to run: it
-    shares edited submodules with the replacement, so running it would silently compute something else."""
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"this model was rewritten in place by {pass_name}, which returned a new root module: use the "
-            "model the pass returned"
-        )
-
-    model.forward = forward  # type: ignore[method-assign]
+    def apply(self, plan: PlanT, ctx: PassContext, state: StateT) -> Change:
+        """Carry out one checked plan on ``ctx.model`` and describe the change."""
 
 
 def capture_refusal(ctx: PassContext, unknown: str) -> Refusal:
@@ -201,6 +344,7 @@ def build_context(
     *,
     captured: CapturedGraph | None = None,
 ) -> PassContext:
+    """The context of a ``graph`` pass: a capture of ``model`` (or ``captured``) and its norms."""
     if captured is None:
         captured = capture_graph(model, example_args, example_kwargs)
     inventory = find_norms(model, example_args, example_kwargs, captured=captured)

@@ -31,6 +31,10 @@ Numerics: in fp32 the fold is exact up to rounding. Where the norm's weight mult
 precision dtype (HF Llama casts the normalized value to the input dtype and multiplies there), the
 folded model rounds ``W diag(g)`` instead of ``g * n(x)``: a bf16 difference of the order of bf16's
 resolution, judged against the bf16 row of the exact tolerance table.
+
+A check's plan (:class:`AffinePlan`) holds the names and readers it found, so applying it re-reads no
+graph; the written-out norm patterns a check may need are searched for once per run (the prepared
+:class:`NormPatterns`).
 """
 
 from __future__ import annotations
@@ -250,15 +254,36 @@ def _param_used_only_by(view: GraphView, name: str, call: ModuleCall) -> bool:
     return True  # not lifted into the graph (fx keeps get_attr inside the module): nothing else reads it
 
 
-def _norm_match(ctx: PassContext, call: ModuleCall) -> NormMatch | None:
-    assert ctx.view is not None
-    if "norm_patterns" not in ctx.cache:
-        ctx.cache["norm_patterns"] = find_norm_patterns(ctx.view)
-    inside = call.node_set
-    return next((m for m in ctx.cache["norm_patterns"] if m.output in inside), None)
+@dataclass
+class NormPatterns:
+    """The pass's per-run state: the written-out norms of the captured graph, searched for at most once
+    a run, and only when a norm of a class normswap does not know needs its gain and shift located."""
+
+    view: GraphView | None
+    _found: list[NormMatch] | None = None
+
+    def matching(self, call: ModuleCall) -> NormMatch | None:
+        """The written-out norm whose output is computed inside ``call``, if any."""
+        assert self.view is not None
+        if self._found is None:
+            self._found = find_norm_patterns(self.view)
+        inside = call.node_set
+        return next((m for m in self._found if m.output in inside), None)
 
 
-def _affine(ctx: PassContext, site: NormSite, call: ModuleCall) -> tuple[str | None, str | None] | str:
+@dataclass(frozen=True)
+class AffinePlan:
+    """What folding one norm does: the names of its gain and shift, and the layers that absorb them."""
+
+    site: NormSite
+    weight_name: str | None
+    bias_name: str | None
+    readers: tuple[_Reader, ...]
+
+
+def _affine(
+    ctx: PassContext, patterns: NormPatterns, site: NormSite, call: ModuleCall
+) -> tuple[str | None, str | None] | str:
     """Attribute names (relative to the norm module) of its gain and shift, or a refusal."""
     module = site.module
     assert module is not None and ctx.view is not None
@@ -266,7 +291,7 @@ def _affine(ctx: PassContext, site: NormSite, call: ModuleCall) -> tuple[str | N
         weight = "weight" if getattr(module, "weight", None) is not None else None
         bias = "bias" if getattr(module, "bias", None) is not None else None
         return weight, bias
-    match = _norm_match(ctx, call)
+    match = patterns.matching(call)
     if match is None:
         return "the norm's weight and bias could not be located in the graph"
     names = []
@@ -341,23 +366,20 @@ def _weightless_norm(site: NormSite, module: nn.Module) -> nn.Module:
 # --- the pass ---------------------------------------------------------------------------------------
 
 
-class FoldNormAffine(Pass):
+class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
     """Move every foldable norm's gain and bias into the Linear layers that read its output."""
 
     name = "fold_norm_affine"
     kind = RewriteKind.EXACT
 
-    def candidates(self, ctx: PassContext) -> list[NormSite]:
+    def prepare(self, ctx: PassContext) -> NormPatterns:
+        return NormPatterns(ctx.view)
+
+    def candidates(self, ctx: PassContext, state: NormPatterns) -> list[NormSite]:
         return list(ctx.inventory)
 
-    def check(self, site: NormSite, ctx: PassContext) -> str | None:
-        plan = self._plan(site, ctx)
-        return plan if isinstance(plan, str) else None
-
-    def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
-        plan = self._plan(site, ctx)
-        assert not isinstance(plan, str), plan
-        weight_name, bias_name, readers = plan
+    def apply(self, plan: AffinePlan, ctx: PassContext, state: NormPatterns) -> Change:
+        site, weight_name, bias_name, readers = plan.site, plan.weight_name, plan.bias_name, plan.readers
         norm = site.module
         assert norm is not None
         gain = _tensor(norm, weight_name) if weight_name else None
@@ -401,8 +423,8 @@ class FoldNormAffine(Pass):
             },
         )
 
-    def _plan(self, site: NormSite, ctx: PassContext) -> tuple[str | None, str | None, list[_Reader]] | str:
-        """What folding ``site`` would do, or the reason it must not; pure, so check and rewrite agree."""
+    def check(self, site: NormSite, ctx: PassContext, state: NormPatterns) -> AffinePlan | str:
+        """What folding ``site`` would do, or the reason it must not."""
         if site.kind not in ("layer", "rms"):
             hint = (
                 "; BatchNorm folds into the layer before it (fold_batchnorm)" if site.kind == "batch" else ""
@@ -431,7 +453,7 @@ class FoldNormAffine(Pass):
             and not _only_the_norm(ctx, call)
         ):
             return f"{_class(module)}.forward computes more than the norm; folding would drop or reorder it"
-        affine = _affine(ctx, site, call)
+        affine = _affine(ctx, state, site, call)
         if isinstance(affine, str):
             return affine
         weight_name, bias_name = affine
@@ -447,7 +469,7 @@ class FoldNormAffine(Pass):
             reason = _check_reader(ctx, reader, shape[0])
             if reason is not None:
                 return reason
-        return weight_name, bias_name, readers
+        return AffinePlan(site, weight_name, bias_name, tuple(readers))
 
 
 def fold_norm_affine(

@@ -12,10 +12,12 @@ pass over memory. Every reader of the add's output (the next residual included) 
 ``h`` instead, every reader of the norm's outputs the fused op's ``y`` and statistics. The function is
 unchanged: the kernels round ``h`` to x's dtype, as the add does, and normalize that rounded ``h``.
 
-No module edit can express this (the add is not a module), so the pass works on the graph of
-``torch.export.export(model, ..., strict=False)`` and returns that program's module: a
-``torch.fx.GraphModule`` with the model's parameters under the same state_dict keys, not the user's class.
-Every change says so. A model with nothing to fuse is returned as it came.
+No module edit can express this (the add is not a module), so the pass asks the pass driver for an
+exported graph (``Needs.EXPORTED_GRAPH``: ``torch.export.export(model, ..., strict=False)``) and its
+result is that program's module: a ``torch.fx.GraphModule`` with the model's parameters under the same
+state_dict keys, not the user's class. Every change says so. A model with nothing to fuse is returned as
+it came. The site is the norm node; the plan carries the add it absorbs, so applying it looks nothing up
+again.
 
 Legal when the norm op's input is an ``aten.add.Tensor`` of two tensors with the add's own shape and
 dtype (no broadcasting, no type promotion) and ``alpha`` 1. Needs example inputs to capture the graph.
@@ -24,14 +26,15 @@ dtype (no broadcasting, no type promotion) and ``alpha`` 1. Needs example inputs
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import fx, nn
 
 from normswap.graph.analysis import module_path
-from normswap.passes.base import Change, PassReport, RewriteKind, Skip
-from normswap.passes.graph_rewrite import GRAPH_MODULE, GraphPass, op_overload_name
+from normswap.passes.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
+from normswap.passes.graph_rewrite import GRAPH_MODULE, op_overload_name
 
 _NORM_TO_ADD_NORM = {
     "rms_norm_fwd": "add_rms_norm_fwd",
@@ -39,23 +42,45 @@ _NORM_TO_ADD_NORM = {
 }
 
 
-class FuseAddNorm(GraphPass):
+@dataclass(frozen=True)
+class AddNormSite:
+    """A fused norm op of the exported graph; ``path`` is its module path (the node's name if none)."""
+
+    path: str
+    norm: fx.Node
+
+
+@dataclass(frozen=True)
+class AddNormPlan:
+    """A norm op whose input is an add that can move into the fused op."""
+
+    site: AddNormSite
+    add: fx.Node
+
+
+class FuseAddNorm(Pass[AddNormSite, AddNormPlan, None]):
     """``add -> fused norm`` into one ``normswap::add_*_norm_fwd`` op, on the exported graph."""
 
     name: ClassVar[str] = "fuse_add_norm"
     kind: ClassVar[RewriteKind] = RewriteKind.EXACT
+    needs: ClassVar[Needs] = Needs.EXPORTED_GRAPH
     doing: ClassVar[str] = "fusing adds into norms"
 
-    def rewrite_graph(
-        self, gm: fx.GraphModule, report: PassReport, example_args: tuple | None, example_kwargs: dict | None
-    ) -> None:
-        for norm in candidates(gm.graph):
-            site = _site_name(norm)
-            reason = check(norm)
-            if reason is not None:
-                report.skips.append(Skip(self.name, site, reason))
-                continue
-            report.changes.append(rewrite(norm, site))
+    def candidates(self, ctx: PassContext, state: None) -> list[AddNormSite]:
+        """The fused norm ops of the graph (each one fuses with the add before it, or is skipped)."""
+        assert ctx.captured.graph is not None
+        norms = [n for n in ctx.captured.graph.nodes if _norm_op_name(n) in _NORM_TO_ADD_NORM]
+        return [AddNormSite(_site_name(n), n) for n in norms]
+
+    def check(self, site: AddNormSite, ctx: PassContext, state: None) -> AddNormPlan | str:
+        reason = _why_not(site.norm)
+        if reason is not None:
+            return reason
+        assert isinstance(site.norm.args[0], fx.Node)
+        return AddNormPlan(site, site.norm.args[0])
+
+    def apply(self, plan: AddNormPlan, ctx: PassContext, state: None) -> Change:
+        return _fuse(plan.site.norm, plan.add, plan.site.path)
 
 
 def fuse_add_norm(
@@ -69,12 +94,7 @@ def fuse_add_norm(
     return FuseAddNorm()(model, example_args, example_kwargs, inplace=inplace)
 
 
-def candidates(graph: fx.Graph) -> list[fx.Node]:
-    """The fused norm ops of the graph (each one fuses with the add before it, or is skipped)."""
-    return [n for n in graph.nodes if _norm_op_name(n) in _NORM_TO_ADD_NORM]
-
-
-def check(norm: fx.Node) -> str | None:
+def _why_not(norm: fx.Node) -> str | None:
     """None when the norm's input is an add that can move into the fused op, else why not."""
     add = norm.args[0]
     if not isinstance(add, fx.Node) or add.target is not torch.ops.aten.add.Tensor:
@@ -97,11 +117,9 @@ def check(norm: fx.Node) -> str | None:
     return None
 
 
-def rewrite(norm: fx.Node, site: str) -> Change:
+def _fuse(norm: fx.Node, add: fx.Node, site: str) -> Change:
     """Replace ``add`` and ``norm`` by one fused op; readers of either read the fused op's outputs."""
     graph = norm.graph
-    add = norm.args[0]
-    assert isinstance(add, fx.Node)
     norm_name = _norm_op_name(norm)
     fused_name = _NORM_TO_ADD_NORM[norm_name]
     target = getattr(torch.ops.normswap, fused_name).default

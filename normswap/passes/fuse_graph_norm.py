@@ -16,15 +16,18 @@ such norm's nodes by one call of :func:`normswap.kernels.fused_norm`, which reac
 Legal when the norm normalizes the trailing dims or one channel dim (moved last around the kernel, as
 timm's LayerNorm2d does); its eps is a constant; its weight and bias, if any, are stored tensors of the
 normalized shape; and the fused call, run on the input this norm sees on the example inputs, matches
-the norm's output there in dtype and within the kernel tolerance (``normswap.kernels.tolerance``). Each
-change records that measured difference. Needs example inputs. The rewritten model is a
+the norm's output there in dtype and within the kernel tolerance (``normswap.util.tolerance``). Each
+change records that measured difference. Needs example inputs: the pass asks the driver for an exported
+graph (``Needs.EXPORTED_GRAPH``), records every norm's values on it once per run (``prepare``), and
+checks each norm into a plan holding the fused call's arguments it measured, so applying it measures
+nothing again. The rewritten model is a
 ``torch.fx.GraphModule`` with the model's state_dict keys, not the user's class; every change says so.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -37,18 +40,18 @@ from normswap.graph.capture import CapturedGraph
 from normswap.graph.ops import CAST_OPS, arg, op_name, tensor_meta
 from normswap.graph.patterns import find_norm_patterns
 from normswap.kernels import fused_norm
-from normswap.kernels.tolerance import kernel_difference, kernel_tolerance
-from normswap.modules.functional import CASTING_MODES
+from normswap.kernels.reference import CASTING_MODES
 from normswap.modules.fused import channel_dim_of
-from normswap.passes.base import Change, PassReport, RewriteKind, Skip
-from normswap.passes.graph_rewrite import GRAPH_MODULE, GraphPass
+from normswap.passes.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
+from normswap.passes.graph_rewrite import GRAPH_MODULE
+from normswap.util.tolerance import kernel_difference, kernel_tolerance
 
 
 @dataclass
 class GraphNorm:
     """A norm found on the exported graph, with what the fused call needs to reproduce it."""
 
-    site: str
+    path: str  # "<module path>::<node name>", what the report shows
     kind: str  # "rms" | "layer" (other kinds are found, and skipped with the reason)
     source: str  # "functional" | "pattern"
     input: fx.Node
@@ -64,30 +67,51 @@ class GraphNorm:
     trailing_casts: tuple[fx.Node, ...] = ()
 
 
-class FuseGraphNorm(GraphPass):
+@dataclass
+class GraphNormRun:
+    """What every site of one run shares: the recorded values, and the replacements made so far."""
+
+    norms: list[GraphNorm]
+    # values of every norm's input, output and affine tensors on the example inputs
+    values: dict[fx.Node, Any]
+    # A norm may read another one's output (a norm of a norm): it must read the replacement.
+    replaced: dict[fx.Node, fx.Node] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GraphNormPlan:
+    """A norm the fused call reproduces: its keyword arguments and the measured difference."""
+
+    norm: GraphNorm
+    call: dict[str, Any]
+    diff: float
+
+
+class FuseGraphNorm(Pass[GraphNorm, GraphNormPlan, GraphNormRun]):
     """Functional and written-out norms -> ``normswap.kernels.fused_norm`` calls, on the exported graph."""
 
     name: ClassVar[str] = "fuse_graph_norm"
     kind: ClassVar[RewriteKind] = RewriteKind.EXACT
+    needs: ClassVar[Needs] = Needs.EXPORTED_GRAPH
     doing: ClassVar[str] = "fusing norms inside other forwards"
 
-    def rewrite_graph(
-        self, gm: fx.GraphModule, report: PassReport, example_args: tuple | None, example_kwargs: dict | None
-    ) -> None:
-        norms = find_graph_norms(gm)
-        values = _record(gm, norms, example_args, example_kwargs)
-        # A norm may read another one's output (a norm of a norm): it must read the replacement.
-        replaced: dict[fx.Node, fx.Node] = {}
-        for norm in norms:
-            measured = _measure(norm, values)
-            if isinstance(measured, str):
-                report.skips.append(Skip(self.name, norm.site, measured))
-                continue
-            report.changes.append(self._rewrite(norm, replaced, *measured))
+    def prepare(self, ctx: PassContext) -> GraphNormRun:
+        assert isinstance(ctx.model, fx.GraphModule)
+        norms = find_graph_norms(ctx.model)
+        return GraphNormRun(norms, _record(ctx.model, norms, ctx.example_args, ctx.example_kwargs))
 
-    def _rewrite(
-        self, norm: GraphNorm, replaced: dict[fx.Node, fx.Node], call: dict[str, Any], diff: float
-    ) -> Change:
+    def candidates(self, ctx: PassContext, state: GraphNormRun) -> list[GraphNorm]:
+        return state.norms
+
+    def check(self, site: GraphNorm, ctx: PassContext, state: GraphNormRun) -> GraphNormPlan | str:
+        measured = _measure(site, state.values)
+        if isinstance(measured, str):
+            return measured
+        call, diff = measured
+        return GraphNormPlan(site, call, diff)
+
+    def apply(self, plan: GraphNormPlan, ctx: PassContext, state: GraphNormRun) -> Change:
+        norm, call, diff, replaced = plan.norm, plan.call, plan.diff, state.replaced
         graph = norm.output.graph
         source = replaced.get(norm.input, norm.input)
         with graph.inserting_after(norm.output):
@@ -101,7 +125,7 @@ class FuseGraphNorm(GraphPass):
         )
         return Change(
             self.name,
-            norm.site,
+            norm.path,
             self.kind,
             f"{norm.source} {norm.kind} norm ({layout}) -> normswap fused_norm (the model is now a "
             f"{GRAPH_MODULE}); site max abs diff {diff:.3g}",
@@ -145,7 +169,7 @@ def find_graph_norms(gm: fx.GraphModule) -> list[GraphNorm]:
             output = output.args[0]
         found.append(
             GraphNorm(
-                site=_site(output),
+                path=_site(output),
                 kind=match.kind,
                 source="pattern",
                 input=match.input,
@@ -176,7 +200,7 @@ def _functional(node: fx.Node) -> GraphNorm:
         firsts = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
         output = firsts[0] if len(firsts) == 1 and len(node.users) == 1 else node
     return GraphNorm(
-        site=_site(node),
+        path=_site(node),
         kind="layer" if is_layer else "rms",
         source="functional",
         input=node.args[0],  # type: ignore[arg-type]

@@ -1,70 +1,25 @@
-"""What the passes that rewrite a captured graph (not the module tree) share.
+"""Graph bookkeeping shared by the passes that rewrite an exported graph rather than the module tree.
 
-Those passes (:mod:`.fuse_add_norm`, :mod:`.fuse_graph_norm`) export the model, edit the exported
-program's module and return it: a ``torch.fx.GraphModule`` with the model's parameters under the same
-state_dict keys, not the user's class.
+Those passes (:mod:`.fuse_add_norm`, :mod:`.fuse_graph_norm`) are ordinary passes of the one protocol
+(:mod:`normswap.passes.base`) with ``needs = Needs.EXPORTED_GRAPH``: the driver exports the model, hands
+them the exported GraphModule as ``ctx.model``, and after their plans are applied calls
+:func:`finish_graph` here. Their result is that GraphModule, with the model's parameters under the same
+state_dict keys, not the user's class; this file holds only what edits of such a graph need, so that
+no second driver loop can grow here again.
 """
 
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
-from typing import Any, ClassVar
 
 import torch
 from torch import fx, nn
 from torch.fx.passes.tools_common import legalize_graph
 
-from normswap.graph.capture import export_module
 from normswap.graph.ops import op_name, real_users
-from normswap.modules.copying import copy_model
-from normswap.passes.base import PassReport, RewriteKind, Skip
 
 GRAPH_MODULE = "torch.fx.GraphModule"
 
 
-class GraphPass(ABC):
-    """A pass over the exported graph, with :class:`normswap.passes.base.Pass`'s contract (``name``,
-    ``kind``, ``__call__`` returning ``(model, report)``). Subclasses implement :meth:`rewrite_graph`;
-    a model with nothing changed is returned as it came."""
-
-    name: ClassVar[str]
-    kind: ClassVar[RewriteKind] = RewriteKind.EXACT
-    # what the pass does, for "no example inputs: <doing> needs a captured graph"
-    doing: ClassVar[str]
-
-    def __call__(
-        self,
-        model: nn.Module,
-        example_args: tuple | None = None,
-        example_kwargs: dict[str, Any] | None = None,
-        *,
-        inplace: bool = False,
-    ) -> tuple[nn.Module, PassReport]:
-        report = PassReport(self.name, self.kind)
-        if example_args is None and not example_kwargs:
-            return model, self._unchanged(report, f"no example inputs: {self.doing} needs a captured graph")
-        gm = export_module(model if inplace else copy_model(model), example_args, example_kwargs)
-        if isinstance(gm, str):
-            return model, self._unchanged(report, gm)
-        report.graph_method = "export"
-        self.rewrite_graph(gm, report, example_args, example_kwargs)
-        if not report.changes:
-            return model, report
-        return finish(gm, model), report
-
-    @abstractmethod
-    def rewrite_graph(
-        self, gm: fx.GraphModule, report: PassReport, example_args: tuple | None, example_kwargs: dict | None
-    ) -> None:
-        """Edit ``gm``'s graph in place, recording each change and skip in ``report``."""
-
-    def _unchanged(self, report: PassReport, reason: str) -> PassReport:
-        report.graph_error = reason
-        report.skips.append(Skip(self.name, "<model>", reason))
-        return report
-
-
-def finish(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+def finish_graph(gm: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     """Order, clean, check and recompile an edited graph; take ``model``'s training flags."""
     legalize_graph(gm)  # an inserted node may sit after readers of the value it replaced
     _eliminate_dead_code(gm.graph)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from normswap.graph.capture import CapturedGraph
+from normswap.graph.capture import CapturedGraph, capture_graph
 from normswap.modules.copying import copy_model
 from normswap.passes.base import Pass, PassReport, RewriteKind
 from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
@@ -70,6 +70,13 @@ class ExactOnlyError(ValueError):
 
 
 class Pipeline:
+    """Run passes in order, each on the model the previous one returned, validating each as it goes.
+
+    Every pass is a :class:`~normswap.passes.base.Pass` (the one protocol), so the pipeline needs no
+    knowledge of any pass: it runs each in place on its own working copy, and hands a graph the caller
+    already captured to the first pass when that pass :attr:`~normswap.passes.base.Pass.reuses_capture`.
+    """
+
     def __init__(self, passes: list[Pass], *, validate: bool = True, exact_only: bool = False) -> None:
         if exact_only:
             for p in passes:
@@ -88,13 +95,15 @@ class Pipeline:
         captured: CapturedGraph | None = None,
         on_step: Callable[[str], None] | None = None,
     ) -> tuple[nn.Module, PipelineReport]:
-        """``captured``: a graph of ``model`` on these inputs already captured, used by the first pass
-        instead of capturing it again. ``on_step`` hears what is being done ("fold_batchnorm: rewriting"),
+        """``captured``: a graph of ``model`` on these inputs already captured, used instead of capturing
+        it again by every pass that needs one while it still describes the model. ``on_step`` hears what is being done ("fold_batchnorm: rewriting"),
         for a progress display."""
         step = on_step or (lambda _what: None)
         has_inputs = example_args is not None or bool(example_kwargs)
         check = self.validate and has_inputs
-        original = model if inplace or not check else copy_model(model)
+        # Not in place, the passes edit a copy and ``model`` itself stays the original: the reference of
+        # the whole-model comparison needs no copy of its own (in place, there is no such comparison).
+        original = model
         current = model if inplace else copy_model(model)
         report = PipelineReport()
         inputs = [InputVariant("example", tuple(example_args or ()), dict(example_kwargs or {}))]
@@ -126,14 +135,18 @@ class Pipeline:
             snapshot = copy_model(current) if check and exact and _is_half(current) else None
             previous = current
             step(f"{p.name}: rewriting")
-            # the graph is of the model as given: only a first pass that builds its context from a
-            # graph (Pass.__call__; not a parameters-only pass nor a graph rewrite) can use it
-            if captured is not None and p is self.passes[0] and type(p).__call__ is Pass.__call__:
+            # One capture per graph state: captured here when a pass needs one and the last is stale, and
+            # handed on while the passes after it change nothing or keep it valid (Pass.keeps_capture).
+            if p.reuses_capture and has_inputs:
+                if captured is None:
+                    captured = capture_graph(current, example_args, example_kwargs)
                 current, pass_report = p(
                     current, example_args, example_kwargs, inplace=True, captured=captured
                 )
             else:
                 current, pass_report = p(current, example_args, example_kwargs, inplace=True)
+            if pass_report.changes and not (p.keeps_capture and current is previous):
+                captured = None
             if check and pass_report.changes:
                 step(f"{p.name}: validating on {len(wanted)} input{'s' if len(wanted) != 1 else ''}")
                 before = {i: outputs[i] for i in wanted}

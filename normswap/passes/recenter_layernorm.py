@@ -22,10 +22,15 @@ the lossy swap is then the only route), "capture" when no graph with shapes coul
 weight that cannot be untied, a stream the analysis cannot judge: an unknown shape, an op it does not
 model such as a ``torch.roll`` on the stream, ``Stream.limit``). A skip of the last two kinds could
 have been exact.
+
+Streams are shared by many LayerNorms (every block of a pre-LN model reads the same one), so the stream
+analysis runs once per pass run, as the pass's prepared :class:`StreamPlan`; a site's plan is the ids of
+the streams it reads, and applying it centers each stream the first time a site needs it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +38,8 @@ from torch import fx, nn
 
 from normswap.discover import NormSite
 from normswap.graph.ops import CAST_OPS, op_name
-from normswap.graph.stream import CenteredParam, Stream, close_stream
+from normswap.graph.stream import close_stream
+from normswap.graph.stream_params import CenteredParam, Stream
 from normswap.passes.base import (
     Change,
     Pass,
@@ -49,13 +55,43 @@ from normswap.passes.base import (
 from normswap.passes.swap_norm import build_norm
 
 
-def center_along(tensor: torch.Tensor, dim: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+def center_along(
+    tensor: torch.Tensor,
+    dim: int,
+    scale: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    chunk_elements: int = 1 << 22,
+) -> torch.Tensor:
     """``tensor`` (first multiplied by ``scale`` along ``dim``, if given) minus its mean over ``dim``.
 
     fp64 inside, cast back to the tensor's dtype. ``scale`` is a LayerScale vector folded into the
     weight of the layer it scales: ``gamma * (W x + b) = (diag(gamma) W) x + gamma * b``.
+
+    The fp64 work runs on slices of about ``chunk_elements`` values across another dim, so that a large
+    weight (an embedding) costs one output tensor and not several fp64 copies of itself; each slice
+    holds whole lines along ``dim``, so the result is the same as on the whole tensor. ``out`` may be
+    ``tensor`` itself: each slice is read whole before it is written, and no other slice reads it.
     """
-    t = tensor.detach().double()
+    if tensor.ndim == 1:
+        centered = _centered(tensor.detach(), 0, scale)
+        return centered if out is None else out.detach().copy_(centered)
+    dim %= tensor.ndim
+    across = max((d for d in range(tensor.ndim) if d != dim), key=lambda d: tensor.shape[d])
+    step = max(1, chunk_elements * tensor.shape[across] // max(1, tensor.numel()))
+    if out is None:
+        out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    out = out.detach()
+    for start in range(0, tensor.shape[across], step):
+        length = min(step, tensor.shape[across] - start)
+        out.narrow(across, start, length).copy_(
+            _centered(tensor.detach().narrow(across, start, length), dim, scale)
+        )
+    return out
+
+
+def _centered(tensor: torch.Tensor, dim: int, scale: torch.Tensor | None) -> torch.Tensor:
+    t = tensor.double()
     if scale is not None:
         shape = [1] * t.ndim
         shape[dim] = -1
@@ -78,8 +114,9 @@ def _under(name: str, paths: set[str]) -> bool:
     return any(p == "" or name.startswith(p + ".") for p in paths)
 
 
-class _Plan:
-    """Streams of one model, computed once per pass run from the captured graph."""
+class StreamPlan:
+    """Streams of one model, computed once per pass run from the captured graph (the pass's prepared
+    state: every site reads it, and applying a site records which streams are centered already)."""
 
     def __init__(self, ctx: PassContext) -> None:
         assert ctx.view is not None
@@ -172,12 +209,12 @@ def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
         done.add(name)
         tensor, holders = _holders(named, name)
         scale = _holders(named, param.scale)[0] if param.scale else None
-        new_value = center_along(tensor, param.dim, scale)
         others = [h for h in holders if _under(h, stream.shared.get(name, set()) - {""})]
         if not others:
-            with torch.no_grad():
-                tensor.copy_(new_value)
+            # in place: a large writer (an embedding) is not held twice
+            center_along(tensor, param.dim, scale, out=tensor)
         else:
+            new_value = center_along(tensor, param.dim, scale)
             for holder in holders:
                 if holder in others:
                     continue
@@ -200,21 +237,31 @@ def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
     return {"centered": centered, "untied": untied}
 
 
-class RecenterLayerNorm(Pass):
+@dataclass(frozen=True)
+class RecenterPlan:
+    """A LayerNorm whose input streams can all be recentered: the ids of those streams."""
+
+    site: NormSite
+    streams: tuple[int, ...]
+
+
+class RecenterLayerNorm(Pass[NormSite, RecenterPlan, StreamPlan | None]):
     """Replace LayerNorms that read a recenterable residual stream by RMSNorms, exactly."""
 
     name = "recenter_layernorm"
     kind = RewriteKind.EXACT
+    keeps_capture = True  # norms become normswap's own norm classes; weights change value only
 
-    def candidates(self, ctx: PassContext) -> list[NormSite]:
+    def prepare(self, ctx: PassContext) -> StreamPlan | None:
+        # the stream analysis reads shapes, which only torch.export records
+        if ctx.view is None or ctx.captured.method != "export":
+            return None
+        return StreamPlan(ctx)
+
+    def candidates(self, ctx: PassContext, state: StreamPlan | None) -> list[NormSite]:
         return [s for s in ctx.inventory if s.kind == "layer"]
 
-    def _plan(self, ctx: PassContext) -> _Plan:
-        if "stream_plan" not in ctx.cache:
-            ctx.cache["stream_plan"] = _Plan(ctx)
-        return ctx.cache["stream_plan"]
-
-    def check(self, site: NormSite, ctx: PassContext) -> Refusal | None:
+    def check(self, site: NormSite, ctx: PassContext, state: StreamPlan | None) -> RecenterPlan | Refusal:
         unsupported = SkipCause.UNSUPPORTED
         if not site.is_module:
             return Refusal(
@@ -229,27 +276,26 @@ class RecenterLayerNorm(Pass):
             )
         if site.normalized_shape is None or site.eps is None:
             return Refusal("its normalized shape or eps could not be determined", unsupported)
-        if ctx.view is None or ctx.captured.method != "export":
-            # the stream analysis reads shapes, which only torch.export records
+        if state is None:
             return capture_refusal(ctx, "the residual stream")
-        plan = self._plan(ctx)
-        ids = plan.site_streams.get(site.path, [])
+        ids = state.site_streams.get(site.path, [])
         if not ids:
             return Refusal("its input could not be found in the captured graph", unsupported)
         for i in ids:
-            reason = plan.streams[i].reason
+            reason = state.streams[i].reason
             if reason is not None:
-                cause = unsupported if i in plan.unsupported else SkipCause.ARCHITECTURE
+                cause = unsupported if i in state.unsupported else SkipCause.ARCHITECTURE
                 return Refusal(f"input stream cannot be recentered: {reason}", cause)
-        return None
+        return RecenterPlan(site, tuple(ids))
 
-    def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
-        plan = self._plan(ctx)
-        details: dict[str, Any] = {"streams": plan.site_streams[site.path], "centered": [], "untied": []}
-        for i in plan.site_streams[site.path]:
-            if i not in plan.applied:
-                plan.applied.add(i)
-                done = _apply(ctx.model, plan.streams[i], plan.centered)
+    def apply(self, plan: RecenterPlan, ctx: PassContext, state: StreamPlan | None) -> Change:
+        site, streams = plan.site, state
+        assert streams is not None
+        details: dict[str, Any] = {"streams": list(plan.streams), "centered": [], "untied": []}
+        for i in plan.streams:
+            if i not in streams.applied:
+                streams.applied.add(i)
+                done = _apply(ctx.model, streams.streams[i], streams.centered)
                 details["centered"] += done["centered"]
                 details["untied"] += done["untied"]
         old = site.module

@@ -17,7 +17,9 @@ dyt            tanh(alpha x) w + b per channel              tanh(alpha x) w + b 
 identity       the norm removed, x w + b kept               the norm removed, x w + b kept
 ============== ============================================ =============================================
 
-A LayerNorm <-> RMSNorm swap keeps eps, weight, the LayerNorm's bias (as an RMSNorm bias), casting mode
+Every figure comes from the site's record (``site.semantics``, computed once by discovery): a
+LayerNorm <-> RMSNorm swap keeps eps (as the norm applies it for its dtype: ``nn.RMSNorm(eps=None)``'s
+is the dtype's), weight, the LayerNorm's bias (as an RMSNorm bias), casting mode
 and weight offset (Gemma's ``1 + w``). Every other swap carries the per-feature weight and bias (the
 offset applied) and eps. A new BatchNorm's running statistics come from the example inputs (from the
 calibration data when the caller calibrates afterwards). A norm over more than one dim (LayerNorm over
@@ -29,6 +31,7 @@ of the new norm against the old one, applied to the same captured input).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,20 +47,20 @@ from normswap.modules.layout import (
     FeatureLayerNorm,
 )
 from normswap.modules.norms import LayerNorm, RMSNorm
-from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
+from normswap.modules.semantics import FUSED, SWAP_TARGETS, NormKind, parse_target
+from normswap.passes.base import (
+    Change,
+    Pass,
+    PassContext,
+    PassReport,
+    RecordedInputs,
+    RewriteKind,
+    replace_submodule,
+)
 from normswap.passes.norm_act import is_identity, norm_act_tail, with_tail
-from normswap.validate.metrics import record_module_inputs, sqnr_db
+from normswap.validate.metrics import sqnr_db
 
-SWAP_TARGETS = {
-    "rmsnorm": "rms",
-    "layernorm": "layer",
-    "batchnorm": "batch",
-    "groupnorm": "group",
-    "instancenorm": "instance",
-    "dyt": "dyt",
-    "identity": "identity",
-}
-_CHANNEL_FIRST = ("batch", "group", "instance")
+_CHANNEL_FIRST = (NormKind.BATCH, NormKind.GROUP, NormKind.INSTANCE)
 _BATCH_NORMS = {3: nn.BatchNorm1d, 2: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 _INSTANCE_NORMS = {3: nn.InstanceNorm1d, 4: nn.InstanceNorm2d, 5: nn.InstanceNorm3d}
 
@@ -76,22 +79,13 @@ def feature_dim(site: NormSite) -> int | None:
 
 
 def build_norm(target_kind: str, site: NormSite, like: nn.Module) -> nn.Module:
-    """A new norm of ``target_kind`` with ``site``'s shape, eps, affine parameters and numerics."""
-    assert site.normalized_shape is not None and site.eps is not None
+    """A new norm of ``target_kind`` (rms or layer) with ``site``'s recorded semantics: shape, eps as
+    applied, affine parameters, casting mode and weight offset."""
     params = [t for t in like.parameters(recurse=False)] + [t for t in like.buffers(recurse=False)]
     device = params[0].device if params else None
     dtype = next((t.dtype for t in params if t.is_floating_point()), None)
-    cls = RMSNorm if target_kind == "rms" else LayerNorm
-    new = cls(
-        site.normalized_shape,
-        eps=site.eps,
-        elementwise_affine=site.affine,
-        bias=site.bias,
-        casting=site.casting,
-        weight_offset=site.weight_offset,
-        device=device,
-        dtype=dtype,
-    )
+    cls = RMSNorm if NormKind.parse(target_kind) is NormKind.RMS else LayerNorm
+    new = cls(**site.semantics.module_kwargs(), device=device, dtype=dtype)
     weight, bias = affine_tensors(site, like)
     with torch.no_grad():
         for src, dst in ((weight, new.weight), (bias, new.bias)):
@@ -101,16 +95,18 @@ def build_norm(target_kind: str, site: NormSite, like: nn.Module) -> nn.Module:
 
 
 def affine_tensors(site: NormSite, module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The norm's stored weight and bias, under whatever names its class keeps them (as discovered)."""
+    """The norm's stored weight and bias, under the names discovery recorded for them."""
     found = []
-    for name, default in ((site.weight_name, "weight"), (site.bias_name, "bias")):
-        try:
-            tensor = module.get_parameter(name or default)
-        except AttributeError:
+    for name in (site.weight_name, site.bias_name):
+        tensor = None
+        if name is not None:
             try:
-                tensor = module.get_buffer(name or default)
+                tensor = module.get_parameter(name)
             except AttributeError:
-                tensor = getattr(module, name or default, None)
+                try:
+                    tensor = module.get_buffer(name)
+                except AttributeError:
+                    tensor = getattr(module, name, None)
         found.append(tensor.detach() if isinstance(tensor, torch.Tensor) else None)
     return found[0], found[1]
 
@@ -177,28 +173,47 @@ def _statistics_from(bn: nn.Module, sample: torch.Tensor, dim: int) -> None:
         bn.running_var.copy_(x.var(1, unbiased=False))
 
 
-class SwapNorm(Pass):
+@dataclass(frozen=True)
+class SwapPlan:
+    """A norm to swap, with the input it sees on the example inputs (None without them)."""
+
+    site: NormSite
+    sample: torch.Tensor | None
+
+
+class SwapNorm(Pass[NormSite, SwapPlan, RecordedInputs]):
     name = "swap_norm"
     kind = RewriteKind.ARCHITECTURAL
 
     def __init__(self, to: str, from_kinds: tuple[str, ...] | None = None, groups: int | None = None) -> None:
-        if to not in SWAP_TARGETS:
+        """``to``: a key of ``SWAP_TARGETS`` or a kind (``rmsnorm`` or ``rms``); ``from_kinds``: only
+        norms of these kinds (``layer`` or ``layernorm``: :meth:`normswap.discover.NormKind.parse`)."""
+        try:
+            target = parse_target(to)
+        except ValueError:
+            target = FUSED
+        if target == FUSED:  # not a swap: FuseNorm's
             raise ValueError(f"unknown norm target {to!r}; choose from {', '.join(SWAP_TARGETS)}")
+        to = target
         if to == "groupnorm" and (groups is None or groups < 1):
             raise ValueError("groupnorm needs the number of groups (groups >= 1)")
         self.to = to
         self.target_kind = SWAP_TARGETS[to]
-        self.from_kinds = from_kinds
+        self.from_kinds = tuple(NormKind.parse(k) for k in from_kinds) if from_kinds is not None else None
         self.groups = groups
 
-    def candidates(self, ctx: PassContext) -> list[NormSite]:
+    def prepare(self, ctx: PassContext) -> RecordedInputs:
+        # one forward records the inputs of every candidate module, before any of them is replaced
+        return RecordedInputs(ctx, [s.module for s in ctx.inventory if s.is_module and s.module is not None])
+
+    def candidates(self, ctx: PassContext, state: RecordedInputs) -> list[NormSite]:
         return [
             s
             for s in ctx.inventory
             if s.kind != self.target_kind and (self.from_kinds is None or s.kind in self.from_kinds)
         ]
 
-    def check(self, site: NormSite, ctx: PassContext) -> str | None:
+    def check(self, site: NormSite, ctx: PassContext, state: RecordedInputs) -> SwapPlan | str:
         if not site.is_module:
             return f"{site.source} norm computed inside a forward, not a module: swapping it needs a graph rewrite"
         if site.normalized_shape is None:
@@ -215,10 +230,13 @@ class SwapNorm(Pass):
                 return f"normalizes dims {site.normalized_dims}, not the trailing {ndim} dim(s) its shape implies"
         if site.kind in ("layer", "rms") and site.eps is None:
             return "its eps could not be determined"
+        if (site.affine and site.weight_name is None) or (site.bias and site.bias_name is None):
+            return "its weight or bias is computed in the forward, not a stored tensor: it cannot be carried"
         features = site.normalized_shape[0]
         if self.target_kind == "group" and features % (self.groups or 1):
             return f"{features} features do not split into {self.groups} groups"
-        sample = _captured_input(ctx, site.module)
+        assert site.module is not None
+        sample = state.of(site.module)
         if self.target_kind == "instance" and dim == -1 and (sample is None or sample.ndim < 3):
             what = "unknown (no example inputs)" if sample is None else f"{sample.ndim}-D"
             return (
@@ -230,12 +248,12 @@ class SwapNorm(Pass):
                 return "its input has one position per feature: an instance norm would output its bias alone"
         if self.target_kind in ("batch", "instance") and dim == 1 and sample is None and site.kind != "batch":
             return f"the input rank is unknown (no example inputs), so the {self.to} class cannot be chosen"
-        return None
+        return SwapPlan(site, sample)
 
-    def rewrite(self, site: NormSite, ctx: PassContext) -> Change:
+    def apply(self, plan: SwapPlan, ctx: PassContext, state: RecordedInputs) -> Change:
+        site, sample = plan.site, plan.sample
         old = site.module
         assert old is not None
-        sample = _captured_input(ctx, old)
         new = build_layout_norm(self.target_kind, site, old, sample, self.groups)
         details: dict[str, Any] = {
             "from_class": type(old).__name__,
@@ -258,21 +276,6 @@ class SwapNorm(Pass):
         if "kept" in details:
             what += f", then its {' and '.join(details['kept'])} as before"
         return Change(self.name, site.path, self.kind, what, details)
-
-
-def _captured_input(ctx: PassContext, module: nn.Module) -> torch.Tensor | None:
-    """The input ``module`` sees when the model runs on the example inputs (None without inputs).
-
-    One forward pass records the inputs of every candidate module, before any of them is replaced.
-    """
-    if ctx.example_args is None and not ctx.example_kwargs:
-        return None
-    if "norm_inputs" not in ctx.cache:
-        targets = [s.module for s in ctx.inventory if s.is_module and s.module is not None]
-        ctx.cache["norm_inputs"] = record_module_inputs(
-            ctx.model, targets, ctx.example_args, ctx.example_kwargs
-        )
-    return ctx.cache["norm_inputs"].get(id(module))
 
 
 def swap_norm(

@@ -24,7 +24,11 @@ without the load_state_dict pre-hook that ``parametrizations.weight_norm`` regis
 leaves behind (a local function: the module would not pickle). A weight with other parametrizations
 stacked on the weight norm is refused: removing them would bake those in too.
 
-These are not norm sites: candidates come from the modules, and no graph is captured.
+These are not norm sites: candidates are layers (:class:`LayerSite`), and the passes declare
+``Needs.PARAMETERS``, so the one pass driver (:mod:`normswap.passes.base`) captures no graph for them
+and builds no norm inventory; everything else (copying, the report, refusals) is the driver's, as for
+every pass. A check's plan carries what it decided (the weight-norm dim), so applying it decides nothing
+again.
 """
 
 from __future__ import annotations
@@ -38,12 +42,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from normswap.discover import NormInventory
 from normswap.errors import BadInputError
-from normswap.graph.capture import CapturedGraph
-from normswap.modules.copying import copy_model, weight_norm_hooks
-from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, Skip
-from normswap.validate import exact_tolerance
+from normswap.modules.copying import weight_norm_hooks
+from normswap.passes.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
+from normswap.util.tolerance import exact_tolerance
 
 CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 WEIGHT_NORM_LAYERS: tuple[type[nn.Module], ...] = (
@@ -135,42 +137,25 @@ def _named_paths(targets: Targets, modules: dict[str, nn.Module], pass_name: str
     return items
 
 
-class _LayerPass(Pass):
-    """A pass over layers' parameters: no graph, no norm inventory; same report as every pass."""
+@dataclass(frozen=True)
+class AddPlan:
+    """A layer whose weight weight norm can take over, along torch's ``dim`` (-1: the whole weight)."""
 
-    def __call__(
-        self,
-        model: nn.Module,
-        example_args: tuple | None = None,
-        example_kwargs: dict[str, Any] | None = None,
-        *,
-        inplace: bool = False,
-    ) -> tuple[nn.Module, PassReport]:
-        target = model if inplace else copy_model(model)
-        captured = CapturedGraph(graph=None, method=None)  # nothing to analyze: parameters only
-        ctx = PassContext(
-            target,
-            NormInventory([], captured),
-            captured,
-            None,
-            dict(target.named_modules()),
-            example_args,
-            example_kwargs,
-        )
-        report = PassReport(self.name, self.kind)
-        for site in self.candidates(ctx):
-            reason = self.check(site, ctx)
-            if reason is not None:
-                report.skips.append(Skip(self.name, site.path, reason))
-                continue
-            report.changes.append(self.rewrite(site, ctx))
-        return target, report
+    site: LayerSite
+    dim: int
+
+
+@dataclass(frozen=True)
+class RemovePlan:
+    """A weight norm (the only parametrization of its tensor, or a hook) to fold into a plain tensor."""
+
+    site: LayerSite
 
 
 # --- adding -----------------------------------------------------------------------------------------
 
 
-class AddWeightNorm(_LayerPass):
+class AddWeightNorm(Pass[LayerSite, AddPlan, None]):
     """Wrap chosen Conv/ConvTranspose/Linear layers with ``parametrizations.weight_norm`` (exact).
 
     ``targets``: None (every supported layer), a list of module paths (each must exist), a class or
@@ -181,6 +166,7 @@ class AddWeightNorm(_LayerPass):
 
     name = "add_weight_norm"
     kind = RewriteKind.EXACT
+    needs = Needs.PARAMETERS
 
     def __init__(self, targets: Targets = None, dim: WeightNormDim = "output") -> None:
         if not (
@@ -193,7 +179,7 @@ class AddWeightNorm(_LayerPass):
         self.targets = targets
         self.dim = dim
 
-    def candidates(self, ctx: PassContext) -> list[LayerSite]:  # type: ignore[override]
+    def candidates(self, ctx: PassContext, state: None) -> list[LayerSite]:
         named = _named_paths(self.targets, ctx.modules, self.name)
         if named is not None:
             return [LayerSite(p, p, ctx.modules[p]) for p in named]
@@ -220,7 +206,7 @@ class AddWeightNorm(_LayerPass):
             return 1
         return 0
 
-    def check(self, site: LayerSite, ctx: PassContext) -> str | None:  # type: ignore[override]
+    def check(self, site: LayerSite, ctx: PassContext, state: None) -> AddPlan | str:
         layer = site.module
         if not isinstance(layer, WEIGHT_NORM_LAYERS):
             return f"{type(layer).__name__}, not a {_LAYER_NAMES}"
@@ -256,12 +242,11 @@ class AddWeightNorm(_LayerPass):
         rel = _max_rel(rebuilt, weight)
         if rel > exact_tolerance(weight.dtype):
             return f"g * v / ||v|| misses the weight by {rel:.3g} x max|w| in {weight.dtype}"
-        return None
+        return AddPlan(site, dim)
 
-    def rewrite(self, site: LayerSite, ctx: PassContext) -> Change:  # type: ignore[override]
+    def apply(self, plan: AddPlan, ctx: PassContext, state: None) -> Change:
+        site, dim = plan.site, plan.dim
         layer = site.module
-        dim = self._dim(layer)
-        assert isinstance(dim, int)
         before = layer.weight.detach().clone()
         _own_parametrized_class(layer)
         nn.utils.parametrizations.weight_norm(layer, "weight", dim=None if dim == -1 else dim)
@@ -288,7 +273,7 @@ class AddWeightNorm(_LayerPass):
 # --- removing ---------------------------------------------------------------------------------------
 
 
-class RemoveWeightNorm(_LayerPass):
+class RemoveWeightNorm(Pass[LayerSite, RemovePlan, None]):
     """Fold every weight norm (parametrization or hook form) back into a plain parameter (exact).
 
     ``targets`` selects layers as in :class:`AddWeightNorm` (default: every weight-normed layer).
@@ -296,11 +281,12 @@ class RemoveWeightNorm(_LayerPass):
 
     name = "remove_weight_norm"
     kind = RewriteKind.EXACT
+    needs = Needs.PARAMETERS
 
     def __init__(self, targets: Targets = None) -> None:
         self.targets = targets
 
-    def candidates(self, ctx: PassContext) -> list[LayerSite]:  # type: ignore[override]
+    def candidates(self, ctx: PassContext, state: None) -> list[LayerSite]:
         named = _named_paths(self.targets, ctx.modules, self.name)
         sites: list[LayerSite] = []
         for path, module in ctx.modules.items():
@@ -320,7 +306,7 @@ class RemoveWeightNorm(_LayerPass):
                 sites.append(LayerSite(path if n == "weight" else f"{path}.{n}", path, module, n))
         return sites
 
-    def check(self, site: LayerSite, ctx: PassContext) -> str | None:  # type: ignore[override]
+    def check(self, site: LayerSite, ctx: PassContext, state: None) -> RemovePlan | str:
         if not site.name:
             return f"{type(site.module).__name__} has no weight norm"
         stacked = _parametrization_names(site.module, site.name)
@@ -329,9 +315,10 @@ class RemoveWeightNorm(_LayerPass):
                 f"{site.name} has parametrizations {', '.join(stacked)}: removing the weight norm "
                 "would bake the others in too"
             )
-        return None
+        return RemovePlan(site)
 
-    def rewrite(self, site: LayerSite, ctx: PassContext) -> Change:  # type: ignore[override]
+    def apply(self, plan: RemovePlan, ctx: PassContext, state: None) -> Change:
+        site = plan.site
         module, name = site.module, site.name
         hooks = [(k, h) for k, h in weight_norm_hooks(module) if h.name == name]
         if hooks:

@@ -19,14 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.load.mode import modes_restored
-from normswap.validate.metrics import (
-    TensorComparison,
-    compare_tensors,
-    exact_tolerance,
-    flatten_outputs,
-    sqnr_db,
-)
+from normswap.util.modes import modes_restored
+from normswap.util.tolerance import exact_tolerance
+from normswap.validate.metrics import TensorComparison, compare_tensors, flatten_outputs, sqnr_db
 
 DEFAULT_MIN_SQNR_DB = 40.0
 

@@ -1,7 +1,7 @@
-"""Numbers that say how far one tensor is from another, and the tolerance table of exact rewrites.
+"""Numbers that say how far one tensor is from another.
 
-Exact rewrites are judged by max abs error relative to the reference's scale (DESIGN.md: fp32 within
-1e-5 x max|reference|), and outputs that are not floating point (ids, argmax, bool masks) by equality;
+Exact rewrites are judged by max abs error relative to the reference's scale, with the dtype's row of
+the tolerance table (:mod:`normswap.util.tolerance`), and outputs that are not floating point (ids, argmax, bool masks) by equality;
 architectural ones by signal-to-noise ratio, ``20 log10(||ref|| / ||ref - out||)``.
 """
 
@@ -15,20 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# Relative max-abs tolerance of exact rewrites by output dtype: |out - ref|max <= tol * |ref|max.
-EXACT_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-5,
-    torch.float16: 2e-3,
-    torch.bfloat16: 1.6e-2,
-}
-
-
-def exact_tolerance(dtype: torch.dtype) -> float:
-    """The table's entry; 0 (equal or wrong) for integer and bool outputs, which have no rounding."""
-    if not (dtype.is_floating_point or dtype.is_complex):
-        return 0.0
-    return EXACT_TOLERANCE.get(dtype, 1e-5)
+from normswap.util.tolerance import exact_tolerance, within_exact_tolerance
 
 
 def sqnr_db(reference: torch.Tensor, output: torch.Tensor) -> float:
@@ -105,7 +92,7 @@ def compare_tensors(name: str, reference: torch.Tensor, output: torch.Tensor) ->
         cosine=cosine,
         tolerance=tol,
         within_tolerance=(
-            exact_match if exact_match is not None else max_abs <= tol * max(max_ref, 1e-30) or max_abs == 0
+            exact_match if exact_match is not None else within_exact_tolerance(max_abs, max_ref, dtype)
         ),
         top1_agreement=top1,
         mismatched=int((diff != 0).sum()) if exact_match is not None else None,

@@ -1,4 +1,4 @@
-"""Shared pieces of the fused-norm tests: tolerance table, inputs, the reference with autograd.
+"""Shared pieces of the fused-norm tests: dtypes and their tolerance, inputs, the reference with autograd.
 
 On the Triton interpreter: ``@triton.jit`` picks interpreted or compiled kernels when it runs, so the
 usual advice is to set ``TRITON_INTERPRET=1`` before anything imports triton. normswap's launcher makes
@@ -18,13 +18,11 @@ import pytest
 import torch
 
 from normswap.kernels import add_layer_norm, add_rms_norm, layer_norm, rms_norm, triton_on_cpu
-from normswap.kernels.tolerance import KERNEL_TOLERANCE
-from normswap.modules.functional import layer_norm_reference, rms_norm_reference
+from normswap.kernels._launch import SUPPORTED_DTYPES
+from normswap.kernels.reference import layer_norm_reference, rms_norm_reference
+from normswap.util.tolerance import kernel_tolerance
 
-# (atol, rtol) per dtype, used for outputs and gradients alike: the library's own table.
-TOLERANCES = KERNEL_TOLERANCE
-
-DTYPES = list(TOLERANCES)
+DTYPES = list(SUPPORTED_DTYPES)
 REFERENCES = {"rms": rms_norm_reference, "layer": layer_norm_reference}
 FUNCS = {"rms": rms_norm, "layer": layer_norm}
 ADD_FUNCS = {"rms": add_rms_norm, "layer": add_layer_norm}
@@ -33,7 +31,7 @@ CASTINGS = [("none", 0.0), ("llama", 0.0), ("gemma", 1.0)]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
-    atol, rtol = TOLERANCES[dtype]
+    atol, rtol = kernel_tolerance(dtype)  # the library's own table, for outputs and gradients alike
     assert actual.shape == expected.shape, what
     assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} != {expected.dtype}"
     torch.testing.assert_close(
@@ -94,7 +92,7 @@ class NormCase(NamedTuple):
 
 
 def reference_grads(*case: Any) -> dict[str, torch.Tensor | None]:
-    """Reference outputs and gradients by autograd through normswap.modules.functional.
+    """Reference outputs and gradients by autograd through normswap.kernels.reference.
 
     ``case`` holds the fields of :class:`NormCase`, in order. The loss is sum(y * dy) [+ sum(h * dh)], so
     dy (dh) is the incoming gradient of y (h).

@@ -106,7 +106,6 @@ def test_from_torch_modules():
 @pytest.mark.parametrize(
     ("fused_cls", "module", "error", "message"),
     [
-        (FusedRMSNorm, nn.RMSNorm(8), ValueError, "eps=None"),
         (FusedRMSNorm, LayerNorm(8), TypeError, "LayerNorm"),
         (FusedLayerNorm, RMSNorm(8), TypeError, "RMSNorm"),
         (FusedLayerNorm, nn.GroupNorm(2, 8), TypeError, "GroupNorm"),

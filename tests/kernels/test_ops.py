@@ -1,7 +1,7 @@
 """The ``normswap::*`` custom ops on their CPU path (reference math), and their registrations.
 
 The forward on CPU *is* the reference function, so y must match bit for bit; the backward is the
-hand-derived formula in ``ops._reference_bwd``, checked here against autograd through the reference.
+hand-derived formula in ``reference.reference_bwd``, checked here against autograd through the reference.
 ``opcheck`` covers schema, fake and autograd registration; export and compile check that graphs keep the
 op as one node.
 """
@@ -207,7 +207,7 @@ def _second_order(fn, *inputs):
 
 def test_double_backward_matches_the_reference_math():
     from normswap.kernels import ops
-    from normswap.modules.functional import layer_norm_reference, rms_norm_reference
+    from normswap.kernels.reference import layer_norm_reference, rms_norm_reference
 
     torch.manual_seed(0)
     x, r, w, b = torch.randn(3, 7), torch.randn(3, 7), torch.rand(7) + 0.5, torch.randn(7)

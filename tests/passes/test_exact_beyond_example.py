@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import json
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import model_zoo
 import torch
 import torch.nn.functional as F
-from normswap_cli.app import _print_pipeline, app
+from normswap_cli.app import app
+from normswap_cli.render import print_pipeline as _print_pipeline
 from torch import nn
 from typer.testing import CliRunner
 
 from normswap.passes import FoldBatchNorm, FoldNormAffine, FuseGraphNorm, Pipeline, RecenterLayerNorm
-from normswap.passes.base import Change, PassReport, RewriteKind
+from normswap.passes.base import Change, Needs, Pass, PassContext, RewriteKind
 from normswap.validate.variants import candidate_variants
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -211,22 +213,34 @@ class _ArgmaxNet(nn.Module):
         return self.head(self.bn(self.conv(x)).mean((2, 3))).argmax(-1)
 
 
-class _NudgeHead:
+@dataclass(frozen=True)
+class _Head:
+    path: str
+
+
+class _NudgeHead(Pass[_Head, _Head, None]):
     """An "exact" pass that is not: it moves one class's bias just enough to flip one prediction (the
     example row and class with the smallest margin)."""
 
     name = "nudge_head"
     kind = RewriteKind.EXACT
+    needs = Needs.PARAMETERS
 
-    def __call__(self, model, args, kwargs, *, inplace=False):
+    def candidates(self, ctx: PassContext, state: None) -> list[_Head]:
+        return [_Head("head")]
+
+    def check(self, site: _Head, ctx: PassContext, state: None) -> _Head:
+        return site
+
+    def apply(self, plan: _Head, ctx: PassContext, state: None) -> Change:
+        model, args = ctx.model, ctx.example_args
         with torch.no_grad():
             logits = model.head(model.bn(model.conv(args[0])).mean((2, 3)))
             gaps = logits.max(-1, keepdim=True).values - logits
             gaps[gaps == 0] = float("inf")
             row, cls = divmod(int(gaps.argmin()), gaps.shape[1])
             model.head.bias[cls] += float(gaps[row, cls]) * 1.0001
-        change = Change(self.name, "head", self.kind, "moved a bias")
-        return model, PassReport(self.name, self.kind, changes=[change])
+        return Change(self.name, plan.path, self.kind, "moved a bias")
 
 
 def _argmax_net() -> tuple[nn.Module, tuple]:

@@ -33,7 +33,7 @@ from normswap.passes import (
     RecenterLayerNorm,
     RewriteKind,
 )
-from normswap.validate.metrics import exact_tolerance
+from normswap.util.tolerance import exact_tolerance
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from torch import fx, nn
 from normswap.modules.affine import ChannelAffine
 from normswap.passes import FoldBatchNorm
 from normswap.passes.weights import bn_scale_shift
-from normswap.validate.metrics import exact_tolerance
+from normswap.util.tolerance import exact_tolerance
 
 
 def _rel_error(model: nn.Module, other: nn.Module, *args: torch.Tensor) -> float:
@@ -637,13 +637,44 @@ def test_root_fold_keeps_submodules_their_classes_and_modes():
         torch.testing.assert_close(folded(x), model(x), atol=1e-5, rtol=1e-5)
 
 
-def test_an_in_place_root_fold_retires_the_model_passed_in():
+def test_an_in_place_root_fold_leaves_the_model_passed_in_consistent():
+    """A call in the root's forward needs a new root. It is built last, beside the model passed in, with
+    its own folded copy of the conv: the model passed in keeps its module edits and still computes
+    what it did (no half-rewritten model, no rebound forward)."""
     torch.manual_seed(0)
-    model = _FunctionalConvBN(3, 4).eval()
+    model = model_zoo.randomize_norms(_RootAndBlock()).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        want = model(x)
+    conv_weight = model.conv.weight.detach().clone()
+    folded, report = FoldBatchNorm()(model, (x,), inplace=True)
+    # module sites first, the call inside blk's forward next, the root's own call last
+    assert [c.site for c in report.changes] == ["bn2", "frozen", "blk::batch_norm_1", "<root>::batch_norm"]
+    assert isinstance(folded, fx.GraphModule) and folded is not model
+    # the module edits were made on the model passed in, and the new root shares them
+    assert isinstance(model.frozen, ChannelAffine) and folded.frozen is model.frozen
+    assert isinstance(model.blk, fx.GraphModule) and folded.blk is model.blk
+    # the conv the old root's own forward feeds to F.batch_norm is untouched; the new root has a copy
+    assert folded.conv is not model.conv and torch.equal(model.conv.weight, conv_weight)
+    assert not torch.allclose(folded.conv.weight, conv_weight)
+    assert not hasattr(folded, "rm") and hasattr(model, "rm")
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+    assert "forward" not in vars(model)  # nothing rebound on the live object
+
+
+def test_an_in_place_fold_of_a_call_in_a_submodule_keeps_the_replaced_owner_valid():
+    torch.manual_seed(0)
+    model = nn.Sequential(_FunctionalConvBN(3, 4), nn.ReLU()).eval()
+    owner = model[0]
     x = torch.randn(2, 3, 8, 8)
-    want = model(x)
-    folded, _ = FoldBatchNorm()(model, (x,), inplace=True)
-    torch.testing.assert_close(folded(x), want, atol=1e-5, rtol=1e-5)
-    # its conv is folded but its forward still normalizes: running it must fail, not mislead
-    with pytest.raises(RuntimeError, match="rewritten in place by fold_batchnorm"):
-        model(x)
+    with torch.no_grad():
+        want, want_owner = model(x), owner(x)
+    folded, report = FoldBatchNorm()(model, (x,), inplace=True)
+    assert folded is model and isinstance(model[0], fx.GraphModule)
+    assert report.changes[0].details["removed_state"] == ["0.rm", "0.rv", "0.w", "0.b"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+        # whoever still holds the old owner holds a module that computes what it did
+        torch.testing.assert_close(owner(x), want_owner, atol=0, rtol=0)

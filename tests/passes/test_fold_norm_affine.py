@@ -15,7 +15,8 @@ from torch import nn
 from normswap.modules import RMSNorm
 from normswap.passes import FoldNormAffine, Pipeline
 from normswap.passes.fold_norm_affine import fold_affine_into_linear
-from normswap.validate import EXACT_TOLERANCE, compare_models
+from normswap.util.tolerance import EXACT_TOLERANCE
+from normswap.validate import compare_models
 
 
 def _reasons(report) -> dict[str, str]:

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import fx, nn
 
-from normswap.export.onnx_ops import translation_table
 from normswap.kernels import triton_on_cpu
-from normswap.kernels.tolerance import kernel_tolerance
+from normswap.kernels.onnx_translation import translation_table
 from normswap.modules.fused import FusedLayerNorm, FusedRMSNorm
 from normswap.passes import FuseAddNorm, FuseNorm, Pipeline, fuse_add_norm, fuse_norm
+from normswap.util.tolerance import kernel_tolerance
 from tests.kernels.conftest import interpreter  # noqa: F401 (a fixture)
 
 OPS = torch.ops.normswap

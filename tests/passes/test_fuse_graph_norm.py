@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from normswap.kernels import triton_on_cpu
-from normswap.kernels.tolerance import kernel_tolerance
 from normswap.passes import FuseGraphNorm, FuseNorm, Pipeline, fuse_graph_norm
+from normswap.util.tolerance import kernel_tolerance
 from tests.kernels.conftest import interpreter  # noqa: F401 (a fixture)
 
 

@@ -313,3 +313,29 @@ def test_a_module_shared_under_two_names_is_not_untied_through_itself():
     assert report.changes == []
     assert "through the same module" in report.skips[0].reason
     torch.testing.assert_close(converted(*args), model(*args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "shape,dim", [((7, 5), 0), ((7, 5), 1), ((3, 4, 6), 1), ((6, 2, 3, 3), 0), ((9,), 0)]
+)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_centering_in_slices_is_the_same_as_on_the_whole_tensor(shape, dim, scaled):
+    """center_along works on slices to bound its fp64 memory: every slice size gives the same bits as
+    one whole-tensor pass, on a non-contiguous input too."""
+    from normswap.passes.recenter_layernorm import center_along
+
+    torch.manual_seed(0)
+    tensor = torch.randn(*reversed(shape)).permute(*reversed(range(len(shape))))  # non-contiguous
+    scale = torch.rand(shape[dim]) + 0.5 if scaled else None
+    whole = center_along(tensor, dim, scale, chunk_elements=tensor.numel())
+    expected = tensor.double()
+    if scale is not None:
+        expected = expected * scale.double().reshape([-1 if d == dim else 1 for d in range(tensor.ndim)])
+    expected = (expected - expected.mean(dim, keepdim=True)).float()
+    assert torch.equal(whole, expected)
+    for chunk in (1, 5, 13):
+        assert torch.equal(center_along(tensor, dim, scale, chunk_elements=chunk), whole)
+        in_place = tensor.clone()
+        assert center_along(in_place, dim, scale, out=in_place, chunk_elements=chunk) is not None
+        assert torch.equal(in_place, whole)
+    assert float(whole.double().mean(dim).abs().max()) < 1e-6

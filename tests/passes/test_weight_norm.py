@@ -15,9 +15,11 @@ from torch import nn
 
 from normswap.errors import BadInputError
 from normswap.load import load_model, save_model
+from normswap.modules.copying import copy_model
 from normswap.passes import AddWeightNorm, Pipeline, RemoveWeightNorm
-from normswap.passes.weight_norm import copy_model, weight_from_weight_norm, weight_norm_magnitude
-from normswap.validate import EXACT_TOLERANCE, compare_models
+from normswap.passes.weight_norm import weight_from_weight_norm, weight_norm_magnitude
+from normswap.util.tolerance import EXACT_TOLERANCE
+from normswap.validate import compare_models
 
 
 def _reasons(report) -> dict[str, str]:

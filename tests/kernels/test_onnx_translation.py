@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch import nn
 
-from normswap.export.onnx_ops import translation_table
-from normswap.kernels.tolerance import kernel_tolerance
+from normswap.kernels.onnx_translation import translation_table
 from normswap.load import save_model
 from normswap.modules.fused import FusedAddLayerNorm, FusedAddRMSNorm, FusedLayerNorm, FusedRMSNorm
 from normswap.passes import fuse_norm
+from normswap.util.tolerance import kernel_tolerance
 
 # What the two RMSNorm forms leave in the graph: the standard op, or its written-out body.
 RMS_BODY = {"ReduceMean", "Sqrt", "Div"}

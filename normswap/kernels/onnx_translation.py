@@ -9,7 +9,7 @@ For ``torch.onnx.export(..., dynamo=True, custom_translation_table=translation_t
 
 Both standard ops take ``stash_type=1``: statistics in fp32, the normalized value cast back to the input
 type, then the scale multiply in the input type. That is the ``"llama"`` casting mode of
-:mod:`normswap.modules.functional`, and the same as every mode in fp32. For half inputs in the
+:mod:`normswap.kernels.reference`, and the same as every mode in fp32. For half inputs in the
 ``"none"``/``"gemma"`` modes (weight applied in fp32, one cast at the end) the op runs on the input cast to
 fp32 and its output is cast back; a ``weight_offset`` (Gemma's ``1 + w``) is an ``Add`` on the weight,
 folded into the initializer by the exporter's optimizer. The statistics outputs (mean, rstd) are written
@@ -104,7 +104,7 @@ def _norm(
     opset: int,
 ) -> Any:
     """y of the fused op on ``x`` (holding ``dtype``), with the casting semantics of
-    ``normswap.modules.functional``."""
+    ``normswap.kernels.reference``."""
     params = [t.dtype for t in (weight, bias) if t is not None]
     if casting == "llama":
         # Round the normalized value to x's type, then (offset + w) * n + b in the promoted type, the

@@ -1,4 +1,4 @@
-"""Put a loaded model in inference mode, including modules that forbid ``.eval()``."""
+"""Put a model in inference mode and back, including modules that forbid ``.eval()``."""
 
 from __future__ import annotations
 

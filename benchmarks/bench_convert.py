@@ -1,0 +1,366 @@
+"""What one `normswap convert` costs beside doing the same job by hand, measured side by side.
+
+Four figures, each against the cheapest way to do the same work without normswap:
+
+    exports   torch.export runs per command (the command runs in-process with torch.export.export
+              counted): a .pt output, a .pt2 output, --exact, --fold-bn, and an ONNX output
+    gpt2      the whole `convert --to rmsnorm --exact -o out.pt2` process on 24- and 48-layer GPT-2
+              configs (n_embd 256) vs a process that builds the model, exports it once and saves the
+              program; and how the command's time grows from 24 to 48 layers
+    resnet50  `--fold-bn` on torchvision resnet50: the fold call vs torch.fx's `fuse()` in one process,
+              and the whole command vs a process that builds, fuses with fx, compares the outputs once
+              and saves the program
+    memory    the peak RSS of the gpt2 convert (12 layers, n_embd 768, GPT-2 small's shapes) above a
+              process that only imports torch and normswap, in units of the model's weight bytes
+
+Processes alternate (command, baseline, command, ...) so that a noisy machine slows both alike; medians
+are reported with their ratio.
+
+    python benchmarks/bench_convert.py [--repeats 3] [--only exports,gpt2,resnet50,memory]
+                                       [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+HERE = Path(__file__).resolve()
+
+
+# --- models, as factories the command line loads --------------------------------------------------
+
+
+def gpt2() -> Any:
+    """A GPT-2 from a config (NORMSWAP_BENCH_LAYERS, NORMSWAP_BENCH_WIDTH), random weights and norms."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    layers = int(os.environ.get("NORMSWAP_BENCH_LAYERS", "2"))
+    width = int(os.environ.get("NORMSWAP_BENCH_WIDTH", "256"))
+    vocab = int(os.environ.get("NORMSWAP_BENCH_VOCAB", "1024"))
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.75, 1.25)
+                module.bias.uniform_(-0.5, 0.5)
+    return model, (), {"input_ids": torch.randint(0, vocab, (1, 32))}
+
+
+def resnet50() -> Any:
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(weights=None).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 1.5)
+                module.weight.uniform_(0.75, 1.25)
+                module.bias.uniform_(-0.5, 0.5)
+    return model, (torch.rand(1, 3, 224, 224),)
+
+
+def resnet18() -> Any:
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(weights=None).eval(), (torch.rand(1, 3, 64, 64),)
+
+
+# --- the baselines, each run as its own process ---------------------------------------------------
+
+
+def _baseline_export(factory: str, out: str) -> None:
+    """Build, export once, save the program: the least a .pt2 output can cost."""
+    import torch
+
+    model, args, kwargs = (*globals()[factory](), {})[:3]
+    program = torch.export.export(model, args, kwargs=kwargs, strict=False)
+    torch.export.save(program, out)
+
+
+def _baseline_fx_fold(out: str) -> None:
+    """Build resnet50, fold its BNs with torch.fx, compare the outputs once, export and save."""
+    import torch
+    from torch.fx.experimental.optimization import fuse
+
+    model, args = resnet50()
+    folded = fuse(model)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(*args), model(*args), rtol=1e-4, atol=1e-4)
+    torch.export.save(torch.export.export(folded, args, strict=False), out)
+
+
+def _baseline_imports() -> None:
+    """What every process pays before any model exists: the memory baseline."""
+    import normswap_cli.app  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    from normswap.passes import Pipeline  # noqa: F401
+
+
+# --- measuring ------------------------------------------------------------------------------------
+
+
+def _normswap(*argv: str) -> list[str]:
+    return [sys.executable, "-c", "from normswap_cli.app import main; main()", *argv]
+
+
+def _run_rss(command: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child, read with wait4 so that only this child counts."""
+    start = time.perf_counter()
+    child = subprocess.Popen(
+        command, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    assert child.stderr is not None
+    err = child.stderr.read().decode(errors="replace")
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:8])} ... exited {child.returncode}: {err[-2000:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def _alternate(commands: dict[str, tuple[list[str], dict[str, str]]], repeats: int) -> dict[str, Any]:
+    seconds: dict[str, list[float]] = {name: [] for name in commands}
+    rss: dict[str, list[int]] = {name: [] for name in commands}
+    for _ in range(repeats):
+        for name, (command, env) in commands.items():
+            s, peak = _run_rss(command, env)
+            seconds[name].append(s)
+            rss[name].append(peak)
+    return {
+        name: {
+            "median_s": statistics.median(seconds[name]),
+            "runs_s": seconds[name],
+            "peak_rss": max(rss[name]),
+        }
+        for name in commands
+    }
+
+
+def count_exports(case: str) -> dict[str, Any]:
+    """Run one command in this process with torch.export.export counted."""
+    import torch
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    calls: list[str] = []
+    real = torch.export.export
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append("dynamic" if kwargs.get("dynamic_shapes") else "static")
+        return real(*args, **kwargs)
+
+    torch.export.export = counted  # the benchmark's own process, restored below
+    cases = {
+        "gpt2 --to rmsnorm -o .pt": ("gpt2", ["--to", "rmsnorm"], ".pt"),
+        "gpt2 --to rmsnorm -o .pt2": ("gpt2", ["--to", "rmsnorm"], ".pt2"),
+        "gpt2 --to rmsnorm --exact -o .pt2": ("gpt2", ["--to", "rmsnorm", "--exact"], ".pt2"),
+        "gpt2 --to fused -o .onnx": ("gpt2", ["--to", "fused"], ".onnx"),
+        "resnet18 --fold-bn -o .pt": ("resnet18", ["--fold-bn"], ".pt"),
+        "resnet18 --fold-bn -o .pt2": ("resnet18", ["--fold-bn"], ".pt2"),
+    }
+    factory, flags, suffix = cases[case]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = CliRunner().invoke(
+                app, ["convert", f"{HERE}:{factory}", *flags, "-o", f"{tmp}/out{suffix}"]
+            )
+    finally:
+        torch.export.export = real
+    return {"case": case, "exit": result.exit_code, "exports": len(calls), "kinds": calls}
+
+
+def bench_exports() -> list[dict[str, Any]]:
+    rows = []
+    for case in (
+        "gpt2 --to rmsnorm -o .pt",
+        "gpt2 --to rmsnorm -o .pt2",
+        "gpt2 --to rmsnorm --exact -o .pt2",
+        "gpt2 --to fused -o .onnx",
+        "resnet18 --fold-bn -o .pt",
+        "resnet18 --fold-bn -o .pt2",
+    ):
+        done = subprocess.run(
+            [sys.executable, str(HERE), "--count-exports", case], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{case}: {done.stderr[-2000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(
+            f"exports  {case:40s} {rows[-1]['exports']} ({', '.join(rows[-1]['kinds'])}), exit {rows[-1]['exit']}"
+        )
+    return rows
+
+
+def bench_gpt2(repeats: int, tmp: str) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for layers in (24, 48):
+        env = {"NORMSWAP_BENCH_LAYERS": str(layers)}
+        figures[layers] = _alternate(
+            {
+                "convert": (
+                    _normswap(
+                        "convert", f"{HERE}:gpt2", "--to", "rmsnorm", "--exact", "-o", f"{tmp}/g{layers}.pt2"
+                    ),
+                    env,
+                ),
+                "build+export+save": (
+                    [sys.executable, str(HERE), "--baseline-export", "gpt2", f"{tmp}/b.pt2"],
+                    env,
+                ),
+            },
+            repeats,
+        )
+        one = figures[layers]
+        one["ratio"] = one["convert"]["median_s"] / one["build+export+save"]["median_s"]
+        print(
+            f"gpt2 {layers} layers: convert {one['convert']['median_s']:.1f} s, build+export+save "
+            f"{one['build+export+save']['median_s']:.1f} s, ratio {one['ratio']:.2f}x"
+        )
+    figures["growth_24_to_48"] = figures[48]["convert"]["median_s"] / figures[24]["convert"]["median_s"]
+    print(f"gpt2 convert time 24 -> 48 layers: {figures['growth_24_to_48']:.2f}x")
+    return figures
+
+
+def bench_resnet50(repeats: int, tmp: str) -> dict[str, Any]:
+    from torch.fx.experimental.optimization import fuse
+
+    from normswap.passes import fold_batchnorm
+
+    model, args = resnet50()
+    ours, theirs = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fold_batchnorm(model, args)
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        fuse(model)
+        theirs.append(time.perf_counter() - start)
+    del model
+    calls = {
+        "fold_batchnorm_s": statistics.median(ours),
+        "fx_fuse_s": statistics.median(theirs),
+    }
+    calls["ratio"] = calls["fold_batchnorm_s"] / calls["fx_fuse_s"]
+    print(
+        f"resnet50 fold call {calls['fold_batchnorm_s']:.2f} s vs fx fuse() {calls['fx_fuse_s']:.2f} s: {calls['ratio']:.2f}x"
+    )
+    processes = _alternate(
+        {
+            "convert --fold-bn": (
+                _normswap("convert", f"{HERE}:resnet50", "--fold-bn", "-o", f"{tmp}/r.pt2"),
+                {},
+            ),
+            "build+fx fuse+compare+save": (
+                [sys.executable, str(HERE), "--baseline-fx-fold", f"{tmp}/rb.pt2"],
+                {},
+            ),
+        },
+        repeats,
+    )
+    processes["ratio"] = (
+        processes["convert --fold-bn"]["median_s"] / processes["build+fx fuse+compare+save"]["median_s"]
+    )
+    print(
+        f"resnet50 whole process: convert {processes['convert --fold-bn']['median_s']:.1f} s vs fx "
+        f"{processes['build+fx fuse+compare+save']['median_s']:.1f} s: {processes['ratio']:.2f}x"
+    )
+    return {"calls": calls, "processes": processes}
+
+
+def bench_memory(tmp: str) -> dict[str, Any]:
+    env = {"NORMSWAP_BENCH_LAYERS": "12", "NORMSWAP_BENCH_WIDTH": "768", "NORMSWAP_BENCH_VOCAB": "50257"}
+    os.environ.update(env)
+    model, _, _ = gpt2()
+    weight_bytes = sum(
+        t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values()
+    )
+    del model
+    _, floor = _run_rss([sys.executable, str(HERE), "--baseline-imports"], env)
+    _, peak = _run_rss(
+        _normswap("convert", f"{HERE}:gpt2", "--to", "rmsnorm", "--exact", "-o", f"{tmp}/m.pt2"), env
+    )
+    figures = {
+        "weight_bytes": weight_bytes,
+        "imports_peak_rss": floor,
+        "convert_peak_rss": peak,
+        "above_imports_in_weights": (peak - floor) / weight_bytes,
+    }
+    print(
+        f"memory: weights {weight_bytes / 2**20:.0f} MiB; convert peak RSS {peak / 2**20:.0f} MiB, imports alone "
+        f"{floor / 2**20:.0f} MiB: {figures['above_imports_in_weights']:.2f}x the weight bytes above the imports"
+    )
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="exports,gpt2,resnet50,memory")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--count-exports", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-export", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-fx-fold", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-imports", action="store_true", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.count_exports:
+        print(json.dumps(count_exports(options.count_exports)))
+        return
+    if options.baseline_export:
+        _baseline_export(*options.baseline_export)
+        return
+    if options.baseline_fx_fold:
+        _baseline_fx_fold(options.baseline_fx_fold)
+        return
+    if options.baseline_imports:
+        _baseline_imports()
+        return
+    import torch
+
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "repeats": options.repeats,
+    }
+    wanted = options.only.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        if "exports" in wanted:
+            results["exports"] = bench_exports()
+        if "gpt2" in wanted:
+            results["gpt2"] = bench_gpt2(options.repeats, tmp)
+        if "resnet50" in wanted:
+            results["resnet50"] = bench_resnet50(options.repeats, tmp)
+        if "memory" in wanted:
+            results["memory"] = bench_memory(tmp)
+    options.out.mkdir(parents=True, exist_ok=True)
+    path = options.out / "convert_cpu.json"
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""``normswap convert MODEL -o OUT``: parse the options into a ConvertConfig, call normswap.convert, print
+the result, save it. What runs, in which order, and when a result is refused is the library's."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from normswap_cli import render
+from normswap_cli.options import (
+    DATA_SHORT_HELP,
+    BatchSizeOpt,
+    InputShapeOpt,
+    InputsOpt,
+    ModelArg,
+    OpsetOpt,
+    OutputOpt,
+    ReportOpt,
+    TrustPickleOpt,
+    WeightsOpt,
+    flag,
+)
+from normswap_cli.shared import check_paths, existing, handles_errors, load, write_json
+
+ToOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--to",
+        help="Swap norms to this kind: rmsnorm (exact where the residual stream can be recentered, "
+        "architectural elsewhere), layernorm, batchnorm, groupnorm, instancenorm, dyt, identity "
+        "(architectural), or fused (the same norms on normswap's fused kernels; exact).",
+    ),
+]
+FromOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--from",
+        help="Only replace norms of this kind (batch, layer, rms, group, instance); repeatable. "
+        "Default: every kind that differs from --to.",
+    ),
+]
+CalibrateOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--calibrate",
+        help="Fit the swapped norms' affine parameters (and BatchNorm statistics) to the original "
+        "norms' outputs on this data, layer by layer. " + DATA_SHORT_HELP,
+    ),
+]
+FuseAddOpt = Annotated[
+    bool,
+    flag(
+        "--fuse-add",
+        help="With --to fused: also fuse each residual add into the norm after it (the output becomes "
+        "a torch.fx GraphModule; exact).",
+    ),
+]
+FuseInlineOpt = Annotated[
+    bool,
+    flag(
+        "--fuse-inline",
+        help="With --to fused: also fuse norms that are no module of their own (functional calls and "
+        "norms written out inside another forward; the output becomes a torch.fx GraphModule; exact).",
+    ),
+]
+AddWeightNormOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--add-weight-norm",
+        help="Wrap these Conv/ConvTranspose/Linear layers in weight norm: comma-separated module "
+        "paths, or 'all' (exact).",
+    ),
+]
+AllowLossyOpt = Annotated[
+    bool,
+    flag(
+        "--allow-lossy",
+        help="With --to rmsnorm: accept the architectural (lossy) LayerNorm -> RMSNorm swap where the "
+        "exact route failed (no graph captured, a form normswap does not handle). Without it such a "
+        "run fails and writes nothing; post-LN LayerNorms, which have no exact route, are swapped "
+        "either way.",
+    ),
+]
+
+
+@handles_errors
+def convert(
+    model: ModelArg,
+    output: OutputOpt,
+    to: ToOpt = None,
+    from_kinds: FromOpt = None,
+    groups: Annotated[int | None, typer.Option("--groups", min=1, help="Groups of --to groupnorm.")] = None,
+    calibrate: CalibrateOpt = None,
+    calibrate_batches: Annotated[
+        int | None, typer.Option("--calibrate-batches", min=1, help="Use the first N batches of --calibrate.")
+    ] = None,
+    batch_size: BatchSizeOpt = None,
+    fold_bn: Annotated[
+        bool, flag("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear beside it.")
+    ] = False,
+    fuse_add: FuseAddOpt = False,
+    fuse_inline: FuseInlineOpt = False,
+    fold_norm_affine: Annotated[
+        bool,
+        flag(
+            "--fold-norm-affine",
+            help="Fold each norm's weight and bias into the Linear layers that read it (exact).",
+        ),
+    ] = False,
+    add_weight_norm: AddWeightNormOpt = None,
+    weight_norm_dim: Annotated[
+        str,
+        typer.Option(
+            "--weight-norm-dim",
+            help="Weight-norm magnitude dim: 'output' (one per output channel), an int, or 'none'.",
+        ),
+    ] = "output",
+    remove_weight_norm: Annotated[
+        bool, flag("--remove-weight-norm", help="Fold every weight norm back into a plain weight (exact).")
+    ] = False,
+    exact: Annotated[bool, flag("--exact", help="Fail instead of applying any non-exact rewrite.")] = False,
+    allow_lossy: AllowLossyOpt = False,
+    opset: OpsetOpt = None,
+    weights: WeightsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    report: ReportOpt = None,
+) -> None:
+    """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
+    from normswap.api import ConvertConfig, convert, save
+    from normswap.errors import CheckFailedError
+    from normswap.load import SAVE_FORMATS, require_inputs
+
+    check_paths(
+        {"MODEL": model, "--weights": weights, "--inputs": inputs, "--calibrate": calibrate},
+        {"-o": output, "--report": report},
+    )
+    config = ConvertConfig(
+        to=to,
+        from_kinds=from_kinds,
+        groups=groups,
+        fold_bn=fold_bn,
+        fold_norm_affine=fold_norm_affine,
+        fuse_add=fuse_add,
+        fuse_inline=fuse_inline,
+        add_weight_norm=add_weight_norm,
+        weight_norm_dim=weight_norm_dim,
+        remove_weight_norm=remove_weight_norm,
+        exact=exact,
+        allow_lossy=allow_lossy,
+        calibration_data=calibrate,
+        calibration_batches=calibrate_batches,
+        batch_size=batch_size,
+        output=output,
+    )
+    config.validate()  # option mistakes are said before the model is loaded
+    loaded = load(model, weights, trust_pickle)
+    args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
+    quiet = report is not None
+    with render.status("converting", quiet) as say:
+        result = convert(loaded.model, config, args, kwargs, on_step=say)
+    render.print_conversion(result)
+    if result.ok:
+        label = SAVE_FORMATS[output.suffix]
+        what = {
+            "onnx": f"exporting {output} to ONNX and checking it in onnxruntime",
+            "pt2": f"exporting {output}",
+        }.get(label, f"writing {output}")
+        with render.stdout_kept(label == "onnx"), render.status(what, quiet):
+            saved = save(result, opset=opset, refuse_path=existing(model))
+        render.print_saved(saved)
+    if report is not None:
+        write_json(report, {"model": model, **result.to_dict()})
+    if not result.ok:
+        raise CheckFailedError(result.refusal or "nothing written")

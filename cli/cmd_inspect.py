@@ -1,0 +1,47 @@
+"""``normswap inspect MODEL``: what norms are there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from normswap_cli import render
+from normswap_cli.options import InputShapeOpt, InputsOpt, ModelArg, TrustPickleOpt, WeightsOpt
+from normswap_cli.shared import check_inputs_fit, check_paths, handles_errors, load, write_json
+
+
+@handles_errors
+def inspect(
+    model: ModelArg,
+    weights: WeightsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the sites as JSON.")] = None,
+) -> None:
+    """List every normalization in MODEL: kind, shape, eps, affine, and what feeds and reads it."""
+    from normswap.discover import find_norms
+    from normswap.load import resolve_inputs
+
+    check_paths({"MODEL": model, "--weights": weights, "--inputs": inputs}, {"--json": json_out})
+    loaded = load(model, weights, trust_pickle)
+    resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
+    args, kwargs = resolved if resolved is not None else (None, None)
+    if inputs is not None or input_shape:
+        check_inputs_fit(loaded.model, args, kwargs)
+    with render.status("capturing a graph of the model", quiet=json_out is not None):
+        inventory = find_norms(loaded.model, args, kwargs)
+    render.print_inventory(inventory, model)
+    if json_out is not None:
+        write_json(
+            json_out,
+            {
+                "model": model,
+                "graph_method": inventory.graph_method,
+                "graph_errors": inventory.capture.errors,
+                "graph_notes": inventory.capture.notes,
+                "counts": inventory.counts(),
+                "sites": [s.to_dict() for s in inventory],
+            },
+        )

@@ -1,0 +1,132 @@
+"""``normswap validate ORIGINAL CONVERTED``: compare two models."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from normswap_cli import render
+from normswap_cli.options import (
+    DATA_SHORT_HELP,
+    BatchSizeOpt,
+    ConvertedWeightsOpt,
+    InputShapeOpt,
+    InputsOpt,
+    ReportOpt,
+    TrustPickleOpt,
+    WeightsOpt,
+    flag,
+)
+from normswap_cli.shared import check_paths, data_and_holdout, handles_errors, load, write_json
+
+
+@handles_errors
+def validate(
+    original: Annotated[
+        str, typer.Argument(help="The reference model (same forms as MODEL).", show_default=False)
+    ],
+    converted: Annotated[str, typer.Argument(help="The model to check against it.", show_default=False)],
+    exact: Annotated[
+        bool, flag("--exact", help="Fail (exit 1) unless every output is within the exact tolerance.")
+    ] = False,
+    min_sqnr: Annotated[
+        float | None,
+        typer.Option(
+            "--min-sqnr",
+            help="Fail (exit 1) if an output's SQNR is below this many dB; also the "
+            "per-layer threshold for the first divergent layer [40].",
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write a PNG of the per-layer SQNR, norm sites marked.")
+    ] = None,
+    data: Annotated[
+        str | None, typer.Option("--data", help="Compare on the batches of DATA. " + DATA_SHORT_HELP)
+    ] = None,
+    batches: Annotated[
+        int | None, typer.Option("--batches", min=1, help="Use the first N batches of --data.")
+    ] = None,
+    batch_size: BatchSizeOpt = None,
+    weights: WeightsOpt = None,
+    converted_weights: ConvertedWeightsOpt = None,
+    trust_pickle: TrustPickleOpt = False,
+    inputs: InputsOpt = None,
+    input_shape: InputShapeOpt = None,
+    report: ReportOpt = None,
+) -> None:
+    """Compare CONVERTED with ORIGINAL on the same inputs: per output, per layer, per norm site."""
+    from normswap.errors import BadInputError, CheckFailedError
+    from normswap.validate.layerwise import DEFAULT_MIN_SQNR_DB, plot_norm_sites, validate_models
+
+    check_paths(
+        {
+            "ORIGINAL": original,
+            "CONVERTED": converted,
+            "--weights": weights,
+            "--converted-weights": converted_weights,
+            "--inputs": inputs,
+            "--data": data,
+        },
+        {"--plot": plot, "--report": report},
+    )
+    if exact and min_sqnr is not None:
+        raise BadInputError("--exact and --min-sqnr are two different checks: give one")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise BadInputError(f"--plot {plot}: the plot is a PNG file")
+    reference = load(original, weights, trust_pickle)
+    candidate = load(converted, converted_weights, trust_pickle)
+    if data is not None:
+        from normswap.load import resolve_inputs
+
+        resolved = resolve_inputs(reference, inputs_file=inputs, input_shapes=input_shape)
+        args, kwargs = resolved if resolved is not None else (None, None)
+        source, _ = data_and_holdout(data, None, args, kwargs, batch_size, None)
+        pairs = [(b.args, b.kwargs) for b in itertools.islice(source, batches)]
+        if not pairs:
+            raise BadInputError(f"--data {data} yields no batch")
+    else:
+        from normswap.load import require_inputs
+
+        pairs = [require_inputs(reference, inputs_file=inputs, input_shapes=input_shape)]
+    with render.status("finding the norm sites of ORIGINAL", quiet=report is not None):
+        norm_paths = _norm_paths(reference.model, pairs[0])
+    with render.progress(disable=len(pairs) < 4 or report is not None) as bar:
+        task = bar.add_task("comparing", total=len(pairs))
+        try:
+            result = validate_models(
+                reference.model,
+                candidate.model,
+                pairs,
+                exact=exact,
+                min_sqnr_db=DEFAULT_MIN_SQNR_DB if min_sqnr is None else min_sqnr,
+                norm_paths=norm_paths,
+                on_batch=lambda _i: bar.advance(task),
+            )
+        except ValueError as exc:
+            raise BadInputError(f"cannot compare: {exc}") from None
+    render.print_validation(result)
+    if plot is not None:
+        from normswap.load import atomic_write
+
+        try:
+            atomic_write(
+                plot, lambda tmp: plot_norm_sites(result, str(tmp), title=f"{converted} vs {original}")
+            )
+        except ImportError:
+            raise BadInputError("--plot needs matplotlib: pip install 'normswap[plot]'") from None
+        render.out.print(f"wrote {plot}")
+    if report is not None:
+        write_json(report, {"original": original, "converted": converted, **result.to_dict()})
+    if (exact or min_sqnr is not None) and not result.passed:
+        what = "exact tolerance" if exact else f"{min_sqnr:g} dB"
+        where = f"; first divergent layer: {result.first_divergent}" if result.first_divergent else ""
+        raise CheckFailedError(f"outputs are not within the {what}{where}")
+
+
+def _norm_paths(model: Any, pair: tuple) -> list[str]:
+    from normswap.discover import find_norms
+
+    inventory = find_norms(model, *pair)
+    return [site.path for site in inventory if site.is_module]

@@ -1,0 +1,78 @@
+"""The options that mean the same thing in every command: model loading, inputs, output, reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+
+def flag(*names: str, help: str) -> Any:
+    """An on/off option. typer's rich help prints the type of every option, flags included
+    ("--exact <bool>"), unless it has a metavar: an empty one shows a flag as the bare flag it is."""
+    return typer.Option(*names, help=help, metavar="")
+
+
+MODEL_HELP = (
+    "A .pt2 archive (torch.export), a factory 'package.module:callable' or 'file.py:callable' returning "
+    "the model or (model, example_inputs), or a pickled module (.pt) with --trust-pickle. A factory is "
+    "Python code that normswap imports and runs, as you asked; installed packages win over same-named "
+    "modules in the working directory. A .pt2 runs nothing of its own."
+)
+ModelArg = Annotated[str, typer.Argument(help=MODEL_HELP, show_default=False)]
+WeightsOpt = Annotated[
+    Path | None, typer.Option("--weights", help="Weights for a factory model: safetensors or a state dict.")
+]
+ConvertedWeightsOpt = Annotated[
+    Path | None, typer.Option("--converted-weights", help="Weights for a factory CONVERTED model.")
+]
+TrustPickleOpt = Annotated[
+    bool,
+    flag(
+        "--trust-pickle",
+        help="Allow unpickling: a pickled module (.pt), and pickled members of a .pt2 that torch's "
+        "weights-only loader refuses. Unpickling runs whatever code the file names: only for files you "
+        "trust. (Factories, package.module:callable, always run: they are code you chose.)",
+    ),
+]
+InputsOpt = Annotated[
+    Path | None,
+    typer.Option("--inputs", help="Example inputs: a tuple or dict of tensors saved with torch.save."),
+]
+InputShapeOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--input-shape",
+        help="Example input shape, e.g. 1,3,224,224 or int64:1,16 for token ids. Repeat for several inputs.",
+    ),
+]
+OutputOpt = Annotated[Path, typer.Option("-o", "--output", help="Output file: .pt2, .pt or .onnx.")]
+OpsetOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--opset", min=7, help="ONNX opset of a .onnx output (RMSNormalization needs 23) [exporter default]."
+    ),
+]
+ReportOpt = Annotated[
+    Path | None, typer.Option("--report", help="Also write the report as JSON to this file.")
+]
+BatchSizeOpt = Annotated[
+    int | None,
+    typer.Option("--batch-size", min=1, help="Batch size for an image folder or a single tensor [32]."),
+]
+NormalizeOpt = Annotated[
+    str | None, typer.Option("--normalize", help="Normalize images with a dataset's mean/std: imagenet.")
+]
+
+DATA_SHORT_HELP = (
+    "DATA: a folder of images, a .pt file of tensors or batches, or a factory returning an iterable of "
+    "batches (see recalibrate --help)."
+)
+DATA_HELP = (
+    "Calibration data: a folder of images (resized and centre-cropped to the model's input H x W, scaled "
+    "to [0, 1]), a .pt file holding a tensor (N, ...), a list of batch tensors or a list of batches, or a "
+    "factory 'package.module:callable' / 'file.py:callable' returning an iterable of batches (a factory is "
+    "code that normswap imports and runs)."
+)
+DataOpt = Annotated[str, typer.Option("--data", help=DATA_HELP, show_default=False)]

@@ -1,0 +1,420 @@
+"""Everything the command line prints: the consoles, progress, and one renderer per kind of result.
+
+Output goes to ``out`` (stdout, the report a user reads or pipes); progress and errors to ``err``
+(stderr, shown only on a terminal). Renderers read typed results and print; they decide nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+# Piped output (logs, CI, tests) gets 120 columns instead of rich's 80, so tables stay readable.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, highlight=False)
+
+# What turning a setting off for the analysis capture means for the user.
+ANALYSIS_ONLY = "for the capture only: torch.export cannot return a cache; the model keeps its config"
+NO_CACHE = "it returns no cache; the model's own config is unchanged"
+
+
+def fmt_float(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.{digits}g}"
+
+
+def error(message: str) -> None:
+    # escaped: a path or an input like data[1].pt is text, not rich markup
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+def progress(disable: bool = False) -> Any:
+    """A progress bar on stderr, shown only on a terminal, so piped output and logs stay clean."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=err, transient=True, disable=disable or not err.is_terminal)
+
+
+@contextlib.contextmanager
+def status(text: str, quiet: bool = False) -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr saying what is being done, for phases that take long (a capture, a pass, a
+    validation, an export); yields a function that changes the text. Shown only on a terminal and not in
+    ``quiet`` (--report) runs, so pipes, logs and scripted runs stay clean; it leaves no line behind."""
+    if quiet or not err.is_terminal:
+        yield lambda _text: None
+        return
+    from rich.live import Live
+    from rich.spinner import Spinner
+
+    spinner = Spinner("dots", text=text, style="status.spinner")
+    with Live(spinner, console=err, transient=True, refresh_per_second=12.5) as live:
+
+        def say(new: str) -> None:
+            spinner.update(text=new)
+            live.refresh()  # shown at once: a phase may end before the next timed refresh
+
+        yield say
+
+
+@contextlib.contextmanager
+def stdout_kept(exporting_onnx: bool = True) -> Iterator[None]:
+    """torch.onnx prints progress lines to stdout: send them to stderr, keeping stdout for the report."""
+    redirect = exporting_onnx and not err.is_terminal
+    with contextlib.redirect_stdout(sys.stderr) if redirect else contextlib.nullcontext():
+        yield
+
+
+def print_capture_notes(notes: list[str], what: str, consequence: str) -> None:
+    """Say which settings were turned off to capture the model (see normswap.graph.capture)."""
+    if notes:
+        out.print(f"note: {what} with {', '.join(notes)} ({consequence})", soft_wrap=True)
+
+
+def captured_what(method: str | None) -> str:
+    return f"graph captured ({method})" if method else "graph capture tried"
+
+
+def print_inventory(inventory: Any, model: str) -> None:
+    table = Table(title=f"Norms in {model}", show_lines=False)
+    for column in ("path", "kind", "class", "shape", "eps", "affine", "producer -> consumers"):
+        table.add_column(column, overflow="fold")
+    for site in inventory:
+        cls = (site.class_name or site.source).rsplit(".", 1)[-1]
+        if site.source != "module":
+            cls = f"{cls} ({site.source})"
+        affine = ("w" if site.affine else "-") + ("+b" if site.bias else "")
+        flow = f"{site.producer or '?'} -> {', '.join(site.consumers) or '?'}"
+        shape = "x".join(str(d) for d in site.normalized_shape) if site.normalized_shape else "?"
+        table.add_row(
+            site.path,
+            str(getattr(site.kind, "value", site.kind)),
+            cls,
+            shape,
+            fmt_float(site.eps),
+            affine,
+            flow,
+        )
+    out.print(table)
+    counts = ", ".join(f"{kind} {n}" for kind, n in sorted(inventory.counts().items())) or "none"
+    capture = inventory.capture
+    graph = (
+        f"graph captured with {inventory.graph_method}"
+        if inventory.graph_method
+        else f"no graph ({capture.reason}): {capture.advice}"
+    )
+    out.print(f"{len(inventory)} norm sites: {counts}; {escape(graph)}", soft_wrap=True)
+    if inventory.graph_method == "fx" and capture.errors:
+        out.print(f"[dim]{capture.reason}[/]", soft_wrap=True)
+    print_capture_notes(capture.notes, captured_what(capture.method if capture.ok else None), ANALYSIS_ONLY)
+
+
+def print_conversion(result: Any) -> None:
+    """A :class:`normswap.ConversionResult`: changes, skips, figures, notes and calibration."""
+    print_pipeline(result.report)
+    print_capture_notes(result.graph_notes, captured_what(result.graph_method), ANALYSIS_ONLY)
+    for note in result.notes:
+        out.print(f"note: {note}", soft_wrap=True)
+    if result.calibration is not None:
+        print_calibration(result.calibration)
+
+
+def print_calibration(calibration: Any) -> None:
+    fitted = calibration.fit
+    table = Table(title=f"Calibration on {fitted.batches} batches (site SQNR dB vs the original norm)")
+    for column in ("site", "new norm", "before", "after", "note"):
+        table.add_column(column, overflow="fold")
+    for site in fitted.sites:
+        note = site.note or ("statistics re-estimated" if site.statistics else "")
+        if site.alpha is not None:
+            note = f"alpha {site.alpha:.3g}"
+        table.add_row(
+            site.site, site.module_class, fmt_float(site.sqnr_before_db), fmt_float(site.sqnr_after_db), note
+        )
+    out.print(table)
+    out.print(
+        f"calibration: whole model on the calibration data SQNR {fmt_float(fitted.model_sqnr_before_db)} dB "
+        f"-> {fmt_float(fitted.model_sqnr_after_db)} dB"
+    )
+    out.print(
+        "after calibration, whole model vs original on the example inputs: SQNR "
+        f"{fmt_float(calibration.overall.worst_sqnr_db)} dB"
+    )
+
+
+def print_saved(saved: Any) -> None:
+    """A :class:`normswap.api.SavedOutput`: what was written, and the onnxruntime check of an ONNX file."""
+    if saved.onnx is not None:
+        from normswap.util.tolerance import onnx_tolerance
+
+        result = saved.onnx
+        ops = ", ".join(f"{name} {count}" for name, count in result.op_counts.items())
+        out.print(f"ONNX opset {result.opset}: {sum(result.op_counts.values())} nodes ({ops})")
+        worst = max(result.outputs, key=lambda o: o.max_rel)
+        sizes = " and ".join(str(b) for b in result.checked_batch_sizes)
+        out.print(
+            f"onnxruntime vs PyTorch on batch size {sizes}: max abs {fmt_float(worst.max_abs)} = "
+            f"{fmt_float(worst.max_rel)} x max|ref| (tolerance {onnx_tolerance(worst.dtype):g}) [green]PASS[/]"
+        )
+    out.print(f"wrote {saved.path} ({saved.format})", soft_wrap=True)
+    if saved.format != "pickle":
+        print_capture_notes(saved.notes, f"{saved.path} exported", NO_CACHE)
+
+
+def _by_reason(skips: list[Any]) -> dict[str, list[str]]:
+    """The skipped sites under each reason, in order of first appearance."""
+    grouped: dict[str, list[str]] = {}
+    for skip in skips:
+        grouped.setdefault(skip.reason, []).append(skip.site)
+    return grouped
+
+
+def _site_list(sites: list[str], shown: int = 3) -> str:
+    if len(sites) <= shown:
+        return ", ".join(sites)
+    return f"{len(sites)} sites: {', '.join(sites[: shown - 1])}, ..., {sites[-1]}"
+
+
+def print_pipeline(result: Any) -> None:
+    """A :class:`normswap.PipelineReport`: a table of changes, one of skips, a line of figures per pass."""
+    table = Table(title="Changes", show_lines=False)
+    for column in ("pass", "site", "kind", "what"):
+        table.add_column(column, overflow="fold")
+    # one row per pass and reason: a cause shared by many sites (no graph captured) is said once; the
+    # JSON report keeps every site
+    skips = Table(title="Skipped", show_lines=False)
+    for column in ("pass", "sites", "reason"):
+        skips.add_column(column, overflow="fold")
+    for p in result.passes:
+        for c in p.changes:
+            what = c.description
+            if "site_sqnr_db" in c.details:
+                what += f" (site SQNR {fmt_float(c.details['site_sqnr_db'])} dB)"
+            table.add_row(p.pass_name, c.site, c.kind.value, what)
+        for reason, sites in _by_reason(p.skips).items():
+            skips.add_row(p.pass_name, _site_list(sites), escape(reason))
+    out.print(table)
+    if skips.row_count:
+        out.print(skips)
+    for p in result.passes:
+        _print_pass_figures(p)
+    if result.overall is not None and not result.overall.outputs:
+        out.print("whole model vs original: the model returns no tensor to compare")
+    elif result.overall is not None:
+        out.print(
+            f"whole model vs original: SQNR {fmt_float(result.overall.worst_sqnr_db)} dB, "
+            f"max abs / max|ref| {fmt_float(result.overall.worst_rel)}"
+        )
+
+
+def _print_pass_figures(p: Any) -> None:
+    counts = f"{len(p.changes)} changed, {len(p.skips)} skipped"
+    if p.validation is None:
+        note = "no change" if not p.changes else "not validated (no example inputs)"
+        out.print(f"{p.pass_name}: {counts}; {note}")
+        return
+    # a model that returns no tensor compares nothing: no worst output, and never a PASS
+    worst = max(p.validation["outputs"], key=lambda o: o["max_rel"], default=None)
+    if p.kind.value == "exact":
+        _print_exact_figures(p, worst, counts)
+    elif worst is None:
+        out.print(
+            f"{p.pass_name} ({p.kind.value}): {counts}; the model returns no floating-point output to compare"
+        )
+    else:
+        out.print(
+            f"{p.pass_name} ({p.kind.value}): {counts}; SQNR {fmt_float(p.validation['worst_sqnr_db'])} dB, "
+            f"cosine {fmt_float(worst['cosine'], 6)}, max abs {fmt_float(worst['max_abs'])}"
+        )
+
+
+def _print_exact_figures(p: Any, worst: dict[str, Any] | None, counts: str) -> None:
+    from normswap.validate.variants import format_shapes
+
+    half = p.validation.get("half_precision")
+    failed = p.validation.get("failed_inputs", [])
+    passed = (half["within_rounding"] if half else p.validation["within_tolerance"]) and not failed
+    verdict = "[green]PASS[/]" if passed else "[bold red]FAIL[/]"
+    figures = (
+        f"max abs {fmt_float(worst['max_abs'])} = {fmt_float(worst['max_rel'])} x max|ref| "
+        f"(tolerance {worst['tolerance']:g})"
+        if worst is not None
+        else "the model returns no tensor to compare"
+    )
+    out.print(f"{p.pass_name} (exact): {counts}; {figures} {verdict}", soft_wrap=True)
+    if half:
+        out.print(
+            f"  judged against the model in fp32: {fmt_float(half['rewritten_rel_error'])} x max|ref| "
+            f"vs the original's own {fmt_float(half['original_rel_error'])} (allowed: twice that)"
+        )
+    verified = p.validation.get("verified_inputs", [])
+    if verified:
+        out.print(
+            f"  verified on {len(verified)} input shape{'s' if len(verified) != 1 else ''}: "
+            + ", ".join(format_shapes(v["shapes"]) for v in verified),
+            soft_wrap=True,
+        )
+    for f in failed:
+        what = f.get("error") or (
+            f"{fmt_float(f['worst_rel'])} x max|ref|" if f.get("compared") else "no tensor compared"
+        )
+        out.print(
+            f"  [bold red]FAIL[/] on {format_shapes(f['shapes'])} ({f['label']}): {what}", soft_wrap=True
+        )
+    for limitation in p.validation.get("limitations", []):
+        out.print(f"  limited: {limitation}", soft_wrap=True)
+
+
+def print_validation(result: Any) -> None:
+    """A :class:`normswap.validate.layerwise` result: outputs, norm sites, first divergence, verdict."""
+    table = Table(title=f"Outputs ({result.batches} batch{'es' if result.batches != 1 else ''})")
+    for column in ("output", "shape", "max abs", "max rel", "SQNR dB", "cosine", "top-1", "top-5"):
+        table.add_column(column, overflow="fold")
+    for figures in result.outputs:
+        o = figures.comparison
+        table.add_row(
+            o.name,
+            "x".join(map(str, o.shape)),
+            fmt_float(o.max_abs),
+            fmt_float(o.max_rel),
+            fmt_float(o.sqnr_db),
+            fmt_float(o.cosine, 6),
+            "" if o.top1_agreement is None else f"{o.top1_agreement:.1%}",
+            "" if figures.top5_agreement is None else f"{figures.top5_agreement:.1%}",
+        )
+    out.print(table)
+    norms = Table(title="Norm sites, in execution order (SQNR of each site's output vs the original)")
+    for column in ("site", "original", "converted", "SQNR dB", "max rel"):
+        norms.add_column(column, overflow="fold")
+    for layer in result.norm_sites:
+        norms.add_row(
+            layer.path,
+            layer.original_class,
+            layer.converted_class,
+            fmt_float(layer.sqnr_db),
+            fmt_float(layer.max_rel),
+        )
+    if norms.row_count:
+        out.print(norms)
+    rule = "the exact tolerance" if result.exact else f"{result.min_sqnr_db:g} dB"
+    if result.first_divergent is None:
+        out.print(f"{result.shared_modules} shared modules compared; none diverges past {rule}")
+    else:
+        layer = next(x for x in result.layers if x.path == result.first_divergent)
+        out.print(
+            f"{result.shared_modules} shared modules compared; first divergent past {rule}: "
+            f"{layer.path} ({layer.original_class} -> {layer.converted_class}, SQNR {fmt_float(layer.sqnr_db)} dB)"
+        )
+    verdict = "[green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
+    out.print(
+        f"verdict ({'exact tolerance' if result.exact else f'min SQNR {result.min_sqnr_db:g} dB'}): {verdict}"
+    )
+
+
+def print_recalibration(result: Any, notes: list[str]) -> None:
+    table = Table(title="BatchNorm statistics, new vs old", show_lines=False)
+    for column in ("layer", "class", "channels", "mean shift (σ)", "var ratio"):
+        table.add_column(column, overflow="fold")
+    for layer in result.layers:
+        table.add_row(
+            layer.path,
+            layer.class_name,
+            str(layer.num_features),
+            fmt_float(layer.mean_shift),
+            f"{fmt_float(layer.var_ratio_min)}..{fmt_float(layer.var_ratio_max)}",
+        )
+    out.print(table)
+    if result.skips:
+        skips = Table(title="Skipped", show_lines=False)
+        for column in ("site", "reason"):
+            skips.add_column(column, overflow="fold")
+        for skip in result.skips:
+            skips.add_row(skip.site, skip.reason)
+        out.print(skips)
+    for note in notes:
+        out.print(f"note: {note}", soft_wrap=True)
+    out.print(
+        f"recalibrate_batchnorm ({result.kind.value}): {len(result.layers)} BatchNorm layers re-estimated "
+        f"on {result.batches} batches ({result.samples} samples), {len(result.skips)} skipped",
+        soft_wrap=True,
+    )
+    if result.holdout is None:
+        out.print("held-out batch: none, no comparison")
+        return
+    worst = min(result.holdout.outputs, key=lambda o: o.sqnr_db, default=None)
+    if worst is None:
+        out.print("held-out batch: the model returns no floating-point output to compare")
+        return
+    top1 = f", top-1 agreement {worst.top1_agreement:.1%}" if worst.top1_agreement is not None else ""
+    out.print(
+        f"held-out batch ({result.holdout_samples} samples, {result.holdout_source}), outputs after vs "
+        f"before: SQNR {fmt_float(worst.sqnr_db)} dB, cosine {fmt_float(worst.cosine, 6)}, max abs "
+        f"{fmt_float(worst.max_abs)} ({fmt_float(worst.max_rel)} x max|before|){top1}",
+        soft_wrap=True,
+    )
+
+
+def print_distillation(result: Any, notes: list[str]) -> None:
+    for note in notes:
+        out.print(f"note: {note}", soft_wrap=True)
+    what = f"{result.loss}" + (f" at T={result.temperature:g}" if result.temperature is not None else "")
+    trained = (
+        (f"{len(result.trained_modules)} norm modules, " if result.train == "norms" else "")
+        + f"{result.trained_tensors} tensors, {result.trained_elements:,} of {result.total_elements:,} parameters"
+    )
+    out.print(
+        f"distill ({result.kind.value}): {result.steps_done} AdamW steps, lr {result.lr:g}, {what} loss on "
+        f"{', '.join(result.loss_outputs)}; {result.batches} training batches ({result.samples} samples); "
+        f"trained {trained}; {result.seconds:.1f} s",
+        soft_wrap=True,
+    )
+    out.print(
+        f"training loss: first {fmt_float(result.loss_first)}, last {fmt_float(result.loss_last)}, "
+        f"min {fmt_float(result.loss_min)}",
+        soft_wrap=True,
+    )
+    if result.before is None or result.after is None:
+        out.print("held-out batch: none, no comparison")
+        return
+    table = Table(
+        title=f"Held-out batch ({result.holdout_samples} samples, {result.holdout_source}): converted vs "
+        "original, before -> after"
+    )
+    for column in ("output", "SQNR dB", "cosine", "max abs", "top-1"):
+        table.add_column(column, overflow="fold")
+    others = 0
+    for before, after in zip(result.before.outputs, result.after.outputs, strict=True):
+        if before.name not in result.loss_outputs:
+            others += 1  # an HF model's caches and hidden states: not what was distilled
+            continue
+        top1 = (
+            f"{before.top1_agreement:.1%} -> {after.top1_agreement:.1%}"
+            if before.top1_agreement is not None and after.top1_agreement is not None
+            else ""
+        )
+        table.add_row(
+            before.name,
+            f"{fmt_float(before.sqnr_db)} -> {fmt_float(after.sqnr_db)}",
+            f"{fmt_float(before.cosine, 4)} -> {fmt_float(after.cosine, 4)}",
+            f"{fmt_float(before.max_abs)} -> {fmt_float(after.max_abs)}",
+            top1,
+        )
+    out.print(table)
+    if others:
+        out.print(f"{others} other outputs, not in the loss, are compared in --report", soft_wrap=True)
+    out.print(
+        f"held-out {result.loss} loss {fmt_float(result.holdout_loss_before)} -> "
+        f"{fmt_float(result.holdout_loss_after)}; SQNR {fmt_float(result.sqnr_before_db)} dB -> "
+        f"{fmt_float(result.sqnr_after_db)} dB",
+        soft_wrap=True,
+    )

@@ -1,0 +1,218 @@
+"""What a conversion is asked to do: :class:`ConvertConfig`, which checks itself and names its passes.
+
+The messages name the command line's options (``--to``, ``--groups``): the config is what ``normswap
+convert`` builds from them, and one wording serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from normswap.errors import BadInputError, CheckFailedError
+from normswap.passes.base import Pass
+from normswap.passes.pipeline import ExactOnlyError, Pipeline
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """The rewrites of one conversion, its policies, and where its result will be written.
+
+    Every field defaults to "not asked"; at least one rewrite must be asked for.
+
+    - ``to``: swap norms to this kind (``normswap.passes.SWAP_TARGETS``, or ``"fused"``). ``"rmsnorm"``
+      is exact where the residual stream can be recentered and architectural (lossy) elsewhere.
+    - ``from_kinds``: only replace norms of these kinds (``normswap.discover.site.NORM_KINDS``).
+    - ``groups``: the groups of ``to="groupnorm"``.
+    - ``fold_bn``, ``fold_norm_affine``, ``remove_weight_norm``: the exact folds.
+    - ``fuse_add``, ``fuse_inline``: with ``to="fused"``, also fuse residual adds / norms written inline.
+    - ``add_weight_norm``: ``"all"``, module paths (a sequence, or one comma-separated string).
+    - ``weight_norm_dim``: ``"output"``, an int, or ``None`` / ``"none"`` (one magnitude per tensor).
+    - ``exact``: the exact-only policy: no architectural pass may run, and a norm that ``to`` asked for
+      but that has no exact rewrite fails the conversion.
+    - ``allow_lossy``: with ``to="rmsnorm"``, accept the lossy swap where the exact route failed for a
+      reason other than the model's architecture (without it such a conversion is refused).
+    - ``calibration_data``: fit the swapped norms to the original norms' outputs on this data: a folder
+      of images, a ``.pt`` file or a factory spec (as ``--calibrate``), or an iterable of batches;
+      ``calibration_batches`` keeps the first N, ``batch_size`` splits a folder or a single tensor.
+    - ``output``: the file the result will be saved to (suffix .pt2, .pt/.pth or .onnx). When given, the
+      conversion checks before any work that the converted model can be written there, and
+      :func:`normswap.save` writes there by default.
+    """
+
+    to: str | None = None
+    from_kinds: Sequence[str] | None = None
+    groups: int | None = None
+    fold_bn: bool = False
+    fold_norm_affine: bool = False
+    fuse_add: bool = False
+    fuse_inline: bool = False
+    add_weight_norm: str | Sequence[str] | None = None
+    weight_norm_dim: int | str | None = "output"
+    remove_weight_norm: bool = False
+    exact: bool = False
+    allow_lossy: bool = False
+    calibration_data: str | Path | Iterable[Any] | None = field(default=None, compare=False)
+    calibration_batches: int | None = None
+    batch_size: int | None = None
+    output: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.from_kinds is not None:
+            object.__setattr__(self, "from_kinds", tuple(self.from_kinds) or None)
+        if self.output is not None:
+            object.__setattr__(self, "output", Path(self.output))
+
+    @property
+    def output_path(self) -> Path | None:
+        return None if self.output is None else Path(self.output)
+
+    def validate(self) -> None:
+        """Raise :class:`BadInputError` for options that contradict each other or name nothing known,
+        and :class:`CheckFailedError` for an architectural rewrite under the exact policy."""
+        self.passes()
+
+    def passes(self) -> list[Pass]:
+        """The passes of this conversion, in the order that lets each see what it needs (validated)."""
+        passes = self._passes()
+        has_swap = any(p.name == "swap_norm" for p in passes)
+        if self.calibration_data is not None and not has_swap:
+            raise BadInputError("--calibrate fits swapped norms: give an architectural --to KIND")
+        if self.allow_lossy and self.exact:
+            raise BadInputError("--allow-lossy and --exact contradict each other: give one")
+        if self.allow_lossy and self.to != "rmsnorm":
+            raise BadInputError(
+                "--allow-lossy applies to --to rmsnorm, whose exact route can fall back to a lossy swap; "
+                "an architectural --to KIND is lossy by request"
+            )
+        try:
+            Pipeline(passes, exact_only=self.exact)
+        except ExactOnlyError as exc:
+            raise CheckFailedError(f"--exact: {exc}; nothing written") from None
+        self._check_output()
+        return passes
+
+    def _check_output(self) -> None:
+        from normswap.load import SAVE_FORMATS
+
+        output = self.output_path
+        if output is None:
+            return
+        if output.suffix not in SAVE_FORMATS:
+            raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
+        if SAVE_FORMATS[output.suffix] != "pickle":
+            return
+        if self.fuse_inline or self.fuse_add:
+            # said before the run, not after it: an exported program's module does not pickle
+            flag = "--fuse-inline" if self.fuse_inline else "--fuse-add"
+            raise BadInputError(
+                f"{flag} makes the model an exported torch.fx GraphModule, which cannot be pickled to "
+                f"{output}: save as .pt2 or .onnx"
+            )
+        if self.add_weight_norm is not None:
+            raise BadInputError(
+                f"--add-weight-norm makes parametrized modules, which torch.save cannot pickle to {output}: "
+                "save as .pt2 or .onnx"
+            )
+
+    def _check_kinds(self) -> None:
+        from normswap.modules.semantics import CONVERT_TARGETS, NORM_KINDS, NormKind, parse_target
+
+        to = self.to
+        if to is not None:
+            try:
+                to = parse_target(to)
+            except ValueError:
+                raise BadInputError(
+                    f"--to {to!r} is not a norm kind normswap can swap to; choose from {', '.join(CONVERT_TARGETS)}"
+                ) from None
+            # one vocabulary: "rms" and "RMSNorm" name the target "rmsnorm" from here on
+            object.__setattr__(self, "to", to)
+        if to == "groupnorm" and self.groups is None:
+            raise BadInputError("--to groupnorm needs --groups N")
+        if self.groups is not None and to != "groupnorm":
+            raise BadInputError("--groups applies to --to groupnorm only")
+        kinds = []
+        for kind in self.from_kinds or ():
+            try:
+                kinds.append(NormKind.parse(kind).value)
+            except ValueError:
+                raise BadInputError(f"--from {kind!r}: choose from {', '.join(NORM_KINDS)}") from None
+        if self.from_kinds:
+            object.__setattr__(self, "from_kinds", tuple(kinds))
+        if self.from_kinds and to is None:
+            raise BadInputError("--from picks which norms --to replaces: give --to KIND")
+        if self.fuse_add and to != "fused":
+            raise BadInputError("--fuse-add fuses residual adds into fused norms: give --to fused")
+        if self.fuse_inline and to != "fused":
+            raise BadInputError("--fuse-inline fuses norms inside other forwards: give --to fused")
+
+    def _weight_norm_pass(self) -> Pass:
+        from normswap.passes import AddWeightNorm
+
+        targets = self.add_weight_norm
+        if isinstance(targets, str):
+            paths = None if targets == "all" else [p.strip() for p in targets.split(",") if p.strip()]
+        else:
+            paths = list(targets or ())
+        dim: Any = self.weight_norm_dim
+        if dim == "none":
+            dim = None
+        elif isinstance(dim, str) and dim != "output":
+            try:
+                dim = int(dim)
+            except ValueError:
+                raise BadInputError(f"--weight-norm-dim {dim!r}: give output, an int or none") from None
+        return AddWeightNorm(targets=paths, dim=dim)
+
+    def _passes(self) -> list[Pass]:
+        from normswap.passes import (
+            FoldBatchNorm,
+            FoldNormAffine,
+            RecenterLayerNorm,
+            RemoveWeightNorm,
+            SwapNorm,
+        )
+
+        self._check_kinds()
+        to = self.to
+        passes: list[Pass] = []
+        # plain weights first, so the folds see and rewrite real parameters
+        if self.remove_weight_norm:
+            passes.append(RemoveWeightNorm())
+        if self.fold_bn:
+            passes.append(FoldBatchNorm())
+        kinds = tuple(self.from_kinds) if self.from_kinds else None
+        if to == "rmsnorm" and (kinds is None or "layer" in kinds):
+            # exact where the residual stream can be recentered; the generic swap takes the rest
+            passes.append(RecenterLayerNorm())
+            if not self.exact:
+                passes.append(SwapNorm(to, kinds))
+        elif to == "fused":
+            from normswap.passes.fuse_norm import FuseNorm
+
+            passes.append(FuseNorm())
+        elif to is not None:
+            passes.append(SwapNorm(to, kinds, groups=self.groups))
+        if self.fold_norm_affine:
+            passes.append(FoldNormAffine())
+        if self.add_weight_norm is not None:
+            passes.append(self._weight_norm_pass())
+        # Graph rewrites come last: every module edit must be done on the user's module first. Norms are
+        # fused before adds are fused into them.
+        if self.fuse_inline:
+            from normswap.passes.fuse_graph_norm import FuseGraphNorm
+
+            passes.append(FuseGraphNorm())
+        if self.fuse_add:
+            from normswap.passes.fuse_add_norm import FuseAddNorm
+
+            passes.append(FuseAddNorm())
+        if not passes:
+            raise BadInputError(
+                "nothing to do: give --to KIND, --fold-bn, --fold-norm-affine, --add-weight-norm or "
+                "--remove-weight-norm"
+            )
+        return passes

@@ -1,0 +1,285 @@
+"""Conversion as a library call: what ``normswap convert`` does, as one function with a typed result.
+
+::
+
+    result = normswap.convert(model, normswap.ConvertConfig(to="rmsnorm", exact=True), (x,))
+    if result.ok:
+        normswap.save(result, "out.pt2")
+
+The input model is never changed (nor its training flags); ``result.model`` is the converted copy, in
+inference mode. A conversion whose check failed still returns its result (``result.ok`` is False and
+``result.refusal`` says why, ending "nothing written"); :func:`normswap.save` refuses to write it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from normswap.api.config import ConvertConfig
+from normswap.errors import BadInputError
+from normswap.passes.pipeline import Pipeline, PipelineReport
+
+if TYPE_CHECKING:
+    from normswap.api.save import SavedOutput
+    from normswap.calibrate.affine_fit import AffineCalibrationReport
+    from normswap.validate.compare import ModelComparison
+
+
+class Verdict(str, Enum):
+    """Whether a conversion may be written, and if not, which check refused it."""
+
+    OK = "ok"
+    # an exact rewrite moved the outputs beyond the tolerance: a bug, never written
+    EXACT_FAILURE = "exact_failure"
+    # the exact policy: a norm that ``to`` asked for has no exact rewrite
+    NOT_EXACT_UNDER_POLICY = "not_exact_under_policy"
+    # to="rmsnorm": the exact route failed (not by architecture) and only the lossy swap changed the norm
+    LOSSY_WITHOUT_CONSENT = "lossy_without_consent"
+
+
+@dataclass
+class Calibration:
+    """The swapped norms fitted to the original's outputs on the calibration data."""
+
+    fit: AffineCalibrationReport
+    # the whole model against the original on the example inputs, after the fit
+    overall: ModelComparison
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"calibration": self.fit.to_dict(), "overall_after_calibration": self.overall.to_dict()}
+
+
+@dataclass
+class ConversionResult:
+    """What one conversion did: the converted model, every pass's changes, skips and figures, and the
+    verdict. :meth:`to_dict` is the JSON report of ``normswap convert --report`` (less its "model")."""
+
+    model: nn.Module
+    report: PipelineReport
+    config: ConvertConfig
+    verdict: Verdict = Verdict.OK
+    # the sentence that refuses the result (None when ok); it ends "nothing written"
+    refusal: str | None = None
+    # how the input model's graph was captured ("export", "fx" or None) and what was turned off for it
+    graph_method: str | None = None
+    graph_notes: list[str] = field(default_factory=list)
+    # with allow_lossy: the LayerNorms swapped lossily where the exact route failed (else None)
+    lossy_by_consent: list[str] | None = None
+    calibration: Calibration | None = None
+    # sentences for the user beyond the report (what consent was used for)
+    notes: list[str] = field(default_factory=list)
+    # the inputs the conversion was checked on: an exported output is captured on them
+    example_args: tuple = ()
+    example_kwargs: dict[str, Any] = field(default_factory=dict)
+    # set by normswap.save once the result is written
+    saved: SavedOutput | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict is Verdict.OK
+
+    @property
+    def changes(self) -> int:
+        """How many sites the passes changed, all passes together."""
+        return sum(len(p.changes) for p in self.report.passes)
+
+    def pass_report(self, name: str) -> Any:
+        """The report of the pass named ``name`` ("fold_batchnorm", "swap_norm", ...), or None."""
+        return next((p for p in self.report.passes if p.pass_name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        output = self.config.output_path
+        data: dict[str, Any] = {
+            "output": None if output is None else str(output),
+            "written": self.saved is not None,
+            **self.report.to_dict(),
+            "verdict": self.verdict.value,
+            "refusal": self.refusal,
+        }
+        if self.lossy_by_consent is not None:
+            data["lossy_by_consent"] = self.lossy_by_consent
+        if self.calibration is not None:
+            data.update(self.calibration.to_dict())
+        if self.saved is not None:
+            data.update(self.saved.to_dict())
+        data["graph_notes"] = self.graph_notes
+        return data
+
+
+def convert(
+    model: nn.Module,
+    config: ConvertConfig,
+    example_args: tuple | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    on_step: Callable[[str], None] | None = None,
+) -> ConversionResult:
+    """Rewrite ``model``'s norms as ``config`` asks, checking each pass against the model before it.
+
+    ``example_args``/``example_kwargs`` are inputs the model runs on: the graph is captured and every
+    pass validated on them (and, for exact passes, on variants along the model's free dims). ``on_step``
+    hears what is being done ("capturing a graph of the model", "fold_batchnorm: rewriting"), for a
+    progress display. Raises :class:`~normswap.errors.BadInputError` for a config or inputs that cannot
+    work and :class:`~normswap.errors.CheckFailedError` for a config the exact policy refuses outright;
+    every check that needs the conversion itself is in the result's verdict.
+    """
+    from normswap.graph.capture import capture_graph
+    from normswap.load.inputs import check_inputs_fit
+    from normswap.util.modes import modes_restored
+
+    say = on_step or (lambda _what: None)
+    passes = config.passes()
+    if example_args is None and example_kwargs is None:
+        raise BadInputError(
+            "normswap.convert needs example inputs (example_args and/or example_kwargs): the model is "
+            "captured and every rewrite checked on them"
+        )
+    args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
+    # conversion is about inference (BatchNorm on its running statistics); the caller's flags come back
+    with modes_restored(model, inference=True):
+        check_inputs_fit(model, args, kwargs)
+        # Captured once, before the work: it tells whether the output format can be written at all (a
+        # .pt2 or .onnx is an export), and the first pass analyzes this same graph.
+        say("capturing a graph of the model (torch.export)")
+        captured = capture_graph(model, args, kwargs)
+        if config.output_path is not None:
+            _check_writable(model, config.output_path, config.remove_weight_norm, args, kwargs, captured)
+        converted, report = Pipeline(passes, exact_only=config.exact)(
+            model, args, kwargs, captured=captured, on_step=say
+        )
+        result = ConversionResult(
+            model=converted,
+            report=report,
+            config=config,
+            graph_method=captured.method if captured.ok else None,
+            graph_notes=list(captured.notes),
+            example_args=args,
+            example_kwargs=kwargs,
+        )
+        lossy = None if config.allow_lossy or config.exact else _lossy_without_consent(report, config.to)
+        if config.allow_lossy:
+            _record_consent(result)
+        if config.calibration_data is not None and lossy is None:
+            result.calibration = _calibrate(model, result, say)
+    not_exact = _not_exact_under_policy(report, config.to) if config.exact else None
+    if not report.ok:
+        result.verdict = Verdict.EXACT_FAILURE
+        result.refusal = (
+            "exact rewrite changed the outputs: " + "; ".join(report.exact_failures) + "; nothing written"
+        )
+    elif not_exact is not None:
+        result.verdict, result.refusal = Verdict.NOT_EXACT_UNDER_POLICY, not_exact
+    elif lossy is not None:
+        result.verdict, result.refusal = Verdict.LOSSY_WITHOUT_CONSENT, lossy
+    return result
+
+
+def _check_writable(
+    model: nn.Module, output: Path, removes_weight_norm: bool, args: tuple, kwargs: dict, captured: Any
+) -> None:
+    """Refuse, before the work, an output that the converted model could not be written to."""
+    from normswap.load import SAVE_FORMATS, check_writable
+    from normswap.passes import RemoveWeightNorm
+
+    writable = model
+    if SAVE_FORMATS[output.suffix] == "pickle" and removes_weight_norm:
+        # a weight-norm parametrization does not pickle, and what is written is the model without it:
+        # judge that model, so that anything else in it that does not pickle still fails before the work
+        writable, _ = RemoveWeightNorm()(model)
+    check_writable(writable, output, args, kwargs, captured=captured)
+
+
+def _record_consent(result: ConversionResult) -> None:
+    from normswap.passes.recenter_layernorm import lossy_after_failure
+
+    consented = [skip.site for skip in lossy_after_failure(result.report.passes)]
+    result.lossy_by_consent = consented
+    if consented:
+        result.notes.append(
+            f"--allow-lossy: {len(consented)} LayerNorm(s) swapped lossily where the exact route failed "
+            "(see Skipped)"
+        )
+
+
+def _calibration_batches(config: ConvertConfig, args: tuple, kwargs: dict) -> list[Any]:
+    data = config.calibration_data
+    if isinstance(data, (str, Path)):
+        from normswap.calibrate import load_calibration_data
+
+        data = load_calibration_data(
+            data, example_args=args, example_kwargs=kwargs, batch_size=config.batch_size
+        )
+    elif config.batch_size is not None:
+        raise BadInputError("batch_size splits calibration data read from a file or folder, not batches")
+    return list(itertools.islice(data or (), config.calibration_batches))
+
+
+def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str], None]) -> Calibration:
+    """Fit the swapped norms to the original's outputs on the calibration data."""
+    from normswap.calibrate.affine_fit import calibrate_swapped_norms
+    from normswap.validate.compare import compare_models
+
+    sites = [c.site for p in result.report.passes if p.pass_name == "swap_norm" for c in p.changes]
+    batches = _calibration_batches(result.config, result.example_args, result.example_kwargs)
+    done = iter(range(1, len(sites) + 1))
+    fit = calibrate_swapped_norms(
+        original,
+        result.model,
+        sites,
+        batches,
+        on_site=lambda site: say(f"calibrating {site} ({next(done)} of {len(sites)})"),
+    )
+    say("comparing the calibrated model with the original")
+    overall = compare_models(original, result.model, result.example_args, result.example_kwargs)
+    return Calibration(fit=fit, overall=overall)
+
+
+def _not_exact_under_policy(report: PipelineReport, to: str | None) -> str | None:
+    """Under the exact policy, a norm that ``to`` asked for but that has no exact rewrite fails."""
+    skipped = [s for p in report.passes if p.pass_name == "recenter_layernorm" for s in p.skips]
+    if to == "rmsnorm" and skipped:
+        first = skipped[0]
+        return (
+            f"--exact: {len(skipped)} LayerNorm(s) cannot become RMSNorm exactly "
+            f"({first.site}: {first.reason}); nothing written"
+        )
+    return None
+
+
+def _fmt(value: float) -> str:
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.3g}"
+
+
+def _lossy_without_consent(report: PipelineReport, to: str | None) -> str | None:
+    """to="rmsnorm": the LayerNorms that the exact route (recentering) skipped for a failure, a missing
+    graph or a form normswap does not handle, and that the architectural swap then changed. Their lossy
+    result needs consent; a post-LN LayerNorm (skipped for the architecture) has no exact route."""
+    from normswap.passes.recenter_layernorm import lossy_after_failure
+
+    lossy = lossy_after_failure(report.passes) if to == "rmsnorm" else []
+    if not lossy:
+        return None
+    reasons = list(dict.fromkeys(skip.reason for skip in lossy))
+    why = reasons[0] if len(reasons) == 1 else f"{reasons[0]}; and {len(reasons) - 1} other reason(s)"
+    swap = next((p for p in report.passes if p.pass_name == "swap_norm"), None)
+    figures = swap.validation if swap is not None and swap.validation else {}
+    sqnr = (
+        f" (whole model SQNR {_fmt(figures['worst_sqnr_db'])} dB)"
+        if figures.get("worst_sqnr_db") is not None
+        else ""
+    )
+    return (
+        f"--to rmsnorm: the exact route failed for {len(lossy)} LayerNorm(s), not because of the model's "
+        f"architecture: {why}. Only the lossy swap changed them{sqnr}: fix the cause, or pass --allow-lossy "
+        "to accept the lossy swap; nothing written"
+    )

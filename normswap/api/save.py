@@ -1,0 +1,105 @@
+"""Write a converted model: the suffix picks the format (.pt2 torch.export, .pt/.pth pickle, .onnx checked
+in onnxruntime against PyTorch). Nothing is written when a check fails, and never over the input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from normswap.errors import BadInputError, CheckFailedError
+
+if TYPE_CHECKING:
+    from normswap.api.convert import ConversionResult
+    from normswap.export.onnx import OnnxExport
+
+
+@dataclass
+class SavedOutput:
+    """What was written where: ``format`` is "pt2", "pickle" or "onnx"; ``onnx`` the onnxruntime check
+    of an ONNX file; ``notes`` the settings turned off to export the model (e.g. "use_cache=False")."""
+
+    path: Path
+    format: str
+    onnx: OnnxExport | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys ``normswap convert --report`` adds for a written output."""
+        if self.onnx is not None:
+            return {"onnx": {**self.onnx.to_dict(), "capture_notes": self.notes}}
+        if self.format == "pt2":
+            return {"output_notes": self.notes}
+        return {}
+
+
+def save(
+    result: ConversionResult | nn.Module,
+    path: str | Path | None = None,
+    example_args: tuple | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    opset: int | None = None,
+    dynamic_batch: bool = False,
+    refuse_path: str | Path | None = None,
+) -> SavedOutput:
+    """Save a conversion's model (or any model) to ``path``, atomically, in the format its suffix names.
+
+    ``result``: a :class:`~normswap.api.convert.ConversionResult` (refused with
+    :class:`~normswap.errors.CheckFailedError` unless ``result.ok``; ``path`` defaults to its config's
+    ``output``, the inputs to those it was checked on; the result records what was written), or a
+    module with ``example_args``/``example_kwargs`` (a .pt2 or .onnx is an export on them). ``opset``
+    and ``dynamic_batch`` apply to .onnx, which is checked in onnxruntime before it is kept.
+    ``refuse_path``: the input model's file, never to be overwritten.
+    """
+    from normswap.api.convert import ConversionResult
+
+    conversion = result if isinstance(result, ConversionResult) else None
+    if conversion is not None:
+        if not conversion.ok:
+            raise CheckFailedError(conversion.refusal or "the conversion was refused; nothing written")
+        model: nn.Module = conversion.model
+        path = path if path is not None else conversion.config.output_path
+        if example_args is None and example_kwargs is None:
+            example_args, example_kwargs = conversion.example_args, conversion.example_kwargs
+    else:
+        model = result
+    if path is None:
+        raise BadInputError("save needs a path (or a ConvertConfig with output)")
+    saved = _write(model, Path(path), example_args, example_kwargs, opset, dynamic_batch, refuse_path)
+    if conversion is not None:
+        conversion.saved = saved
+    return saved
+
+
+def _write(
+    model: nn.Module,
+    path: Path,
+    args: tuple | None,
+    kwargs: dict[str, Any] | None,
+    opset: int | None,
+    dynamic_batch: bool,
+    refuse_path: str | Path | None,
+) -> SavedOutput:
+    from normswap.graph.capture import capture_friendly, capture_notes
+    from normswap.load import SAVE_FORMATS, save_model
+
+    refuse = None if refuse_path is None else Path(refuse_path)
+    label = SAVE_FORMATS.get(path.suffix.lower())
+    if label != "pickle" and args is None and kwargs is None:
+        raise BadInputError(f"writing {path} exports the model: give example inputs")
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if label == "onnx":
+        from normswap.export.onnx import export_onnx
+
+        # the ONNX exporter captures with torch.export, and PyTorch's side of the check runs the same way
+        with capture_friendly(model, args, kwargs) as notes:
+            checked = export_onnx(
+                model, path, args, kwargs, opset=opset, dynamic_batch=dynamic_batch, refuse_path=refuse
+            )
+        return SavedOutput(path=path, format="onnx", onnx=checked, notes=list(notes))
+    label = save_model(model, path, args, kwargs, refuse_path=refuse)
+    notes = capture_notes(model, args, kwargs) if label == "pt2" else []
+    return SavedOutput(path=path, format=label, notes=notes)

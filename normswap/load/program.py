@@ -1,0 +1,225 @@
+"""Models from torch.export archives (.pt2): read safely (:mod:`.archive` checks the archive before
+torch loads it), rebuilt into a module whose norms are lifted back to ``torch.nn`` modules, with the
+example inputs the archive stored, or synthesized from its recorded shapes when it stored none."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import re
+import traceback
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.errors import BadInputError, describe
+
+
+def _concrete_size(size: Any) -> int:
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        # Without a recorded example size, 2 avoids the 0/1 values that export specializes on.
+        return int(hint) if hint is not None else 2
+    return int(size)
+
+
+def _synthesize_example_inputs(ep: torch.export.ExportedProgram) -> tuple[tuple, dict] | None:
+    """Build inputs matching the traced shapes/dtypes when the archive stored no example inputs."""
+    from torch.utils import _pytree as pytree
+
+    user_inputs = set(ep.graph_signature.user_inputs)
+    generator = torch.Generator().manual_seed(0)
+    leaves = []
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in user_inputs:
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            shape = [_concrete_size(s) for s in val.shape]
+            if val.dtype.is_floating_point or val.dtype.is_complex:
+                leaves.append(torch.randn(shape, generator=generator).to(val.dtype))
+            else:
+                leaves.append(torch.zeros(shape, dtype=val.dtype))
+        elif isinstance(val, torch.SymInt):
+            leaves.append(_concrete_size(val))
+        else:
+            leaves.append(val)
+    try:
+        args, kwargs = pytree.tree_unflatten(leaves, ep.call_spec.in_spec)
+    except Exception:
+        return None
+    return tuple(args), dict(kwargs)
+
+
+def _lift(gm: nn.Module) -> nn.Module:
+    """Turn the exported graph module's aten norm calls back into nn modules, which is what the passes
+    rewrite (:func:`normswap.graph.lift.lift_exported_module`)."""
+    from normswap.graph.lift import lift_exported_module
+
+    return lift_exported_module(gm)
+
+
+# Packages whose output classes a .pt2 may name in its pytree specs; importing one of them registers
+# those classes for deserialization (Hugging Face's ModelOutput subclasses register themselves).
+# Only these are imported on the archive's word: an archive must not choose what code runs.
+_OUTPUT_TYPE_PACKAGES = ("transformers.", "diffusers.", "timm.")
+_UNREGISTERED_TYPE = re.compile(r"Deserializing ([\w.]+) in pytree is not registered")
+
+
+# torch.export.load logs under both: torch.export (the loader) and torch._export (the deserializer, which
+# reports its fallback to the full unpickler there).
+_EXPORT_LOGGERS = ("torch.export", "torch._export")
+
+
+def _log_text(record: logging.LogRecord) -> str:
+    try:
+        return record.getMessage()
+    except (TypeError, ValueError):  # torch's own format strings sometimes lack an argument
+        return f"{record.msg} {record.args}"
+
+
+class _Collect(logging.Handler):
+    """Keeps torch.export's log records of one load attempt, to read what failed and pass the rest on."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def text(self) -> str:
+        parts = []
+        for record in self.records:
+            parts.append(_log_text(record))
+            if record.exc_info and record.exc_info[1] is not None:
+                parts.append("".join(traceback.format_exception(record.exc_info[1])))
+        return " ".join(parts)
+
+
+@contextlib.contextmanager
+def _listening() -> Iterator[_Collect]:
+    """torch.export's log records go to a collector instead of torch's handlers, for one load attempt."""
+    collect = _Collect()
+    saved = []
+    # torch's logging setup attaches handlers to each of its module loggers, not only to the parents
+    names = [
+        name
+        for name in list(logging.root.manager.loggerDict)
+        if any(name == top or name.startswith(top + ".") for top in _EXPORT_LOGGERS)
+    ]
+    for name in sorted({*_EXPORT_LOGGERS, *names}):
+        log = logging.getLogger(name)
+        saved.append((log, log.handlers[:], log.propagate))
+        log.handlers, log.propagate = [collect], False
+    try:
+        yield collect
+    finally:
+        for log, handlers, propagate in saved:
+            log.handlers, log.propagate = handlers, propagate
+
+
+def _registering_module(failure: str) -> str | None:
+    """The module to import so that a failed ``torch.export.load`` can succeed, if it is one we trust:
+    normswap's own ops (a fused model's graph calls them), or the output classes' module of a library in
+    :data:`_OUTPUT_TYPE_PACKAGES`."""
+    if "torch.ops.normswap." in failure:
+        return "normswap.kernels.ops"
+    found = _UNREGISTERED_TYPE.search(failure)
+    name = found.group(1) if found else ""
+    return name.rpartition(".")[0] if name.startswith(_OUTPUT_TYPE_PACKAGES) else None
+
+
+def _pass_on(records: list[logging.LogRecord]) -> None:
+    """Hand the warnings of the load that succeeded (a legacy layout, a fallback to the full unpickler
+    under --trust-pickle) to torch's loggers as if we had not listened: the user should see what torch
+    says. One line each: an exception torch attaches is reduced to its first line."""
+    for record in records:
+        if record.levelno < logging.WARNING:
+            continue
+        text = _log_text(record)
+        if record.exc_info and record.exc_info[1] is not None:
+            text = f"{text} ({describe(record.exc_info[1])})"
+        record.msg, record.args, record.exc_info, record.exc_text = text, None, None, None
+        logging.getLogger(record.name).handle(record)
+
+
+def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
+    """``torch.export.load`` of an archive that :func:`~normswap.load.archive.check_pt2_archive` passed,
+    registering what the archive needs (see :func:`_registering_module`) and retrying; only archives that
+    need it pay for those imports."""
+    from normswap.load.archive import check_program_calls, check_pt2_archive
+
+    imported: set[str] = set()
+    # An open file avoids torch's suffix check, so a .pt2 archive saved as model.pt still loads; the
+    # scan and the load read the same open file.
+    with path.open("rb") as f:
+        check_pt2_archive(path, f, trust_pickle=trust_pickle)
+        while True:
+            # torch names what is missing only in a warning it logs, not in the exception it raises;
+            # torch's handlers are set aside while an attempt may still fail and be retried, and what a
+            # successful attempt logged is passed on to them afterwards
+            with _listening() as collect:
+                try:
+                    f.seek(0)
+                    program = torch.export.load(f)
+                except Exception as exc:
+                    module = _registering_module(" ".join([collect.text(), str(exc)]))
+                    if module is None or module in imported:
+                        raise
+                    try:
+                        importlib.import_module(module)
+                    except ImportError:
+                        raise exc from None
+                    imported.add(module)
+                    continue
+            _pass_on(collect.records)
+            check_program_calls(path, program)
+            return program
+
+
+def is_args_kwargs_pair(value: Any) -> bool:
+    """Whether ``value`` has the layout of ``ExportedProgram.example_inputs``: (args tuple, kwargs dict)."""
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], (tuple, list))
+        and isinstance(value[1], Mapping)
+        and all(isinstance(k, str) for k in value[1])
+    )
+
+
+def _example_inputs_of(ep: torch.export.ExportedProgram) -> tuple[tuple, dict] | None:
+    """The archive's stored example inputs, if they have the (args, kwargs) form torch writes."""
+    examples = ep.example_inputs
+    if examples is not None and is_args_kwargs_pair(examples):
+        return tuple(examples[0]), dict(examples[1])
+    return None
+
+
+def load_program(path: Path, *, trust_pickle: bool) -> tuple[nn.Module, tuple | None, dict | None]:
+    """(module, example args, example kwargs) of the torch.export archive at ``path``.
+
+    Nothing in it is unpickled except through the ``weights_only`` loader unless ``trust_pickle``."""
+    from normswap.load.archive import UnsafeArchiveError
+
+    try:
+        ep = _read_exported_program(path, trust_pickle=trust_pickle)
+    except UnsafeArchiveError:
+        raise
+    except Exception as exc:
+        raise BadInputError(f"cannot load torch.export archive {path}: {describe(exc)}") from None
+    examples = _example_inputs_of(ep) or _synthesize_example_inputs(ep)
+    args, kwargs = examples if examples is not None else (None, None)
+    try:
+        module = ep.module()
+    except Exception as exc:
+        # a program torch deserialized but cannot rebuild into modules: its internals were edited
+        raise BadInputError(
+            f"cannot rebuild the program of torch.export archive {path} into a module: {describe(exc)}"
+        ) from None
+    return _lift(module), args, kwargs

@@ -1,0 +1,211 @@
+"""normswap.convert: what `normswap convert` does, as a library call with a typed result.
+
+Real outside models (torchvision's resnet18, Hugging Face GPT-2 and BERT built from small configs); the
+numbers are the ones the CLI tests hold the command to, and the CLI's JSON report is the result's
+``to_dict()``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import model_zoo
+import pytest
+import torch
+from normswap_cli.app import app
+from torch import nn
+from typer.testing import CliRunner
+
+import normswap
+from normswap import BadInputError, CheckFailedError, ConversionResult, ConvertConfig
+from normswap.api import Verdict, jsonable
+
+pytest.importorskip("torchvision")
+pytest.importorskip("transformers")
+
+ZOO = str(Path(model_zoo.__file__))
+
+
+def _count(model: nn.Module, kind: type) -> int:
+    return sum(isinstance(m, kind) for m in model.modules())
+
+
+def _json(data: dict) -> dict:
+    """What a --report file holds for ``data``: strict JSON, read back."""
+    return json.loads(json.dumps(jsonable(data), allow_nan=False))
+
+
+def test_fold_bn_on_torchvision_resnet18_leaves_the_input_alone(tmp_path):
+    model, args, _ = model_zoo.resnet18(size=32)
+    expected = model(*args)
+    model.train()  # the caller's flags: conversion runs in inference mode and gives them back
+    result = normswap.convert(model, ConvertConfig(fold_bn=True), args)
+
+    assert isinstance(result, ConversionResult) and result.ok and result.verdict is Verdict.OK
+    assert result.refusal is None and result.graph_method == "export"
+    fold = result.pass_report("fold_batchnorm")
+    assert result.changes == len(fold.changes) == 20 and fold.skips == []
+    assert fold.validation["outputs"][0]["max_rel"] <= 1e-5
+    assert result.report.overall.within_tolerance and result.report.overall.worst_rel <= 1e-5
+    assert _count(result.model, nn.BatchNorm2d) == 0 and not result.model.training
+    torch.testing.assert_close(result.model(*args), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    # the input model: still 20 BatchNorms, still in training mode
+    assert _count(model, nn.BatchNorm2d) == 20 and model.training
+
+    saved = normswap.save(result, tmp_path / "folded.pt")
+    assert saved.format == "pickle" and result.saved is saved
+    loaded = torch.load(tmp_path / "folded.pt", weights_only=False)
+    torch.testing.assert_close(loaded(*args), result.model(*args))
+
+
+def test_gpt2_to_rmsnorm_under_the_exact_policy(tmp_path):
+    model, args, kwargs = model_zoo.gpt2()
+    out = tmp_path / "gpt2_rms.pt2"
+    config = ConvertConfig(to="rmsnorm", exact=True, output=out)
+    result = normswap.convert(model, config, args, kwargs)
+
+    assert result.ok, result.refusal
+    assert [p.pass_name for p in result.report.passes] == ["recenter_layernorm"]  # no lossy pass queued
+    recenter = result.pass_report("recenter_layernorm")
+    assert len(recenter.changes) == 5 and recenter.skips == []  # ln_1, ln_2 of 2 blocks, and ln_f
+    assert recenter.validation["within_tolerance"] and not recenter.validation["failed_inputs"]
+    assert result.report.overall.worst_rel <= 1e-5
+    assert _count(result.model, nn.LayerNorm) == 0 and _count(model, nn.LayerNorm) == 5
+
+    saved = normswap.save(result)  # to config.output
+    assert saved.path == out and saved.format == "pt2" and out.exists()
+    expected = model(*args, **kwargs).logits
+    got = torch.export.load(out).module()(*args, **kwargs)
+    got = got["logits"] if isinstance(got, dict) else got.logits if hasattr(got, "logits") else got[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    data = result.to_dict()
+    assert data["written"] and data["output"] == str(out) and data["verdict"] == "ok"
+
+
+def test_exact_policy_refuses_a_post_ln_model_with_its_reason(tmp_path):
+    model, args, kwargs = model_zoo.bert()
+    out = tmp_path / "bert.pt2"
+    result = normswap.convert(model, ConvertConfig(to="rmsnorm", exact=True, output=out), args, kwargs)
+
+    assert not result.ok and result.verdict is Verdict.NOT_EXACT_UNDER_POLICY
+    assert result.refusal.startswith(
+        "--exact: 4 LayerNorm(s) cannot become RMSNorm exactly (encoder.layer.0.attention.output.LayerNorm: "
+    )
+    assert result.refusal.endswith("; nothing written")
+    recenter = result.pass_report("recenter_layernorm")
+    assert len(recenter.changes) == 1 and len(recenter.skips) == 4
+    assert {s.cause.value for s in recenter.skips} == {"architecture"}
+    with pytest.raises(CheckFailedError, match="cannot become RMSNorm exactly"):
+        normswap.save(result)
+    assert not out.exists()
+    data = result.to_dict()
+    assert data["written"] is False and data["verdict"] == "not_exact_under_policy"
+
+
+def test_exact_policy_refuses_an_architectural_swap_before_any_work():
+    with pytest.raises(CheckFailedError, match=r"^--exact: swap_norm is architectural, not exact; nothing"):
+        ConvertConfig(to="layernorm", exact=True).validate()
+
+
+class Guarded(nn.Module):
+    """A pre-LN GPT-2 behind a branch on a tensor's value: no graph can be captured, so the exact route
+    cannot run, although the architecture allows it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = model_zoo.gpt2()[0]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.max() >= 0:
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+        return self.lm(input_ids=input_ids.clamp(min=0), use_cache=False).logits
+
+
+def test_a_lossy_fallback_needs_consent():
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    guarded = Guarded().eval()
+    refused = normswap.convert(guarded, ConvertConfig(to="rmsnorm"), (ids,))
+
+    assert refused.verdict is Verdict.LOSSY_WITHOUT_CONSENT and not refused.ok
+    assert refused.graph_method is None
+    assert refused.refusal.startswith(
+        "--to rmsnorm: the exact route failed for 5 LayerNorm(s), not because of the model's architecture: "
+        "no graph captured"
+    )
+    assert refused.refusal.endswith("pass --allow-lossy to accept the lossy swap; nothing written")
+    assert len(refused.pass_report("swap_norm").changes) == 5
+    assert refused.lossy_by_consent is None
+
+    consented = normswap.convert(guarded, ConvertConfig(to="rmsnorm", allow_lossy=True), (ids,))
+    assert consented.ok and len(consented.lossy_by_consent) == 5
+    assert consented.notes == [
+        "--allow-lossy: 5 LayerNorm(s) swapped lossily where the exact route failed (see Skipped)"
+    ]
+    swap = consented.pass_report("swap_norm")
+    assert 0 < swap.validation["worst_sqnr_db"] < 80  # lossy, and measured
+    assert _count(consented.model, nn.LayerNorm) == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (ConvertConfig(), "nothing to do: give --to KIND, --fold-bn"),
+        (ConvertConfig(to="groupnorm"), "--to groupnorm needs --groups N"),
+        (ConvertConfig(to="nope"), "--to 'nope' is not a norm kind normswap can swap to"),
+        (ConvertConfig(to="dyt", from_kinds=["conv"]), "--from 'conv': choose from batch, layer"),
+        (ConvertConfig(fold_bn=True, calibration_data="x.pt"), "--calibrate fits swapped norms"),
+        (ConvertConfig(to="rmsnorm", exact=True, allow_lossy=True), "--allow-lossy and --exact contradict"),
+        (ConvertConfig(fold_bn=True, output="m.bin"), "-o m.bin: unknown output format"),
+        (ConvertConfig(to="fused", fuse_add=True, output="m.pt"), "--fuse-add makes the model an exported"),
+        (ConvertConfig(add_weight_norm="all", weight_norm_dim="x"), "--weight-norm-dim 'x': give output"),
+    ],
+)
+def test_config_mistakes_are_bad_input(config, message):
+    with pytest.raises(BadInputError) as raised:
+        config.validate()
+    assert message in str(raised.value)
+    assert raised.value.exit_code == 2
+
+
+def test_the_cli_report_is_the_results_to_dict(tmp_path):
+    cli_out, cli_report = tmp_path / "cli" / "folded.pt2", tmp_path / "cli" / "report.json"
+    cli_out.parent.mkdir()
+    argv = [
+        "convert",
+        f"{ZOO}:resnet18_factory",
+        "--fold-bn",
+        "-o",
+        str(cli_out),
+        "--report",
+        str(cli_report),
+    ]
+    ran = CliRunner().invoke(app, argv)
+    assert ran.exit_code == 0, ran.output
+    from_cli = json.loads(cli_report.read_text())
+
+    model, args = model_zoo.resnet18_factory()
+    out = tmp_path / "folded.pt2"
+    result = normswap.convert(model, ConvertConfig(fold_bn=True, output=out), args)
+    normswap.save(result)
+    from_library = _json(result.to_dict())
+
+    assert from_cli.pop("model") == f"{ZOO}:resnet18_factory"
+    assert from_cli.pop("output") == str(cli_out) and from_library.pop("output") == str(out)
+    assert from_cli == from_library
+    assert from_cli["written"] and from_cli["verdict"] == "ok" and from_cli["refusal"] is None
+
+
+def test_the_cli_report_of_a_refusal_is_the_results_to_dict(tmp_path):
+    cli_out, cli_report = tmp_path / "x.pt2", tmp_path / "r.json"
+    argv = ["convert", f"{ZOO}:bert_factory", "--to", "rmsnorm", "--exact", "-o", str(cli_out)]
+    ran = CliRunner().invoke(app, [*argv, "--report", str(cli_report)])
+    assert ran.exit_code == 1 and not cli_out.exists()
+    from_cli = json.loads(cli_report.read_text())
+
+    model, args, kwargs = model_zoo.bert()
+    result = normswap.convert(model, ConvertConfig(to="rmsnorm", exact=True, output=cli_out), args, kwargs)
+    from_library = _json(result.to_dict())
+    assert from_cli.pop("model") == f"{ZOO}:bert_factory"
+    assert from_cli == from_library
+    assert from_cli["refusal"] in " ".join(ran.output.split())

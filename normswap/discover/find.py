@@ -22,7 +22,7 @@ from torch import fx, nn
 
 from normswap.discover.classify import classify_module, is_norm_candidate
 from normswap.discover.site import NormSite
-from normswap.graph.analysis import GraphView, ModuleCall, normalize_module_path
+from normswap.graph.analysis import GraphView, ModuleCall, normalize_module_path, view_of
 from normswap.graph.capture import CapturedGraph, capture_graph
 from normswap.graph.ops import CAST_OPS, CHECK_OPS, arg, op_name, rank, tensor_meta
 from normswap.graph.patterns import NormMatch, find_norm_patterns
@@ -99,7 +99,7 @@ def find_norms(
             sites[path] = site
 
     if captured.ok:
-        view = GraphView(captured)
+        view = view_of(captured)
         order = {n: i for i, n in enumerate(view.nodes)}
         _add_graph_sites(view, modules, sites, order)
         for site in sites.values():

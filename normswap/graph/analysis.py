@@ -125,3 +125,11 @@ class GraphView:
         if modules is not None and path in modules and not list(modules[path].children()):  # type: ignore[attr-defined]
             return path
         return f"{op}@{path}" if path else op
+
+
+def view_of(captured: CapturedGraph) -> GraphView:
+    """The one :class:`GraphView` of ``captured``, built on first use (indexing a large graph costs as
+    much as a forward pass; a capture shared by discovery and several passes is indexed once)."""
+    if captured.index is None:
+        captured.index = GraphView(captured)
+    return captured.index

@@ -41,6 +41,9 @@ class CapturedGraph:
     param_names: dict[str, str] = field(default_factory=dict)
     # Settings turned off for the capture (see :func:`capture_friendly`), e.g. "use_cache=False".
     notes: list[str] = field(default_factory=list)
+    # The graph's index (a GraphView), built once by normswap.graph.analysis.view_of for everyone who
+    # reads this capture: discovery and every pass the capture is handed to.
+    index: Any = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:

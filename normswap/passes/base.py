@@ -43,7 +43,7 @@ import torch
 from torch import fx, nn
 
 from normswap.discover import NormInventory, find_norms
-from normswap.graph.analysis import GraphView
+from normswap.graph.analysis import GraphView, view_of
 from normswap.graph.capture import CapturedGraph, capture_graph, export_module
 from normswap.modules.copying import copy_model
 from normswap.passes.graph_rewrite import finish_graph
@@ -348,7 +348,7 @@ def build_context(
     if captured is None:
         captured = capture_graph(model, example_args, example_kwargs)
     inventory = find_norms(model, example_args, example_kwargs, captured=captured)
-    view = GraphView(captured) if captured.ok else None
+    view = view_of(captured) if captured.ok else None
     return PassContext(
         model, inventory, captured, view, dict(model.named_modules()), example_args, example_kwargs
     )

@@ -80,3 +80,21 @@ def test_a_pass_that_removes_modules_makes_the_next_one_capture_again(exports):
     assert len(exports) == 2
     assert len(report.passes[0].changes) == 20
     assert report.passes[1].changes == [] and report.passes[1].skips == []
+
+
+def test_one_index_per_capture(monkeypatch):
+    """Discovery and every pass a capture is handed to read one GraphView of it."""
+    from normswap.graph import analysis
+
+    built: list[int] = []
+    real = analysis.GraphView.__init__
+
+    def counted(self, captured):
+        built.append(1)
+        real(self, captured)
+
+    monkeypatch.setattr(analysis.GraphView, "__init__", counted)
+    model, kwargs = _gpt2()
+    _, report = Pipeline([RecenterLayerNorm(), FuseNorm()])(model, None, kwargs)
+    assert [len(p.changes) for p in report.passes] == [5, 5]
+    assert len(built) == 1

@@ -50,8 +50,9 @@ def gpt2() -> Any:
     layers = int(os.environ.get("NORMSWAP_BENCH_LAYERS", "2"))
     width = int(os.environ.get("NORMSWAP_BENCH_WIDTH", "256"))
     vocab = int(os.environ.get("NORMSWAP_BENCH_VOCAB", "1024"))
+    # use_cache=False: what a user exporting it passes too (a DynamicCache output does not export)
     config = transformers.GPT2Config(
-        n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab
+        n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=vocab, use_cache=False
     )
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():

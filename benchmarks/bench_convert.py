@@ -10,8 +10,9 @@ Four figures, each against the cheapest way to do the same work without normswap
     resnet50  `--fold-bn` on torchvision resnet50: the fold call vs torch.fx's `fuse()` in one process,
               and the whole command vs a process that builds, fuses with fx, compares the outputs once
               and saves the program
-    memory    the peak RSS of the gpt2 convert (12 layers, n_embd 768, GPT-2 small's shapes) above a
-              process that only imports torch and normswap, in units of the model's weight bytes
+    memory    the peak RSS of an exact LayerNorm -> RMSNorm pipeline on a GPT-2 of GPT-2 small's shapes
+              above what its process held once the model was built, in units of the model's weight bytes
+              (the converted model is 1x; what is above it is a copy the engine did not need)
 
 Processes alternate (command, baseline, command, ...) so that a noisy machine slows both alike; medians
 are reported with their ratio.
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -109,15 +111,6 @@ def _baseline_fx_fold(out: str) -> None:
     with torch.no_grad():
         torch.testing.assert_close(folded(*args), model(*args), rtol=1e-4, atol=1e-4)
     torch.export.save(torch.export.export(folded, args, strict=False), out)
-
-
-def _baseline_imports() -> None:
-    """What every process pays before any model exists: the memory baseline."""
-    import normswap_cli.app  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-
-    from normswap.passes import Pipeline  # noqa: F401
 
 
 # --- measuring ------------------------------------------------------------------------------------
@@ -292,27 +285,48 @@ def bench_resnet50(repeats: int, tmp: str) -> dict[str, Any]:
     return {"calls": calls, "processes": processes}
 
 
-def bench_memory(tmp: str) -> dict[str, Any]:
+def _memory_child() -> None:
+    """In this process: load everything on a small model first, build the large one, then convert it;
+    prints the weight bytes and the peak RSS above what the process held once the model was built."""
+    from normswap.passes import Pipeline, RecenterLayerNorm
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    layers, width, vocab = (
+        os.environ.pop(k) for k in ("NORMSWAP_BENCH_LAYERS", "NORMSWAP_BENCH_WIDTH", "NORMSWAP_BENCH_VOCAB")
+    )
+    small, _, inputs = gpt2()
+    Pipeline([RecenterLayerNorm()])(small, None, inputs)
+    del small
+    os.environ.update(NORMSWAP_BENCH_LAYERS=layers, NORMSWAP_BENCH_WIDTH=width, NORMSWAP_BENCH_VOCAB=vocab)
+    model, _, inputs = gpt2()
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    base = rss()
+    _, report = Pipeline([RecenterLayerNorm()])(model, None, inputs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert report.ok and report.passes[0].changes, "the conversion changed nothing: nothing measured"
+    print(json.dumps({"weight_bytes": weight_bytes, "peak_above_model": peak - base}))
+
+
+def bench_memory() -> dict[str, Any]:
+    """GPT-2 small's shapes (12 layers, n_embd 768, vocabulary 50257): LayerNorm -> RMSNorm, exact."""
     env = {"NORMSWAP_BENCH_LAYERS": "12", "NORMSWAP_BENCH_WIDTH": "768", "NORMSWAP_BENCH_VOCAB": "50257"}
-    os.environ.update(env)
-    model, _, _ = gpt2()
-    weight_bytes = sum(
-        t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values()
+    done = subprocess.run(
+        [sys.executable, str(HERE), "--memory-child"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
     )
-    del model
-    _, floor = _run_rss([sys.executable, str(HERE), "--baseline-imports"], env)
-    _, peak = _run_rss(
-        _normswap("convert", f"{HERE}:gpt2", "--to", "rmsnorm", "--exact", "-o", f"{tmp}/m.pt2"), env
-    )
-    figures = {
-        "weight_bytes": weight_bytes,
-        "imports_peak_rss": floor,
-        "convert_peak_rss": peak,
-        "above_imports_in_weights": (peak - floor) / weight_bytes,
-    }
+    if done.returncode != 0:
+        raise RuntimeError(f"memory: {done.stderr[-2000:]}")
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    figures["copies_above_model"] = figures["peak_above_model"] / figures["weight_bytes"]
     print(
-        f"memory: weights {weight_bytes / 2**20:.0f} MiB; convert peak RSS {peak / 2**20:.0f} MiB, imports alone "
-        f"{floor / 2**20:.0f} MiB: {figures['above_imports_in_weights']:.2f}x the weight bytes above the imports"
+        f"memory: weights {figures['weight_bytes'] / 2**20:.0f} MiB; peak RSS above the built model "
+        f"{figures['peak_above_model'] / 2**20:.0f} MiB = {figures['copies_above_model']:.2f}x the weight bytes "
+        f"(the model itself is 1x more: {1 + figures['copies_above_model']:.2f}x in all)"
     )
     return figures
 
@@ -327,7 +341,7 @@ def main() -> None:
     parser.add_argument("--count-exports", help=argparse.SUPPRESS)
     parser.add_argument("--baseline-export", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--baseline-fx-fold", help=argparse.SUPPRESS)
-    parser.add_argument("--baseline-imports", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.count_exports:
         print(json.dumps(count_exports(options.count_exports)))
@@ -338,8 +352,8 @@ def main() -> None:
     if options.baseline_fx_fold:
         _baseline_fx_fold(options.baseline_fx_fold)
         return
-    if options.baseline_imports:
-        _baseline_imports()
+    if options.memory_child:
+        _memory_child()
         return
     import torch
 
@@ -356,7 +370,7 @@ def main() -> None:
         if "resnet50" in wanted:
             results["resnet50"] = bench_resnet50(options.repeats, tmp)
         if "memory" in wanted:
-            results["memory"] = bench_memory(tmp)
+            results["memory"] = bench_memory()
     options.out.mkdir(parents=True, exist_ok=True)
     path = options.out / "convert_cpu.json"
     path.write_text(json.dumps(results, indent=2, default=str) + "\n")

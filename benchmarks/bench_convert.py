@@ -18,7 +18,10 @@ Processes alternate (command, baseline, command, ...) so that a noisy machine sl
 are reported with their ratio.
 
     python benchmarks/bench_convert.py [--repeats 3] [--only exports,gpt2,resnet50,memory]
-                                       [--out benchmarks/results]
+                                       [--against FOLDER] [--out benchmarks/results]
+
+``--against FOLDER`` also times each normswap command with FOLDER first on PYTHONPATH (a folder holding
+links ``normswap`` and ``normswap_cli`` into an earlier checkout), interleaved with the others.
 """
 
 from __future__ import annotations
@@ -209,37 +212,42 @@ def bench_exports() -> list[dict[str, Any]]:
     return rows
 
 
-def bench_gpt2(repeats: int, tmp: str) -> dict[str, Any]:
+def _against(commands: dict[str, Any], against: str | None) -> dict[str, Any]:
+    """Add "<name> (against)": the same normswap command with ``against`` first on PYTHONPATH (an earlier
+    checkout), so that before and after are timed side by side in one run."""
+    if against is None:
+        return commands
+    extra = {
+        f"{name} (against)": (command, {**env, "PYTHONPATH": against})
+        for name, (command, env) in commands.items()
+        if command[:3] == _normswap()[:3]
+    }
+    return {**commands, **extra}
+
+
+def bench_gpt2(repeats: int, tmp: str, against: str | None = None) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     for layers in (24, 48):
         env = {"NORMSWAP_BENCH_LAYERS": str(layers)}
-        figures[layers] = _alternate(
-            {
-                "convert": (
-                    _normswap(
-                        "convert", f"{HERE}:gpt2", "--to", "rmsnorm", "--exact", "-o", f"{tmp}/g{layers}.pt2"
-                    ),
-                    env,
-                ),
-                "build+export+save": (
-                    [sys.executable, str(HERE), "--baseline-export", "gpt2", f"{tmp}/b.pt2"],
-                    env,
-                ),
-            },
-            repeats,
-        )
-        one = figures[layers]
+        out = f"{tmp}/g{layers}.pt2"
+        baseline = [sys.executable, str(HERE), "--baseline-export", "gpt2", f"{tmp}/b.pt2"]
+        commands = {
+            "convert": (_normswap("convert", f"{HERE}:gpt2", "--to", "rmsnorm", "--exact", "-o", out), env),
+            "build+export+save": (baseline, env),
+        }
+        one = figures[layers] = _alternate(_against(commands, against), repeats)
         one["ratio"] = one["convert"]["median_s"] / one["build+export+save"]["median_s"]
         print(
             f"gpt2 {layers} layers: convert {one['convert']['median_s']:.1f} s, build+export+save "
             f"{one['build+export+save']['median_s']:.1f} s, ratio {one['ratio']:.2f}x"
+            + (f"; against: {one['convert (against)']['median_s']:.1f} s" if against else "")
         )
     figures["growth_24_to_48"] = figures[48]["convert"]["median_s"] / figures[24]["convert"]["median_s"]
     print(f"gpt2 convert time 24 -> 48 layers: {figures['growth_24_to_48']:.2f}x")
     return figures
 
 
-def bench_resnet50(repeats: int, tmp: str) -> dict[str, Any]:
+def bench_resnet50(repeats: int, tmp: str, against: str | None = None) -> dict[str, Any]:
     from torch.fx.experimental.optimization import fuse
 
     from normswap.passes import fold_batchnorm
@@ -281,6 +289,7 @@ def bench_resnet50(repeats: int, tmp: str) -> dict[str, Any]:
     print(
         f"resnet50 whole process: convert {processes['convert --fold-bn']['median_s']:.1f} s vs fx "
         f"{processes['build+fx fuse+compare+save']['median_s']:.1f} s: {processes['ratio']:.2f}x"
+        + (f"; against: {processes['convert --fold-bn (against)']['median_s']:.1f} s" if against else "")
     )
     return {"calls": calls, "processes": processes}
 
@@ -338,6 +347,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default="exports,gpt2,resnet50,memory")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--against",
+        help="a folder put first on PYTHONPATH for a second run of each command (an earlier checkout)",
+    )
     parser.add_argument("--count-exports", help=argparse.SUPPRESS)
     parser.add_argument("--baseline-export", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--baseline-fx-fold", help=argparse.SUPPRESS)
@@ -366,9 +379,9 @@ def main() -> None:
         if "exports" in wanted:
             results["exports"] = bench_exports()
         if "gpt2" in wanted:
-            results["gpt2"] = bench_gpt2(options.repeats, tmp)
+            results["gpt2"] = bench_gpt2(options.repeats, tmp, options.against)
         if "resnet50" in wanted:
-            results["resnet50"] = bench_resnet50(options.repeats, tmp)
+            results["resnet50"] = bench_resnet50(options.repeats, tmp, options.against)
         if "memory" in wanted:
             results["memory"] = bench_memory()
     options.out.mkdir(parents=True, exist_ok=True)

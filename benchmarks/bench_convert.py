@@ -270,19 +270,17 @@ def bench_resnet50(repeats: int, tmp: str, against: str | None = None) -> dict[s
     print(
         f"resnet50 fold call {calls['fold_batchnorm_s']:.2f} s vs fx fuse() {calls['fx_fuse_s']:.2f} s: {calls['ratio']:.2f}x"
     )
-    processes = _alternate(
-        {
-            "convert --fold-bn": (
-                _normswap("convert", f"{HERE}:resnet50", "--fold-bn", "-o", f"{tmp}/r.pt2"),
-                {},
-            ),
-            "build+fx fuse+compare+save": (
-                [sys.executable, str(HERE), "--baseline-fx-fold", f"{tmp}/rb.pt2"],
-                {},
-            ),
-        },
-        repeats,
-    )
+    commands = {
+        "convert --fold-bn": (
+            _normswap("convert", f"{HERE}:resnet50", "--fold-bn", "-o", f"{tmp}/r.pt2"),
+            {},
+        ),
+        "build+fx fuse+compare+save": (
+            [sys.executable, str(HERE), "--baseline-fx-fold", f"{tmp}/rb.pt2"],
+            {},
+        ),
+    }
+    processes = _alternate(_against(commands, against), repeats)
     processes["ratio"] = (
         processes["convert --fold-bn"]["median_s"] / processes["build+fx fuse+compare+save"]["median_s"]
     )
@@ -375,18 +373,20 @@ def main() -> None:
         "repeats": options.repeats,
     }
     wanted = options.only.split(",")
-    with tempfile.TemporaryDirectory() as tmp:
-        if "exports" in wanted:
-            results["exports"] = bench_exports()
-        if "gpt2" in wanted:
-            results["gpt2"] = bench_gpt2(options.repeats, tmp, options.against)
-        if "resnet50" in wanted:
-            results["resnet50"] = bench_resnet50(options.repeats, tmp, options.against)
-        if "memory" in wanted:
-            results["memory"] = bench_memory()
     options.out.mkdir(parents=True, exist_ok=True)
     path = options.out / "convert_cpu.json"
-    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    sections = {
+        "exports": bench_exports,
+        "gpt2": lambda: bench_gpt2(options.repeats, tmp, options.against),
+        "resnet50": lambda: bench_resnet50(options.repeats, tmp, options.against),
+        "memory": bench_memory,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, run in sections.items():
+            if name in wanted:
+                results[name] = run()
+                # written after every section, so that a later one failing loses nothing measured
+                path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"wrote {path}")
 
 

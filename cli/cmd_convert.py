@@ -162,13 +162,14 @@ def convert(
         result = convert(loaded.model, config, args, kwargs, on_step=say)
     render.print_conversion(result)
     if result.ok:
-        label = SAVE_FORMATS[output.suffix]
+        label = SAVE_FORMATS.get(output.suffix, "directory")
         what = {
             "onnx": f"exporting {output} to ONNX and checking it in onnxruntime",
             "pt2": f"exporting {output}",
+            "directory": f"writing the model directory {output} and loading it back",
         }.get(label, f"writing {output}")
         with render.stdout_kept(label == "onnx"), render.status(what, quiet):
-            saved = save(result, opset=opset, refuse_path=existing(model))
+            saved = save(result, opset=opset, refuse_path=existing(model), source=loaded.checkpoint)
         render.print_saved(saved)
     if report is not None:
         write_json(report, {"model": model, **result.to_dict()})

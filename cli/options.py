@@ -15,7 +15,8 @@ def flag(*names: str, help: str) -> Any:
 
 
 MODEL_HELP = (
-    "A .pt2 archive (torch.export), a factory 'package.module:callable' or 'file.py:callable' returning "
+    "A .pt2 archive (torch.export), a Hugging Face model directory (config.json + safetensors; no code "
+    "from it runs), a factory 'package.module:callable' or 'file.py:callable' returning "
     "the model or (model, example_inputs), or a pickled module (.pt) with --trust-pickle. A factory is "
     "Python code that normswap imports and runs, as you asked; installed packages win over same-named "
     "modules in the working directory. A .pt2 runs nothing of its own."
@@ -47,7 +48,15 @@ InputShapeOpt = Annotated[
         help="Example input shape, e.g. 1,3,224,224 or int64:1,16 for token ids. Repeat for several inputs.",
     ),
 ]
-OutputOpt = Annotated[Path, typer.Option("-o", "--output", help="Output file: .pt2, .pt or .onnx.")]
+OutputOpt = Annotated[
+    Path,
+    typer.Option(
+        "-o",
+        "--output",
+        help="Output file: .pt2, .pt or .onnx; a name without a suffix is a Hugging Face model directory "
+        "(transformers models), created anew.",
+    ),
+]
 OpsetOpt = Annotated[
     int | None,
     typer.Option(

@@ -166,9 +166,40 @@ def print_saved(saved: Any) -> None:
             f"onnxruntime vs PyTorch on batch size {sizes}: max abs {fmt_float(worst.max_abs)} = "
             f"{fmt_float(worst.max_rel)} x max|ref| (tolerance {onnx_tolerance(worst.dtype):g}) [green]PASS[/]"
         )
+    if saved.directory is not None:
+        _print_directory(saved.directory)
     out.print(f"wrote {saved.path} ({saved.format})", soft_wrap=True)
-    if saved.format != "pickle":
+    if saved.format not in ("pickle", "directory"):
         print_capture_notes(saved.notes, f"{saved.path} exported", NO_CACHE)
+
+
+def _print_directory(written: Any) -> None:
+    """A model directory: how it loads, what it holds beyond the stock files, and its reload check."""
+    shards = len(written.shards)
+    if written.stock:
+        how = "loads with transformers' from_pretrained"
+    else:
+        how = f"{len(written.recorded_modules)} modules recorded in normswap.json: load it with normswap"
+    out.print(
+        f"model directory: {shards} safetensors file{'s' if shards != 1 else ''}; {how}", soft_wrap=True
+    )
+    if written.neutral_affine:
+        out.print(
+            f"  {len(written.neutral_affine)} folded norm tensors stored as their neutral values (1 or 0)"
+        )
+    if written.config_changes:
+        changes = ", ".join(f"{k}={v}" for k, v in written.config_changes.items())
+        out.print(f"  config.json: {changes}")
+    if written.copied:
+        out.print(f"  copied from the input: {', '.join(written.copied)}", soft_wrap=True)
+    if written.not_copied:
+        out.print(
+            f"  not copied (weights of the unconverted model, folders): {', '.join(written.not_copied)}"
+        )
+    if written.reload_max_rel is not None:
+        out.print(
+            f"  loaded back and compared: max abs {fmt_float(written.reload_max_rel)} x max|ref| [green]PASS[/]"
+        )
 
 
 def _by_reason(skips: list[Any]) -> dict[str, list[str]]:

@@ -96,9 +96,23 @@ class ConvertConfig:
 
     def _check_output(self) -> None:
         from normswap.load import SAVE_FORMATS
+        from normswap.load.checkpoint_write import is_directory_output
 
         output = self.output_path
         if output is None:
+            return
+        if is_directory_output(output):
+            if self.fuse_inline or self.fuse_add:
+                flag = "--fuse-inline" if self.fuse_inline else "--fuse-add"
+                raise BadInputError(
+                    f"{flag} makes the model an exported torch.fx GraphModule, which a model directory cannot "
+                    f"hold: save {output} as .pt2 or .onnx"
+                )
+            if self.add_weight_norm is not None:
+                raise BadInputError(
+                    f"--add-weight-norm makes parametrized modules, which a model directory cannot record: "
+                    f"save {output} as .pt2 or .onnx"
+                )
             return
         if output.suffix not in SAVE_FORMATS:
             raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")

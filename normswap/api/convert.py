@@ -187,8 +187,12 @@ def _check_writable(
 ) -> None:
     """Refuse, before the work, an output that the converted model could not be written to."""
     from normswap.load import SAVE_FORMATS, check_writable
+    from normswap.load.checkpoint_write import check_directory_output, is_directory_output
     from normswap.passes import RemoveWeightNorm
 
+    if is_directory_output(output):
+        check_directory_output(model, output)
+        return
     writable = model
     if SAVE_FORMATS[output.suffix] == "pickle" and removes_weight_norm:
         # a weight-norm parametrization does not pickle, and what is written is the model without it:

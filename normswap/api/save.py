@@ -14,20 +14,26 @@ from normswap.errors import BadInputError, CheckFailedError
 if TYPE_CHECKING:
     from normswap.api.convert import ConversionResult
     from normswap.export.onnx import OnnxExport
+    from normswap.load.checkpoint_dir import CheckpointDirectory
+    from normswap.load.checkpoint_write import WrittenDirectory
 
 
 @dataclass
 class SavedOutput:
-    """What was written where: ``format`` is "pt2", "pickle" or "onnx"; ``onnx`` the onnxruntime check
-    of an ONNX file; ``notes`` the settings turned off to export the model (e.g. "use_cache=False")."""
+    """What was written where: ``format`` is "pt2", "pickle", "onnx" or "directory"; ``onnx`` the
+    onnxruntime check of an ONNX file; ``directory`` what a model directory holds and how it reloaded;
+    ``notes`` the settings turned off to export the model (e.g. "use_cache=False")."""
 
     path: Path
     format: str
     onnx: OnnxExport | None = None
     notes: list[str] = field(default_factory=list)
+    directory: WrittenDirectory | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The keys ``normswap convert --report`` adds for a written output."""
+        if self.directory is not None:
+            return {"directory": self.directory.to_dict()}
         if self.onnx is not None:
             return {"onnx": {**self.onnx.to_dict(), "capture_notes": self.notes}}
         if self.format == "pt2":
@@ -44,6 +50,7 @@ def save(
     opset: int | None = None,
     dynamic_batch: bool = False,
     refuse_path: str | Path | None = None,
+    source: CheckpointDirectory | None = None,
 ) -> SavedOutput:
     """Save a conversion's model (or any model) to ``path``, atomically, in the format its suffix names.
 
@@ -53,6 +60,10 @@ def save(
     module with ``example_args``/``example_kwargs`` (a .pt2 or .onnx is an export on them). ``opset``
     and ``dynamic_batch`` apply to .onnx, which is checked in onnxruntime before it is kept.
     ``refuse_path``: the input model's file, never to be overwritten.
+
+    A path without a suffix is a Hugging Face model directory (a transformers model only), loaded back
+    and compared with the model before it takes its name; ``source``, the directory the model came from
+    (``LoadedModel.checkpoint``), gives its shard size and the files to copy (tokenizer, ...).
     """
     from normswap.api.convert import ConversionResult
 
@@ -68,7 +79,12 @@ def save(
         model = result
     if path is None:
         raise BadInputError("save needs a path (or a ConvertConfig with output)")
-    saved = _write(model, Path(path), example_args, example_kwargs, opset, dynamic_batch, refuse_path)
+    from normswap.load.checkpoint_write import is_directory_output
+
+    if is_directory_output(path):
+        saved = _write_directory(model, Path(path), example_args, example_kwargs, refuse_path, source)
+    else:
+        saved = _write(model, Path(path), example_args, example_kwargs, opset, dynamic_batch, refuse_path)
     if conversion is not None:
         conversion.saved = saved
     return saved
@@ -103,3 +119,44 @@ def _write(
     label = save_model(model, path, args, kwargs, refuse_path=refuse)
     notes = capture_notes(model, args, kwargs) if label == "pt2" else []
     return SavedOutput(path=path, format=label, notes=notes)
+
+
+def _write_directory(
+    model: nn.Module,
+    path: Path,
+    args: tuple | None,
+    kwargs: dict[str, Any] | None,
+    refuse_path: str | Path | None,
+    source: CheckpointDirectory | None,
+) -> SavedOutput:
+    from normswap.load.checkpoint_dir import load_checkpoint_directory, read_checkpoint_directory
+    from normswap.load.checkpoint_write import write_checkpoint_directory
+    from normswap.load.paths import same_path
+    from normswap.validate.compare import compare_models
+
+    if refuse_path is not None and same_path(path, refuse_path):
+        raise BadInputError(
+            f"refusing to overwrite the input model {refuse_path}: choose another output path"
+        )
+    if args is None and kwargs is None:
+        raise BadInputError(
+            f"writing {path} loads it back and compares it with the model: give example inputs"
+        )
+
+    def verify(written: Path) -> float:
+        # What a user will load, compared with what was converted: a directory that reloads into anything
+        # else (a tensor not written, a class rebuilt wrong) is not kept.
+        reloaded = load_checkpoint_directory(read_checkpoint_directory(written))
+        comparison = compare_models(model, reloaded, args, kwargs, floating_only=False)
+        if not comparison.within_tolerance:
+            worst = max(comparison.outputs, key=lambda o: o.max_rel, default=None)
+            what = (
+                "no output was compared" if worst is None else f"{worst.name}: {worst.max_rel:.3g} x max|ref|"
+            )
+            raise CheckFailedError(
+                f"the written directory reloads into another model ({what}); nothing written"
+            )
+        return comparison.worst_rel
+
+    written = write_checkpoint_directory(model, path, source=source, verify=verify)
+    return SavedOutput(path=path, format="directory", directory=written)

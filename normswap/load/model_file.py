@@ -27,6 +27,14 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError, describe, first_line
+from normswap.load.checkpoint_dir import (
+    CheckpointDirectory,
+    build_on_meta,
+    example_inputs,
+    is_checkpoint_directory,
+    load_checkpoint_directory,
+    read_checkpoint_directory,
+)
 from normswap.load.factory import load_factory, unpack_model_and_inputs
 from normswap.load.program import load_program
 
@@ -48,7 +56,8 @@ class ModelFormat(enum.Enum):
 class LoadedModel:
     """A model ready to rewrite, plus the example inputs its source carried (if any).
 
-    ``format`` is a short label for reports: "pt2", "factory" or "pickle".
+    ``format`` is a short label for reports: "pt2", "factory", "pickle" or "directory" (a Hugging Face
+    model directory, whose checked description is ``checkpoint``).
     """
 
     model: nn.Module
@@ -56,6 +65,7 @@ class LoadedModel:
     example_kwargs: dict | None
     source: str
     format: str
+    checkpoint: CheckpointDirectory | None = None
 
 
 class _Probe(NamedTuple):
@@ -316,11 +326,41 @@ def _refuse_meta_tensors(loaded: LoadedModel) -> LoadedModel:
 
 
 def load_model(spec: str, *, weights: str | Path | None = None, trust_pickle: bool = False) -> LoadedModel:
-    """Load the model named by ``spec``: a model file, or a factory ``package.module:callable``.
+    """Load the model named by ``spec``: a model file, a Hugging Face model directory, or a factory
+    ``package.module:callable``.
 
     An existing file wins over the factory reading, since a file name may itself contain ':'.
     """
     return _refuse_meta_tensors(_load_model(spec, weights=weights, trust_pickle=trust_pickle))
+
+
+def load_model_structure(
+    spec: str, *, weights: str | Path | None = None, trust_pickle: bool = False
+) -> LoadedModel:
+    """Like :func:`load_model`, but a Hugging Face model directory is built from its config on the meta
+    device, its weights not read, with example inputs on the meta device too: for work that needs the
+    model's structure and shapes only (``inspect``)."""
+    path = Path(spec)
+    if path.is_dir() and is_checkpoint_directory(path):
+        if weights is not None:
+            raise BadInputError(f"--weights only applies to a factory; {spec} is a model directory")
+        checkpoint = read_checkpoint_directory(path)
+        model = build_on_meta(checkpoint)
+        args, kwargs = example_inputs(model, checkpoint.config)
+        return LoadedModel(model, args, kwargs, source=spec, format="directory", checkpoint=checkpoint)
+    return load_model(spec, weights=weights, trust_pickle=trust_pickle)
+
+
+def _load_directory(path: Path, spec: str) -> LoadedModel:
+    if not is_checkpoint_directory(path):
+        raise BadInputError(
+            f"{spec} is a directory without a config.json: give a Hugging Face model directory, a model file "
+            "or a factory"
+        )
+    checkpoint = read_checkpoint_directory(path)
+    model = load_checkpoint_directory(checkpoint)
+    args, kwargs = example_inputs(model, checkpoint.config)
+    return LoadedModel(model, args, kwargs, source=spec, format="directory", checkpoint=checkpoint)
 
 
 def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:
@@ -330,6 +370,8 @@ def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) ->
             raise BadInputError(
                 f"--weights only applies to a factory (package.module:callable); {spec} is a model file"
             )
+        if path.is_dir():
+            return _load_directory(path, spec)
         fmt = detect_format(path)
         if fmt is ModelFormat.EXPORTED_PROGRAM:
             model, args, kwargs = load_program(path, trust_pickle=trust_pickle)

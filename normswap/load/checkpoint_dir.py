@@ -1,0 +1,384 @@
+"""Hugging Face model directories: ``config.json`` plus safetensors weights, one file or shards with an
+index (``model.safetensors.index.json``), as ``save_pretrained`` writes them.
+
+The directory is read the way ``from_pretrained`` reads it, offline, with transformers' own classes and
+the dtype the weights are stored in. Everything in it is untrusted until checked, and nothing in it runs:
+
+- ``config.json`` must name a model class that transformers itself defines (``architectures``); a config
+  that asks for the repository's own Python code (``auto_map``) is refused, since that code would run;
+  the user can build such a model in a factory of their own instead.
+- Weights are read from safetensors only (plain tensors, no pickle); an index's shard names must be
+  plain file names inside the directory, every shard must be a readable safetensors file, and every
+  tensor the index names must be in its shard. ``pytorch_model.bin`` (a pickle) is refused.
+- A model that the files do not fully cover (weights missing, unexpected or of the wrong shape) is
+  refused: a model with some weights at their random init would pass every later check while being
+  another model.
+
+A directory normswap wrote after a conversion that changed module classes (LayerNorm -> RMSNorm, fused
+norms) carries ``normswap.json``, the recipes of the new modules (:mod:`normswap.modules.recipes`):
+:func:`load_checkpoint_directory` rebuilds those modules and loads the tensors into them strictly.
+
+``build_on_meta`` builds the model from the config alone on the meta device, so that ``inspect`` and the
+analysis of a large checkpoint read no weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.errors import BadInputError, describe
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+RECORD_FILE = "normswap.json"
+RECORD_FORMAT = "normswap-checkpoint"
+
+# A config or an index this large is not one: refuse it before parsing it.
+_MAX_JSON_BYTES = 64 * 1024 * 1024
+_PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class CheckpointDirectory:
+    """A checked Hugging Face model directory, its weights not read.
+
+    ``shards``: the safetensors file names, in order; ``weight_map``: tensor name -> shard file name;
+    ``record``: the ``normswap.json`` of a directory normswap wrote after changing module classes, or
+    None; ``shard_bytes``: each shard's size on disk.
+    """
+
+    path: Path
+    config: dict[str, Any]
+    architecture: str
+    shards: tuple[str, ...]
+    weight_map: dict[str, str]
+    shard_bytes: dict[str, int] = field(default_factory=dict)
+    record: dict[str, Any] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.shard_bytes.values())
+
+    @property
+    def replaced_modules(self) -> dict[str, Any]:
+        """Module path -> recipe of the modules whose class normswap changed (empty for a stock directory)."""
+        return dict(self.record.get("modules", {})) if self.record else {}
+
+
+def is_checkpoint_directory(path: str | Path) -> bool:
+    """Whether ``path`` is a directory holding a ``config.json``: what the user means as a HF model."""
+    path = Path(path)
+    return path.is_dir() and (path / CONFIG_FILE).is_file()
+
+
+def _read_json(path: Path, what: str) -> Any:
+    if path.stat().st_size > _MAX_JSON_BYTES:
+        raise BadInputError(f"{path} is too large for a {what} ({path.stat().st_size} bytes)")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"{path} is not a valid {what}: {describe(exc)}") from None
+
+
+def _architecture(config: dict[str, Any], path: Path) -> str:
+    import transformers
+
+    if "auto_map" in config:
+        raise BadInputError(
+            f"{path / CONFIG_FILE} asks for the repository's own Python code (auto_map: "
+            f"{sorted(config['auto_map'])}); normswap runs no code from a model directory: build the model "
+            "in a factory of your own (package.module:callable) and give that instead"
+        )
+    names = config.get("architectures")
+    if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str):
+        raise BadInputError(
+            f"{path / CONFIG_FILE} must name one model class in 'architectures' (e.g. [\"LlamaForCausalLM\"]), "
+            f"got {names!r:.120}"
+        )
+    name = names[0]
+    cls = getattr(transformers, name, None) if name.isidentifier() else None
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+        raise BadInputError(
+            f"{path / CONFIG_FILE}: architecture {name!r:.80} is not a model class of transformers "
+            f"{transformers.__version__}"
+        )
+    return name
+
+
+def _shard_path(directory: Path, name: Any) -> Path:
+    if (
+        not isinstance(name, str)
+        or not name.endswith(".safetensors")
+        or name != Path(name).name
+        or name.startswith(".")
+        or "\\" in name
+    ):
+        raise BadInputError(
+            f"{directory / INDEX_FILE} names a shard {name!r:.120} that is not a safetensors file name in the "
+            "directory itself"
+        )
+    path = directory / name
+    if not path.is_file():
+        raise BadInputError(f"{directory / INDEX_FILE} names {name}, which is not in {directory}")
+    return path
+
+
+def shard_keys(path: Path) -> list[str]:
+    """The tensor names in a safetensors file, from its header alone; BadInputError if it is not one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except Exception as exc:  # the Rust reader raises its own error types
+        raise BadInputError(f"{path} is not a readable safetensors file ({describe(exc)})") from None
+
+
+def _weights(directory: Path) -> tuple[tuple[str, ...], dict[str, str]]:
+    index_path, single = directory / INDEX_FILE, directory / SINGLE_FILE
+    if index_path.is_file():
+        index = _read_json(index_path, "safetensors index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise BadInputError(f"{index_path} has no 'weight_map' of tensor names to shard files")
+        shards: dict[str, list[str]] = {}
+        for tensor, shard in weight_map.items():
+            _shard_path(directory, shard)
+            shards.setdefault(shard, []).append(str(tensor))
+        for shard, tensors in shards.items():
+            present = set(shard_keys(directory / shard))
+            absent = [t for t in tensors if t not in present]
+            if absent:
+                raise BadInputError(
+                    f"{directory / shard} lacks {len(absent)} tensors that {INDEX_FILE} puts there "
+                    f"(e.g. {absent[0]})"
+                )
+        return tuple(sorted(shards)), {str(k): str(v) for k, v in weight_map.items()}
+    if single.is_file():
+        return (SINGLE_FILE,), {key: SINGLE_FILE for key in shard_keys(single)}
+    if any((directory / name).exists() for name in _PICKLED_WEIGHTS):
+        raise BadInputError(
+            f"{directory} holds pickled weights (pytorch_model.bin) and no safetensors; unpickling runs code, "
+            "so normswap reads safetensors only: convert the weights with transformers' save_pretrained "
+            "(safe_serialization is its default) and give that directory"
+        )
+    raise BadInputError(f"{directory} has a {CONFIG_FILE} but no {SINGLE_FILE} and no {INDEX_FILE}")
+
+
+def _record(directory: Path) -> dict[str, Any] | None:
+    path = directory / RECORD_FILE
+    if not path.is_file():
+        return None
+    record = _read_json(path, "normswap record")
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        raise BadInputError(f"{path} is not a record normswap wrote (its 'format' is not {RECORD_FORMAT!r})")
+    if not isinstance(record.get("modules", {}), dict):
+        raise BadInputError(f"{path}: 'modules' must map module paths to recipes")
+    return record
+
+
+def read_checkpoint_directory(path: str | Path) -> CheckpointDirectory:
+    """Check a Hugging Face model directory (config, index, shard headers) without reading its weights."""
+    directory = Path(path)
+    if not is_checkpoint_directory(directory):
+        raise BadInputError(f"{directory} is not a model directory (no {CONFIG_FILE} in it)")
+    config = _read_json(directory / CONFIG_FILE, "model config")
+    if not isinstance(config, dict):
+        raise BadInputError(f"{directory / CONFIG_FILE} is not a JSON object")
+    architecture = _architecture(config, directory)
+    shards, weight_map = _weights(directory)
+    return CheckpointDirectory(
+        path=directory,
+        config=config,
+        architecture=architecture,
+        shards=shards,
+        weight_map=weight_map,
+        shard_bytes={name: (directory / name).stat().st_size for name in shards},
+        record=_record(directory),
+    )
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' progress bars and load reports: normswap reports what matters itself."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _model_class(checkpoint: CheckpointDirectory) -> type[nn.Module]:
+    import transformers
+
+    return getattr(transformers, checkpoint.architecture)
+
+
+def _config(checkpoint: CheckpointDirectory) -> Any:
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(
+            checkpoint.path, local_files_only=True, trust_remote_code=False
+        )
+    except Exception as exc:
+        raise BadInputError(
+            f"transformers cannot read {checkpoint.path / CONFIG_FILE}: {describe(exc)}"
+        ) from None
+
+
+def _stored_dtype(config: Any) -> torch.dtype | None:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def build_on_meta(checkpoint: CheckpointDirectory) -> nn.Module:
+    """The directory's model built from its config on the meta device (shapes and dtypes, no values),
+    with normswap's recorded modules in place: what inspection and analysis need, no weight read."""
+    config = _config(checkpoint)
+    with quiet_transformers(), torch.device("meta"):
+        model = _model_class(checkpoint)._from_config(config, dtype=_stored_dtype(config))
+    _replace_recorded(model, checkpoint, device="meta")
+    return model.eval()
+
+
+def _replace_recorded(model: nn.Module, checkpoint: CheckpointDirectory, device: torch.device | str) -> None:
+    from normswap.modules.recipes import build_from_recipe
+
+    for path, recipe in checkpoint.replaced_modules.items():
+        try:
+            old = model.get_submodule(path) if path else None
+        except AttributeError:
+            old = None
+        if old is None:
+            raise BadInputError(
+                f"{checkpoint.path / RECORD_FILE} replaces {path!r:.120}, which the model does not have"
+            )
+        dtype = next((t.dtype for t in old.parameters() if t.is_floating_point()), None)
+        try:
+            new = build_from_recipe(recipe, device=device, dtype=dtype)
+        except (ValueError, TypeError) as exc:
+            raise BadInputError(f"{checkpoint.path / RECORD_FILE}: module {path}: {exc}") from None
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, new)
+
+
+def load_checkpoint_directory(checkpoint: CheckpointDirectory) -> nn.Module:
+    """The directory's model with its weights, in eval mode, in the dtype they are stored in."""
+    if checkpoint.replaced_modules:
+        return _load_with_record(checkpoint)
+    try:
+        with quiet_transformers():
+            model, info = _model_class(checkpoint).from_pretrained(
+                checkpoint.path,
+                local_files_only=True,
+                trust_remote_code=False,
+                use_safetensors=True,
+                output_loading_info=True,
+            )
+    except BadInputError:
+        raise
+    except Exception as exc:
+        raise BadInputError(f"transformers could not load {checkpoint.path}: {describe(exc)}") from None
+    problems = {k: list(v) for k, v in info.items() if k != "error_msgs" and v}
+    if problems or info.get("error_msgs"):
+        raise BadInputError(
+            f"{checkpoint.path}: the weights do not match the model: {_describe_mismatch(info)}"
+        )
+    return model.eval()
+
+
+def _describe_mismatch(info: dict[str, Any]) -> str:
+    parts = []
+    for key, label in (
+        ("missing_keys", "missing"),
+        ("unexpected_keys", "unexpected"),
+        ("mismatched_keys", "wrong shape"),
+    ):
+        values = sorted(str(v) for v in info.get(key) or ())
+        if values:
+            parts.append(f"{len(values)} {label} (e.g. {values[0]})")
+    parts += [str(msg).splitlines()[0] for msg in info.get("error_msgs") or ()]
+    return "; ".join(parts) or "unknown"
+
+
+def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
+    """Build the stock model, put the recorded modules in, and load every tensor from the shards into it:
+    each model tensor exactly once from the files (tied tensors through their one stored name), nothing
+    left over, shapes and dtypes as stored."""
+    from safetensors import safe_open
+
+    config = _config(checkpoint)
+    with quiet_transformers():
+        model = _model_class(checkpoint)._from_config(config, dtype=_stored_dtype(config))
+    _replace_recorded(model, checkpoint, device="cpu")
+    expected = model.state_dict(keep_vars=True)
+    stored = set(checkpoint.weight_map)
+    # A tied tensor appears under several names in the state dict and is stored under one of them.
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    missing = [names[0] for names in by_tensor.values() if not any(n in stored for n in names)]
+    unexpected = sorted(stored - set(expected))
+    if missing or unexpected:
+        info = {"missing_keys": missing, "unexpected_keys": unexpected}
+        raise BadInputError(
+            f"{checkpoint.path}: the weights do not match the model: {_describe_mismatch(info)}"
+        )
+    with torch.no_grad():
+        for shard in checkpoint.shards:
+            with safe_open(str(checkpoint.path / shard), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+                    if checkpoint.weight_map.get(name) != shard:
+                        continue
+                    value, target = handle.get_tensor(name), expected[name]
+                    if value.shape != target.shape:
+                        raise BadInputError(
+                            f"{checkpoint.path / shard}: {name} has shape {tuple(value.shape)}, the model "
+                            f"{tuple(target.shape)}"
+                        )
+                    target.copy_(value)
+    return model.eval()
+
+
+def example_inputs(model: nn.Module, config: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Inputs that a model of this directory takes, made from its config: 16 token ids (any vocab id)
+    for a text model, one image of the configured size for a vision model. BadInputError otherwise."""
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    name = getattr(model, "main_input_name", "input_ids")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else config
+    if name == "input_ids" and isinstance(text.get("vocab_size"), int) and text["vocab_size"] > 0:
+        length = min(16, int(text.get("max_position_embeddings") or text.get("n_positions") or 16))
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, text["vocab_size"], (1, length), generator=generator)
+        return (), {"input_ids": ids.to(device)}
+    size, channels = vision.get("image_size"), vision.get("num_channels", 3)
+    if name == "pixel_values" and size is not None:
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
+        generator = torch.Generator().manual_seed(0)
+        pixels = torch.rand(1, int(channels), int(height), int(width), generator=generator).to(device, dtype)
+        return (), {"pixel_values": pixels}
+    raise BadInputError(
+        f"cannot make example inputs for a model whose main input is {name!r} from its config: give --inputs "
+        "or --input-shape"
+    )

@@ -1,0 +1,320 @@
+"""Write a converted Hugging Face model as a model directory: sharded safetensors with their index, the
+config updated for what changed, and the other files of the input directory copied.
+
+The directory is written with transformers' own ``save_pretrained`` (standard layout: shards named
+``model-0000i-of-0000N.safetensors`` with ``format: pt`` metadata, ``model.safetensors.index.json``)
+into a temporary sibling, and renamed to its name only once complete: an interrupted run leaves a
+hidden ``.NAME.normswap-tmp-...`` folder, never a directory that looks complete. An existing path is
+never written over.
+
+Two kinds of output, told apart by comparing the converted model's module classes with those the config
+builds:
+
+- the same classes (a norm's affine folded into the next linear; weights rewritten in place): a stock
+  directory, loaded by ``AutoModel*.from_pretrained`` like the original;
+- changed classes (LayerNorm -> RMSNorm, fused norms): the new modules are recorded as recipes in
+  ``normswap.json`` (:mod:`normswap.modules.recipes`) and :func:`normswap.load.load_model` rebuilds
+  them. transformers is not patched: its ``from_pretrained`` would build the original classes, so such a
+  directory is for normswap's loader (or a model built the same way by hand).
+
+A model whose changes have no recipe (a graph rewrite, parametrizations) is refused before any work,
+with the module that has none: save it as .pt2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.errors import BadInputError, describe
+from normswap.load.checkpoint_dir import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    RECORD_FILE,
+    RECORD_FORMAT,
+    SINGLE_FILE,
+    CheckpointDirectory,
+    quiet_transformers,
+)
+
+# Files of the input directory not copied: the weights (rewritten), what save_pretrained writes anew, and
+# other weight formats that would hold the unconverted model.
+_WRITTEN_ANEW = {CONFIG_FILE, INDEX_FILE, SINGLE_FILE, RECORD_FILE, "generation_config.json"}
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+    ".pt2",
+)
+_DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+@dataclass
+class WrittenDirectory:
+    """What :func:`write_checkpoint_directory` wrote: the shards, whether the stock ``from_pretrained``
+    loads the result (``stock``), the modules recorded in ``normswap.json``, the files copied from the
+    input directory and those left out (other weight formats, folders), and the config keys changed."""
+
+    path: Path
+    shards: list[str]
+    stock: bool
+    recorded_modules: dict[str, Any] = field(default_factory=dict)
+    copied: list[str] = field(default_factory=list)
+    not_copied: list[str] = field(default_factory=list)
+    config_changes: dict[str, Any] = field(default_factory=dict)
+    neutral_affine: list[str] = field(default_factory=list)
+    reload_max_rel: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "shards": self.shards,
+            "stock_from_pretrained": self.stock,
+            "recorded_modules": sorted(self.recorded_modules),
+            "copied": self.copied,
+            "not_copied": self.not_copied,
+            "config_changes": self.config_changes,
+            "neutral_affine": self.neutral_affine,
+            "reload_max_rel": self.reload_max_rel,
+        }
+
+
+def is_directory_output(path: str | Path) -> bool:
+    """An output path without a suffix (``-o out`` or ``-o out/``) names a model directory."""
+    return Path(path).suffix == ""
+
+
+def _is_pretrained(model: nn.Module) -> bool:
+    try:
+        import transformers
+    except ImportError:
+        return False
+    return isinstance(model, transformers.PreTrainedModel)
+
+
+def _stock_model(model: nn.Module) -> nn.Module:
+    """The model its config builds, on the meta device (nothing allocated): the classes and tensor names a
+    stock ``from_pretrained`` expects."""
+    with quiet_transformers(), torch.device("meta"):
+        return type(model)._from_config(model.config)
+
+
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+
+
+def _neutral_affine(stock: nn.Module, converted: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Tensors that make ``stock`` (the class the config builds, on meta) compute what ``converted`` (the
+    same norm left without affine by a fold) computes: weight 1, or 0 for a ``(1 + w)`` norm, bias 0.
+    Confirmed by running both on random inputs and asking for equal outputs; None when no such tensors do."""
+    import copy
+
+    if _own_tensors(converted) or list(converted.children()) or list(stock.children()):
+        return None
+    shapes = {name: tuple(t.shape) for name, t in _own_tensors(stock).items()}
+    if not shapes or not set(shapes) <= {"weight", "bias"} or len(set(shapes.values())) != 1:
+        return None
+    shape = next(iter(shapes.values()))
+    dtype = next((t.dtype for t in _own_tensors(stock).values()), torch.float32)
+    probe = copy.deepcopy(stock).to_empty(device="cpu").to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 3, *shape, generator=generator) * 3 + 1).to(dtype)
+    with torch.no_grad():
+        want = converted(x)
+        for weight_value in (1.0, 0.0):
+            tensors = {
+                n: torch.full(shape, weight_value if n == "weight" else 0.0, dtype=dtype) for n in shapes
+            }
+            for name, value in tensors.items():
+                getattr(probe, name).copy_(value)
+            if torch.equal(probe(x), want):
+                return tensors
+    return None
+
+
+@dataclass
+class DirectoryPlan:
+    """How a converted model goes into a model directory: ``recorded`` module path -> recipe of the modules
+    normswap's loader rebuilds; ``neutral`` state-dict name -> tensor added where a stock class with
+    neutral affine computes what the converted weightless norm computes (a folded norm's affine)."""
+
+    recorded: dict[str, Any] = field(default_factory=dict)
+    neutral: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def plan_directory(model: nn.Module) -> DirectoryPlan:
+    """Compare the converted model with what its config builds, module by module (class and own tensor
+    names), and say how each difference is written. BadInputError when one cannot be: a class without
+    a recipe, a module gone. Such a model is saved as .pt2."""
+    from normswap.modules.recipes import module_recipe
+
+    stock = dict(_stock_model(model).named_modules())
+    plan = DirectoryPlan()
+    present: set[str] = set()
+    for name, module in model.named_modules():
+        present.add(name)
+        if any(name.startswith(parent + ".") for parent in plan.recorded):
+            continue  # inside a recorded module: built with it
+        original = stock.get(name)
+        same_class = original is not None and type(original) is type(module)
+        if same_class and set(_own_tensors(original)) == set(_own_tensors(module)):
+            continue
+        if original is not None and name:
+            neutral = _neutral_affine(original, module)
+            if neutral is not None:
+                plan.neutral.update({f"{name}.{key}": value for key, value in neutral.items()})
+                continue
+        recipe = module_recipe(module) if name else None
+        if recipe is None:
+            raise BadInputError(
+                f"the converted model's {name or 'root'} ({type(module).__name__}) is not what its config "
+                "builds, and normswap cannot record it in a model directory: save as .pt2"
+            )
+        plan.recorded[name] = recipe
+    gone = [n for n in stock if n not in present and not any(n.startswith(p + ".") for p in plan.recorded)]
+    if gone:
+        raise BadInputError(
+            f"the conversion removed {len(gone)} modules the config builds (e.g. {gone[0]}): a model "
+            "directory cannot say so; save as .pt2"
+        )
+    return plan
+
+
+def check_directory_output(model: nn.Module, path: str | Path) -> None:
+    """Refuse, before any work, a directory output the model cannot be written to: not a transformers
+    model, an existing path, a missing parent folder."""
+    path = Path(path)
+    if not _is_pretrained(model):
+        raise BadInputError(
+            f"-o {path}: a model directory is written for a transformers model (save_pretrained); "
+            f"this is a {type(model).__name__}: save as .pt2, .pt or .onnx"
+        )
+    if path.exists() or path.is_symlink():
+        raise BadInputError(f"-o {path} exists; normswap never writes over a path: choose a new one")
+    if not path.parent.is_dir():
+        raise BadInputError(f"output directory does not exist: {path.parent}")
+
+
+def _tie_setting(model: nn.Module) -> bool | None:
+    """Whether the model's input and output embeddings are one tensor now (None: it has no pair)."""
+    try:
+        inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if inputs is None or outputs is None:
+        return None
+    return inputs.weight is outputs.weight
+
+
+def _shard_bytes(source: CheckpointDirectory | None) -> int:
+    if source is None or not source.shard_bytes:
+        return _DEFAULT_SHARD_BYTES
+    # as the input was cut: its largest shard (a little over, since the header is not tensor data)
+    return max(source.shard_bytes.values())
+
+
+def _copy_side_files(source: CheckpointDirectory | None, temp: Path) -> tuple[list[str], list[str]]:
+    if source is None:
+        return [], []
+    copied, skipped = [], []
+    for entry in sorted(source.path.iterdir()):
+        name = entry.name
+        if name in _WRITTEN_ANEW or name in source.shards or (temp / name).exists():
+            continue
+        if not entry.is_file() or name.lower().endswith(_WEIGHT_SUFFIXES):
+            skipped.append(name)  # folders (e.g. original/) and other weight files hold the unconverted model
+            continue
+        shutil.copyfile(entry, temp / name)
+        copied.append(name)
+    return copied, skipped
+
+
+def write_checkpoint_directory(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    source: CheckpointDirectory | None = None,
+    verify: Callable[[Path], float] | None = None,
+) -> WrittenDirectory:
+    """Write ``model`` (a transformers model) as a model directory at ``path``, atomically.
+
+    ``source``: the directory it was loaded from, whose shard size is kept and whose other files
+    (tokenizer, README, ...) are copied. ``verify``: called with the complete temporary directory before
+    it takes its name; it loads it back and compares it with ``model``, returning the max relative
+    difference, or raises, and then nothing is kept."""
+    from normswap.load.save import _host
+
+    path = Path(path)
+    check_directory_output(model, path)
+    plan = plan_directory(model)
+    temp = path.with_name(f".{path.name}.normswap-tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    config = model.config
+    tie = _tie_setting(model)
+    config_changes: dict[str, Any] = {}
+    saved_tie = getattr(config, "tie_word_embeddings", None)
+    if tie is not None and saved_tie is not None and bool(saved_tie) != tie:
+        config_changes["tie_word_embeddings"] = tie
+    try:
+        temp.mkdir()
+    except OSError as exc:
+        raise BadInputError(
+            f"cannot write to output directory {path.parent}: {exc.strerror or describe(exc)}"
+        ) from None
+    try:
+        if config_changes:
+            config.tie_word_embeddings = tie
+        state = {**model.state_dict(), **plan.neutral}
+        with quiet_transformers():
+            model.save_pretrained(
+                temp, state_dict=state, max_shard_size=_shard_bytes(source), safe_serialization=True
+            )
+        if plan.recorded:
+            record = {
+                "format": RECORD_FORMAT,
+                "version": 1,
+                "about": "modules whose class normswap changed; load this directory with normswap.load_model "
+                "(transformers' from_pretrained builds the original classes)",
+                "modules": plan.recorded,
+            }
+            (temp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        reload_error = verify(temp) if verify is not None else None
+        copied, not_copied = _copy_side_files(source, temp)
+        shards = sorted(p.name for p in temp.glob("*.safetensors"))
+        if path.exists() or path.is_symlink():
+            raise BadInputError(f"-o {path} appeared while it was written; normswap never writes over a path")
+        os.rename(temp, path)
+    except OSError as exc:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}") from None
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    finally:
+        if config_changes:
+            config.tie_word_embeddings = saved_tie
+    return WrittenDirectory(
+        path=path,
+        shards=shards,
+        stock=not plan.recorded,
+        recorded_modules=plan.recorded,
+        neutral_affine=sorted(plan.neutral),
+        copied=copied,
+        not_copied=not_copied,
+        config_changes=config_changes,
+        reload_max_rel=reload_error,
+    )

@@ -1,0 +1,127 @@
+"""A module as plain data: the class and constructor arguments of the modules normswap puts into a model.
+
+A checkpoint directory whose conversion changed module classes (LayerNorm -> RMSNorm, a norm moved onto
+the fused kernels, a folded BatchNorm become an Identity) records each new module as a recipe in JSON,
+and the loader builds it back. The file a recipe comes from is untrusted: a recipe names a class only
+from :data:`RECIPE_CLASSES` and gives only the constructor arguments that class is known to take, each
+checked for its type, so reading one runs no code of the file's choosing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.kernels.reference import CASTING_MODES
+from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm, FusedLayerNorm, FusedRMSNorm
+from normswap.modules.norms import LayerNorm, RMSNorm
+
+_AFFINE_NORMS: tuple[type[nn.Module], ...] = (
+    RMSNorm,
+    LayerNorm,
+    FusedRMSNorm,
+    FusedLayerNorm,
+    FusedChannelRMSNorm,
+    FusedChannelLayerNorm,
+)
+_CHANNEL_NORMS = (FusedChannelRMSNorm, FusedChannelLayerNorm)
+
+# Recipe class name -> class. Names are normswap's own, not import paths: a file cannot name anything else.
+RECIPE_CLASSES: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (*_AFFINE_NORMS, nn.Identity)}
+
+
+def module_recipe(module: nn.Module) -> dict[str, Any] | None:
+    """``{"class": NAME, "kwargs": {...}}`` that :func:`build_from_recipe` turns back into a module like
+    ``module`` (its tensors aside), or None when its class has no recipe."""
+    cls = type(module)
+    name = cls.__name__
+    if RECIPE_CLASSES.get(name) is not cls:
+        return None
+    if cls is nn.Identity:
+        return {"class": name, "kwargs": {}}
+    if (getattr(module, "_weight_key", "weight"), getattr(module, "_bias_key", "bias")) != ("weight", "bias"):
+        return None  # a fused norm keeping a hand-written norm's own names ("gain"): not a plain class
+    kwargs: dict[str, Any] = {
+        "normalized_shape": list(module.normalized_shape),
+        "eps": module.eps,
+        "elementwise_affine": module.elementwise_affine,
+        "bias": module.bias is not None,
+        "casting": module.casting,
+        "weight_offset": module.weight_offset,
+    }
+    if isinstance(module, _CHANNEL_NORMS):
+        kwargs["channel_dim"] = module.channel_dim
+    return {"class": name, "kwargs": kwargs}
+
+
+def _check_shape(value: Any) -> list[int]:
+    if not isinstance(value, list) or not value or not all(type(d) is int and d > 0 for d in value):
+        raise ValueError(f"normalized_shape must be a list of positive ints, got {value!r}")
+    return value
+
+
+def _check_number(key: str, value: Any) -> float:
+    if type(value) not in (int, float) or value != value or abs(value) == float("inf"):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_bool(key: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def _affine_kwargs(kwargs: Mapping[str, Any], channel: bool) -> dict[str, Any]:
+    expected = {"normalized_shape", "eps", "elementwise_affine", "bias", "casting", "weight_offset"}
+    if channel:
+        expected.add("channel_dim")
+    if set(kwargs) != expected:
+        raise ValueError(f"arguments must be exactly {sorted(expected)}, got {sorted(kwargs)}")
+    eps = _check_number("eps", kwargs["eps"])
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if kwargs["casting"] not in CASTING_MODES:
+        raise ValueError(f"casting must be one of {list(CASTING_MODES)}, got {kwargs['casting']!r}")
+    checked = {
+        "normalized_shape": _check_shape(kwargs["normalized_shape"]),
+        "eps": eps,
+        "elementwise_affine": _check_bool("elementwise_affine", kwargs["elementwise_affine"]),
+        "bias": _check_bool("bias", kwargs["bias"]),
+        "casting": kwargs["casting"],
+        "weight_offset": _check_number("weight_offset", kwargs["weight_offset"]),
+    }
+    if channel:
+        dim = kwargs["channel_dim"]
+        if type(dim) is not int or dim >= -1:
+            raise ValueError(f"channel_dim must be a negative int below -1, got {dim!r}")
+        checked["channel_dim"] = dim
+    return checked
+
+
+def build_from_recipe(
+    recipe: Any, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The module a recipe describes, with fresh tensors of ``dtype`` on ``device``; ValueError, with
+    the reason, for anything but a recipe :func:`module_recipe` could have written."""
+    if not isinstance(recipe, Mapping) or set(recipe) != {"class", "kwargs"}:
+        raise ValueError(f"a module recipe is {{'class': NAME, 'kwargs': {{...}}}}, got {recipe!r:.200}")
+    name, kwargs = recipe["class"], recipe["kwargs"]
+    cls = RECIPE_CLASSES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown module class {name!r:.80} (known: {', '.join(sorted(RECIPE_CLASSES))})")
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"{name}: kwargs must be a mapping, got {kwargs!r:.80}")
+    if cls is nn.Identity:
+        if kwargs:
+            raise ValueError(f"Identity takes no arguments, got {sorted(kwargs)}")
+        return nn.Identity()
+    checked = _affine_kwargs(kwargs, channel=cls in _CHANNEL_NORMS)
+    channel_dim = checked.pop("channel_dim", None)
+    module = cls(**checked, device=device, dtype=dtype)
+    if channel_dim is not None:
+        module.channel_dim = channel_dim
+    return module

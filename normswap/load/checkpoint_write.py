@@ -228,7 +228,7 @@ def _shard_bytes(source: CheckpointDirectory | None) -> int:
     return max(source.shard_bytes.values())
 
 
-def _copy_side_files(source: CheckpointDirectory | None, temp: Path) -> tuple[list[str], list[str]]:
+def copy_side_files(source: CheckpointDirectory | None, temp: Path) -> tuple[list[str], list[str]]:
     if source is None:
         return [], []
     copied, skipped = [], []
@@ -293,7 +293,7 @@ def write_checkpoint_directory(
             }
             (temp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
         reload_error = verify(temp) if verify is not None else None
-        copied, not_copied = _copy_side_files(source, temp)
+        copied, not_copied = copy_side_files(source, temp)
         shards = sorted(p.name for p in temp.glob("*.safetensors"))
         if path.exists() or path.is_symlink():
             raise BadInputError(f"-o {path} appeared while it was written; normswap never writes over a path")

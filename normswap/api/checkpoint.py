@@ -1,0 +1,261 @@
+"""Convert a Hugging Face model directory without holding the model: analysis on the meta device, the
+rewrite streamed shard by shard, one group of tensors at a time.
+
+:func:`convert_checkpoint` reads the directory's config and shard headers, builds the model on the meta
+device, lets the pass decide every site on its captured graph (:mod:`normswap.passes.tensor_edits`),
+lays every output shard out from the input's (same files, same tensors, same dtypes; an untied copy
+goes beside its source), then copies each untouched tensor as bytes and computes each edit group in
+float64 from the input files, writing its tensors into their ranges. Peak memory is the largest group
+(a norm and the linears that read it, or one residual writer), whatever the model's size.
+
+The output is written into a hidden temporary sibling and renamed once complete; an existing path is
+never written over. ``config.json`` carries the changes (``tie_word_embeddings: false`` when a writer
+was untied), ``normswap.json`` the recipes of modules whose class changed, and the other files of the
+input directory are copied (not other weight formats or folders).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import BadInputError, CheckFailedError, describe
+from normswap.load.checkpoint_dir import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    RECORD_FILE,
+    RECORD_FORMAT,
+    SINGLE_FILE,
+    CheckpointDirectory,
+    build_on_meta,
+    example_inputs,
+    read_checkpoint_directory,
+)
+from normswap.load.checkpoint_write import copy_side_files
+from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
+from normswap.passes.base import PassReport
+from normswap.passes.tensor_edits import EditPlan, plan_edits
+
+
+@dataclass
+class StreamedConversion:
+    """What :func:`convert_checkpoint` did: the pass's report, the output's shards, how many tensors were
+    copied as bytes and how many computed, the largest group's bytes, and the files copied."""
+
+    path: Path
+    report: PassReport
+    shards: list[str]
+    copied_tensors: int
+    edited_tensors: int
+    largest_group_bytes: int
+    recorded_modules: dict[str, Any] = field(default_factory=dict)
+    config_changes: dict[str, Any] = field(default_factory=dict)
+    copied_files: list[str] = field(default_factory=list)
+    not_copied: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "report": self.report.to_dict(),
+            "shards": self.shards,
+            "copied_tensors": self.copied_tensors,
+            "edited_tensors": self.edited_tensors,
+            "largest_group_bytes": self.largest_group_bytes,
+            "recorded_modules": sorted(self.recorded_modules),
+            "config_changes": self.config_changes,
+            "copied_files": self.copied_files,
+            "not_copied": self.not_copied,
+        }
+
+
+def _headers(checkpoint: CheckpointDirectory) -> dict[str, tuple[dict[str, TensorEntry], dict[str, str]]]:
+    return {shard: read_header(checkpoint.path / shard) for shard in checkpoint.shards}
+
+
+def _layout(
+    checkpoint: CheckpointDirectory,
+    headers: dict[str, tuple[dict[str, TensorEntry], dict[str, str]]],
+    plan: EditPlan,
+) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+    """Output shard -> (name, dtype, shape) in file order: the input's tensors where they were (those the
+    index lists), and each new tensor after the tensor it copies."""
+    new_after: dict[str, list[str]] = {}
+    for edit in plan.edits:
+        for name, source in edit.new.items():
+            new_after.setdefault(source, []).append(name)
+    layout: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    for shard in checkpoint.shards:
+        entries = headers[shard][0]
+        rows = []
+        for name, entry in sorted(entries.items(), key=lambda kv: kv[1].start):
+            if checkpoint.weight_map.get(name) != shard:
+                continue  # a tensor the index does not list is not part of the model
+            rows.append((name, entry.dtype, entry.shape))
+            rows += [(new, entry.dtype, entry.shape) for new in new_after.get(name, [])]
+        layout[shard] = rows
+    return layout
+
+
+def _temp_dir(path: Path) -> Path:
+    from normswap.load.save import _host
+
+    temp = path.with_name(f".{path.name}.normswap-tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        temp.mkdir()
+    except OSError as exc:
+        raise BadInputError(
+            f"cannot write to output directory {path.parent}: {exc.strerror or describe(exc)}"
+        ) from None
+    return temp
+
+
+def _stream(
+    checkpoint: CheckpointDirectory,
+    headers: dict[str, tuple[dict[str, TensorEntry], dict[str, str]]],
+    plan: EditPlan,
+    temp: Path,
+) -> tuple[list[str], int, int, int]:
+    layout = _layout(checkpoint, headers, plan)
+    where = {name: shard for shard, rows in layout.items() for name, _, _ in rows}
+    writers = {
+        shard: ShardWriter(temp / shard, rows, headers[shard][1] or {"format": "pt"})
+        for shard, rows in layout.items()
+    }
+    edited = plan.writes
+    copied = 0
+    try:
+        for shard, rows in layout.items():
+            entries = headers[shard][0]
+            for name, _, _ in rows:
+                if name not in edited and name in entries:
+                    writers[shard].copy_bytes(name, checkpoint.path / shard, entries[name])
+                    copied += 1
+        largest = 0
+        for edit in plan.edits:
+            inputs = {}
+            for name in edit.reads:
+                shard = checkpoint.weight_map[name]
+                inputs[name] = read_tensor(checkpoint.path / shard, headers[shard][0][name])
+            with torch.no_grad():
+                outputs = edit.compute(inputs)
+            if set(outputs) != set(edit.writes):
+                raise RuntimeError(f"{edit.label}: wrote {sorted(outputs)}, planned {sorted(edit.writes)}")
+            largest = max(
+                largest, sum(t.numel() * t.element_size() for t in (*inputs.values(), *outputs.values()))
+            )
+            for name, value in outputs.items():
+                writers[where[name]].write(name, value)
+            del inputs, outputs
+    finally:
+        for writer in writers.values():
+            writer.close()
+    return sorted(layout), copied, len(edited), largest
+
+
+def _write_index(checkpoint: CheckpointDirectory, temp: Path, layout_shards: list[str]) -> None:
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard in layout_shards:
+        entries, _ = read_header(temp / shard)
+        for name, entry in entries.items():
+            weight_map[name] = shard
+            total += entry.nbytes
+    if layout_shards == [SINGLE_FILE] and not (checkpoint.path / INDEX_FILE).is_file():
+        return
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (temp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_config(checkpoint: CheckpointDirectory, temp: Path, plan: EditPlan) -> None:
+    config = dict(checkpoint.config)
+    config.update(plan.config_changes)
+    (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    if plan.recorded or checkpoint.replaced_modules:
+        modules = {**checkpoint.replaced_modules, **plan.recorded}
+        record = {
+            "format": RECORD_FORMAT,
+            "version": 1,
+            "about": "modules whose class normswap changed; load this directory with normswap.load_model "
+            "(transformers' from_pretrained builds the original classes)",
+            "modules": modules,
+        }
+        (temp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    generation = checkpoint.path / "generation_config.json"
+    if generation.is_file():
+        shutil.copyfile(generation, temp / generation.name)
+
+
+def convert_checkpoint(
+    source: str | Path,
+    output: str | Path,
+    *,
+    fold_norm_affine: bool = False,
+    to: str | None = None,
+    exact: bool = False,
+) -> StreamedConversion:
+    """Stream one exact rewrite of the model directory ``source`` into the new directory ``output``.
+
+    ``fold_norm_affine=True``, or ``to="rmsnorm", exact=True``. Nothing is written when a site the user
+    asked for cannot be done exactly: the report says why, and :class:`CheckFailedError` is raised with
+    ``exact``. Memory: the largest edit group plus the meta model and its graph."""
+    from normswap.passes.tensor_edits import streamable
+
+    why = streamable(fold_norm_affine, to, exact, [])
+    if why is not None:
+        raise BadInputError(f"cannot stream this conversion: {why}")
+    output = Path(output)
+    checkpoint = read_checkpoint_directory(source)
+    if output.exists() or output.is_symlink():
+        raise BadInputError(f"-o {output} exists; normswap never writes over a path: choose a new one")
+    if not output.parent.is_dir():
+        raise BadInputError(f"output directory does not exist: {output.parent}")
+    headers = _headers(checkpoint)
+    model = build_on_meta(checkpoint)
+    args, kwargs = example_inputs(model, checkpoint.config)
+    stored = set(checkpoint.weight_map)
+    plan = plan_edits(model, args, kwargs, stored, fold_norm_affine=fold_norm_affine, recenter=to is not None)
+    assert plan.report is not None
+    if exact and plan.report.skips:
+        first = plan.report.skips[0]
+        raise CheckFailedError(
+            f"--exact: {len(plan.report.skips)} norms cannot be rewritten exactly (first: {first.site}: "
+            f"{first.reason}); nothing written"
+        )
+    if not plan.edits:
+        raise CheckFailedError("no norm could be rewritten; nothing written")
+    temp = _temp_dir(output)
+    try:
+        shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
+        _write_index(checkpoint, temp, shards)
+        _write_config(checkpoint, temp, plan)
+        copied_files, not_copied = copy_side_files(checkpoint, temp)
+        if output.exists() or output.is_symlink():
+            raise BadInputError(
+                f"-o {output} appeared while it was written; normswap never writes over a path"
+            )
+        os.rename(temp, output)
+    except OSError as exc:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return StreamedConversion(
+        path=output,
+        report=plan.report,
+        shards=shards,
+        copied_tensors=copied,
+        edited_tensors=edited,
+        largest_group_bytes=largest,
+        recorded_modules=plan.recorded,
+        config_changes=plan.config_changes,
+        copied_files=copied_files,
+        not_copied=not_copied,
+    )

@@ -1,0 +1,183 @@
+"""safetensors files read and written one tensor at a time, for checkpoints larger than memory.
+
+The format is an 8-byte little-endian header length, a JSON header (tensor name -> dtype, shape, byte
+range of the data; ``__metadata__``), and the tensors' bytes back to back. Because edits keep every
+tensor's dtype and shape, an output shard's header is known before any tensor is computed: the writer
+lays the file out first, then fills each tensor's range when it is ready, in any order. An untouched
+tensor is copied as bytes from its input range (byte for byte, never decoded); an edited one is written
+from its tensor. Memory is one tensor (or one copy buffer), never a shard.
+
+Headers of input files are untrusted: sizes, dtypes and ranges are checked against the file before any
+byte is read through them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from normswap.errors import BadInputError
+
+_MAX_HEADER = 100 * 1024 * 1024
+_COPY_CHUNK = 64 * 1024 * 1024
+
+# safetensors dtype names <-> torch dtypes (the ones a checkpoint of normswap's models holds)
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in a safetensors file: dtype name, shape, and its absolute byte range."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
+def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """The tensors of a safetensors file (name -> :class:`TensorEntry`, absolute ranges) and its metadata,
+    from its header alone; BadInputError for a header that does not describe this file."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        raw = handle.read(8)
+        if len(raw) != 8:
+            raise BadInputError(f"{path} is not a safetensors file (shorter than its header length)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > min(_MAX_HEADER, size - 8):
+            raise BadInputError(
+                f"{path} is not a safetensors file (header length {length} of a {size}-byte file)"
+            )
+        try:
+            header = json.loads(handle.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise BadInputError(f"{path} is not a safetensors file (its header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise BadInputError(f"{path} is not a safetensors file (its header is not an object)")
+    metadata = header.pop("__metadata__", None) or {}
+    base = 8 + length
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = dtype in DTYPES and all(type(d) is int and d >= 0 for d in shape)
+            ok = ok and type(start) is int and type(end) is int and 0 <= start <= end <= size - base
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise BadInputError(
+                f"{path}: the header's entry for {name!r:.80} does not describe a tensor in the file"
+            )
+        count = 1
+        for d in shape:
+            count *= d
+        if end - start != count * _element_size(dtype):
+            raise BadInputError(f"{path}: {name} has {end - start} bytes for shape {list(shape)} of {dtype}")
+        entries[name] = TensorEntry(dtype, shape, base + start, base + end)
+    return entries, {str(k): str(v) for k, v in metadata.items()}
+
+
+def read_tensor(path: str | Path, entry: TensorEntry) -> torch.Tensor:
+    """One tensor of a file, read from its byte range (a fresh CPU tensor; nothing else of the file)."""
+    with open(path, "rb") as handle:
+        handle.seek(entry.start)
+        data = bytearray(handle.read(entry.nbytes))
+    if len(data) != entry.nbytes:
+        raise BadInputError(f"{path} ends inside a tensor")
+    if not data:
+        return torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
+    flat = torch.frombuffer(data, dtype=DTYPES[entry.dtype])
+    return flat.reshape(entry.shape)
+
+
+class ShardWriter:
+    """A safetensors file laid out in advance: ``layout`` lists (name, dtype name, shape) in file order.
+
+    :meth:`write` and :meth:`copy_bytes` fill one tensor's range each, in any order; :meth:`close`
+    refuses a file with a range never filled (a check that every tensor was written, not a guess)."""
+
+    def __init__(
+        self, path: Path, layout: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
+    ) -> None:
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        self.entries: dict[str, TensorEntry] = {}
+        for name, dtype, shape in layout:
+            count = 1
+            for d in shape:
+                count *= d
+            nbytes = count * _element_size(dtype)
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self.entries[name] = TensorEntry(dtype, tuple(shape), offset, offset + nbytes)
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.base = 8 + len(text)
+        self.path = path
+        self.pending = set(self.entries)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        os.pwrite(self._fd, struct.pack("<Q", len(text)) + text, 0)
+        os.ftruncate(self._fd, self.base + offset)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self.entries[name]
+        if tensor.dtype != DTYPES[entry.dtype] or tuple(tensor.shape) != entry.shape:
+            raise ValueError(
+                f"{name}: the layout says {entry.dtype} {list(entry.shape)}, got {tensor.dtype} {list(tensor.shape)}"
+            )
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        os.pwrite(self._fd, data, self.base + entry.start)
+        self.pending.discard(name)
+
+    def copy_bytes(self, name: str, source: Path, entry: TensorEntry) -> None:
+        """Copy a tensor's bytes from ``source`` (its range ``entry``), chunk by chunk."""
+        target = self.entries[name]
+        if (entry.dtype, entry.shape) != (target.dtype, target.shape):
+            raise ValueError(
+                f"{name}: the layout says {target.dtype} {list(target.shape)}, the source has another"
+            )
+        with open(source, "rb") as handle:
+            handle.seek(entry.start)
+            done = 0
+            while done < entry.nbytes:
+                chunk = handle.read(min(_COPY_CHUNK, entry.nbytes - done))
+                if not chunk:
+                    raise BadInputError(f"{source} ends inside {name}")
+                os.pwrite(self._fd, chunk, self.base + target.start + done)
+                done += len(chunk)
+        self.pending.discard(name)
+
+    def close(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
+        if self.pending:
+            raise RuntimeError(
+                f"{self.path.name}: {len(self.pending)} tensors never written (e.g. {min(self.pending)})"
+            )

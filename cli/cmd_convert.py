@@ -3,7 +3,8 @@ the result, save it. What runs, in which order, and when a result is refused is 
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from normswap_cli import render
@@ -155,6 +156,14 @@ def convert(
         output=output,
     )
     config.validate()  # option mistakes are said before the model is loaded
+    if _directory_to_directory(model, output):
+        from normswap.api.checkpoint import directory_route
+
+        fallback = directory_route(model, config, custom_inputs=inputs is not None or bool(input_shape))
+        if fallback is None:
+            _stream(model, output, config, report)
+            return
+        render.out.print(f"note: {fallback}", soft_wrap=True)
     loaded = load(model, weights, trust_pickle)
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     quiet = report is not None
@@ -175,3 +184,28 @@ def convert(
         write_json(report, {"model": model, **result.to_dict()})
     if not result.ok:
         raise CheckFailedError(result.refusal or "nothing written")
+
+
+def _directory_to_directory(model: str, output: Path) -> bool:
+    from normswap.load.checkpoint_dir import is_checkpoint_directory
+    from normswap.load.checkpoint_write import is_directory_output
+
+    return is_checkpoint_directory(model) and is_directory_output(output)
+
+
+def _stream(model: str, output: Path, config: Any, report: Path | None) -> None:
+    """A model directory rewritten shard by shard, verified block by block (normswap.api.checkpoint)."""
+    from normswap.api.checkpoint import convert_checkpoint
+
+    with render.status("streaming the checkpoint", report is not None) as say:
+        result = convert_checkpoint(
+            model,
+            output,
+            fold_norm_affine=config.fold_norm_affine,
+            to=config.to,
+            exact=config.exact,
+            on_step=say,
+        )
+    render.print_streamed(result)
+    if report is not None:
+        write_json(report, {"model": model, **result.to_dict()})

@@ -173,6 +173,39 @@ def print_saved(saved: Any) -> None:
         print_capture_notes(saved.notes, f"{saved.path} exported", NO_CACHE)
 
 
+def print_streamed(result: Any) -> None:
+    """A :class:`normswap.api.checkpoint.StreamedConversion`: what changed, what was refused and why, how
+    the tensors were written, and the block-by-block verification."""
+    report = result.report
+    out.print(
+        f"{report.pass_name} (exact, streamed): {len(report.changes)} changed, {len(report.skips)} skipped"
+    )
+    for reason, sites in _by_reason(report.skips).items():
+        out.print(
+            f"  skipped {len(sites)}: {reason} ({', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''})",
+            soft_wrap=True,
+        )
+    out.print(
+        f"{result.edited_tensors} tensors computed in float64 (largest group {result.largest_group_bytes / 1e6:.1f} MB), "
+        f"{result.copied_tensors} copied as bytes, into {len(result.shards)} shards",
+        soft_wrap=True,
+    )
+    for check in result.verification:
+        stages = len(check.stages)
+        out.print(
+            f"verified block by block ({check.blocks_path}): {stages} stages within tolerance, worst "
+            f"{fmt_float(check.worst_rel)} x max|ref| [green]PASS[/]",
+            soft_wrap=True,
+        )
+    if result.recorded_modules:
+        out.print(
+            f"  {len(result.recorded_modules)} modules recorded in normswap.json: load it with normswap"
+        )
+    if result.config_changes:
+        out.print(f"  config.json: {', '.join(f'{k}={v}' for k, v in result.config_changes.items())}")
+    out.print(f"wrote {result.path} (directory)", soft_wrap=True)
+
+
 def _print_directory(written: Any) -> None:
     """A model directory: how it loads, what it holds beyond the stock files, and its reload check."""
     shards = len(written.shards)

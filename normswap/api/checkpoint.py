@@ -20,12 +20,14 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError, CheckFailedError, describe
 from normswap.load.checkpoint_dir import (
     CONFIG_FILE,
@@ -42,6 +44,11 @@ from normswap.load.checkpoint_write import copy_side_files
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
 from normswap.passes.base import PassReport
 from normswap.passes.tensor_edits import EditPlan, plan_edits
+from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise
+
+# The inputs a streamed result is verified on: (batch, length) of token ids, two shapes so that a
+# rewrite right on one sequence length only is caught.
+VERIFY_SHAPES = ((1, 16), (2, 5))
 
 
 @dataclass
@@ -59,6 +66,7 @@ class StreamedConversion:
     config_changes: dict[str, Any] = field(default_factory=dict)
     copied_files: list[str] = field(default_factory=list)
     not_copied: list[str] = field(default_factory=list)
+    verification: list[BlockwiseReport] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +80,7 @@ class StreamedConversion:
             "config_changes": self.config_changes,
             "copied_files": self.copied_files,
             "not_copied": self.not_copied,
+            "verification": [report.to_dict() for report in self.verification],
         }
 
 
@@ -199,12 +208,16 @@ def convert_checkpoint(
     fold_norm_affine: bool = False,
     to: str | None = None,
     exact: bool = False,
+    on_step: Callable[[str], None] | None = None,
 ) -> StreamedConversion:
-    """Stream one exact rewrite of the model directory ``source`` into the new directory ``output``.
+    """Stream one exact rewrite of the model directory ``source`` into the new directory ``output``, and
+    verify it block by block against ``source`` before it takes its name.
 
-    ``fold_norm_affine=True``, or ``to="rmsnorm", exact=True``. Nothing is written when a site the user
-    asked for cannot be done exactly: the report says why, and :class:`CheckFailedError` is raised with
-    ``exact``. Memory: the largest edit group plus the meta model and its graph."""
+    ``fold_norm_affine=True``, or ``to="rmsnorm", exact=True``. Nothing is written when a LayerNorm that
+    ``to`` asked for cannot be made RMSNorm exactly (:class:`CheckFailedError`, the report says why) or
+    when the verification finds a block outside the exact tolerance. Memory: the largest edit group
+    plus the meta model and its graph; the verification holds the embeddings, the head and two blocks."""
+    say = on_step or (lambda _: None)
     from normswap.passes.tensor_edits import streamable
 
     why = streamable(fold_norm_affine, to, exact, [])
@@ -217,12 +230,15 @@ def convert_checkpoint(
     if not output.parent.is_dir():
         raise BadInputError(f"output directory does not exist: {output.parent}")
     headers = _headers(checkpoint)
+    say("analyzing the model built on the meta device (no weights read)")
     model = build_on_meta(checkpoint)
     args, kwargs = example_inputs(model, checkpoint.config)
     stored = set(checkpoint.weight_map)
     plan = plan_edits(model, args, kwargs, stored, fold_norm_affine=fold_norm_affine, recenter=to is not None)
     assert plan.report is not None
-    if exact and plan.report.skips:
+    # as in memory: under --exact a LayerNorm that --to rmsnorm asked for and cannot get exactly fails the
+    # run; a norm whose affine cannot be folded stays as it is (the fold is exact either way)
+    if exact and to is not None and plan.report.skips:
         first = plan.report.skips[0]
         raise CheckFailedError(
             f"--exact: {len(plan.report.skips)} norms cannot be rewritten exactly (first: {first.site}: "
@@ -232,9 +248,24 @@ def convert_checkpoint(
         raise CheckFailedError("no norm could be rewritten; nothing written")
     temp = _temp_dir(output)
     try:
+        say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
         shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
         _write_index(checkpoint, temp, shards)
         _write_config(checkpoint, temp, plan)
+        written = read_checkpoint_directory(temp)
+        relate = centered if to is not None else identity
+        verification = []
+        for batch, length in VERIFY_SHAPES:
+            args_, kwargs_ = example_inputs(
+                model, checkpoint.config, batch=batch, length=length, device="cpu"
+            )
+            report = verify_blockwise(checkpoint, written, args_, kwargs_, relate, on_block=say)
+            if not report.ok:
+                raise CheckFailedError(
+                    f"verification: {report.first_divergent} of the written model is outside the exact "
+                    f"tolerance on inputs {batch}x{length} (max {report.worst_rel:.3g} x max|ref|); nothing written"
+                )
+            verification.append(report)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
         if output.exists() or output.is_symlink():
             raise BadInputError(
@@ -258,4 +289,54 @@ def convert_checkpoint(
         config_changes=plan.config_changes,
         copied_files=copied_files,
         not_copied=not_copied,
+        verification=verification,
     )
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bool = False) -> str | None:
+    """How ``normswap convert DIR ... -o OUTDIR`` runs: None when it streams (:func:`convert_checkpoint`),
+    else the message saying why it runs in memory; BadInputError when it cannot stream and the model
+    would not fit in memory (weights about three times: the model, the converted copy, temporaries)."""
+    other = [
+        flag
+        for flag, on in (
+            ("--fold-bn", config.fold_bn),
+            ("--fuse-add", config.fuse_add),
+            ("--fuse-inline", config.fuse_inline),
+            ("--add-weight-norm", config.add_weight_norm is not None),
+            ("--remove-weight-norm", config.remove_weight_norm),
+            ("--calibrate", config.calibration_data is not None),
+            ("--from", config.from_kinds is not None),
+            ("--allow-lossy", config.allow_lossy),
+            ("--inputs/--input-shape", custom_inputs),
+        )
+        if on
+    ]
+    from normswap.passes.tensor_edits import streamable
+
+    why = streamable(config.fold_norm_affine, config.to, config.exact, other)
+    if why is None:
+        return None
+    checkpoint = read_checkpoint_directory(source)
+    need, available = 3 * checkpoint.total_bytes, _available_memory()
+    if available is not None and need > available:
+        raise BadInputError(
+            f"{source}: {why}, and converting in memory needs about {_gb(need)} ({_gb(available)} available); "
+            "streamed rewrites: --fold-norm-affine, --to rmsnorm --exact"
+        )
+    return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)"

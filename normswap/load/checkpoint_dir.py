@@ -230,7 +230,7 @@ def _model_class(checkpoint: CheckpointDirectory) -> type[nn.Module]:
     return getattr(transformers, checkpoint.architecture)
 
 
-def _config(checkpoint: CheckpointDirectory) -> Any:
+def transformers_config(checkpoint: CheckpointDirectory) -> Any:
     import transformers
 
     try:
@@ -243,7 +243,7 @@ def _config(checkpoint: CheckpointDirectory) -> Any:
         ) from None
 
 
-def _stored_dtype(config: Any) -> torch.dtype | None:
+def stored_dtype(config: Any) -> torch.dtype | None:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -253,17 +253,26 @@ def _stored_dtype(config: Any) -> torch.dtype | None:
 def build_on_meta(checkpoint: CheckpointDirectory) -> nn.Module:
     """The directory's model built from its config on the meta device (shapes and dtypes, no values),
     with normswap's recorded modules in place: what inspection and analysis need, no weight read."""
-    config = _config(checkpoint)
+    config = transformers_config(checkpoint)
     with quiet_transformers(), torch.device("meta"):
-        model = _model_class(checkpoint)._from_config(config, dtype=_stored_dtype(config))
-    _replace_recorded(model, checkpoint, device="meta")
+        model = _model_class(checkpoint)._from_config(config, dtype=stored_dtype(config))
+    replace_recorded(model, checkpoint, device="meta")
     return model.eval()
 
 
-def _replace_recorded(model: nn.Module, checkpoint: CheckpointDirectory, device: torch.device | str) -> None:
+def replace_recorded(
+    model: nn.Module,
+    checkpoint: CheckpointDirectory,
+    device: torch.device | str,
+    only: dict[str, Any] | None = None,
+) -> None:
+    """Put the modules ``normswap.json`` records into ``model`` (built from the config), with fresh
+    tensors on ``device`` in the dtype of the modules they replace; ``only``: these recipes (path ->
+    recipe) instead of all. BadInputError for a recipe that is not one."""
     from normswap.modules.recipes import build_from_recipe
 
-    for path, recipe in checkpoint.replaced_modules.items():
+    recipes = checkpoint.replaced_modules if only is None else only
+    for path, recipe in recipes.items():
         try:
             old = model.get_submodule(path) if path else None
         except AttributeError:
@@ -326,10 +335,10 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
     left over, shapes and dtypes as stored."""
     from safetensors import safe_open
 
-    config = _config(checkpoint)
+    config = transformers_config(checkpoint)
     with quiet_transformers():
-        model = _model_class(checkpoint)._from_config(config, dtype=_stored_dtype(config))
-    _replace_recorded(model, checkpoint, device="cpu")
+        model = _model_class(checkpoint)._from_config(config, dtype=stored_dtype(config))
+    replace_recorded(model, checkpoint, device="cpu")
     expected = model.state_dict(keep_vars=True)
     stored = set(checkpoint.weight_map)
     # A tied tensor appears under several names in the state dict and is stored under one of them.
@@ -359,24 +368,35 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
     return model.eval()
 
 
-def example_inputs(model: nn.Module, config: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """Inputs that a model of this directory takes, made from its config: 16 token ids (any vocab id)
-    for a text model, one image of the configured size for a vision model. BadInputError otherwise."""
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+def example_inputs(
+    model: nn.Module,
+    config: dict[str, Any],
+    *,
+    batch: int = 1,
+    length: int = 16,
+    device: torch.device | str | None = None,
+) -> tuple[tuple, dict[str, Any]]:
+    """Inputs that a model of this directory takes, made from its config: ``batch`` x ``length`` token ids
+    (any vocab id) for a text model, ``batch`` images of the configured size for a vision model, on
+    ``device`` (default: the model's). BadInputError otherwise."""
+    if device is None:
+        device = next((t.device for t in model.parameters()), torch.device("cpu"))
     name = getattr(model, "main_input_name", "input_ids")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else config
     if name == "input_ids" and isinstance(text.get("vocab_size"), int) and text["vocab_size"] > 0:
-        length = min(16, int(text.get("max_position_embeddings") or text.get("n_positions") or 16))
+        length = min(length, int(text.get("max_position_embeddings") or text.get("n_positions") or length))
         generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, text["vocab_size"], (1, length), generator=generator)
+        ids = torch.randint(0, text["vocab_size"], (batch, length), generator=generator)
         return (), {"input_ids": ids.to(device)}
     size, channels = vision.get("image_size"), vision.get("num_channels", 3)
     if name == "pixel_values" and size is not None:
         height, width = (size, size) if isinstance(size, int) else tuple(size)
         dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
         generator = torch.Generator().manual_seed(0)
-        pixels = torch.rand(1, int(channels), int(height), int(width), generator=generator).to(device, dtype)
+        pixels = torch.rand(batch, int(channels), int(height), int(width), generator=generator).to(
+            device, dtype
+        )
         return (), {"pixel_values": pixels}
     raise BadInputError(
         f"cannot make example inputs for a model whose main input is {name!r} from its config: give --inputs "

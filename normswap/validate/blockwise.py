@@ -1,0 +1,288 @@
+"""Verify a rewritten model directory against its original block by block, never holding either model.
+
+Each model is run in a *shell*: the model its config builds with one block (embeddings, final norm, head
+and the buffers computed at construction, such as rotary frequencies, all real), whose one block takes
+the weights of block ``i`` in turn. So memory is the embeddings and head, two blocks and the
+activations, whatever the number of blocks.
+
+The check, with ``relate`` the map from an original activation to the converted model's (the identity
+for folds; centering over the hidden dim for a recentered residual stream):
+
+1. the inputs of block 0 (hidden states, and everything else the model hands its blocks: masks,
+   position embeddings) are recorded in both shells: ``relate(h0)`` against the converted ``h0'``;
+2. block ``i`` runs on the original's activation ``h`` in the original shell and on ``relate(h)`` in the
+   converted one: ``relate(block(h))`` against ``block'(relate(h))``; the next block takes the
+   original's output, so an error does not carry over and the first diverging block is named;
+3. the head (final norm, LM head) runs on the last activation in both: logits against logits.
+
+Every comparison is held to the exact tolerance of the dtype (:mod:`normswap.util.tolerance`). Blocks
+are the children of the model's largest list of same-class modules (``model.layers``, ``transformer.h``).
+A block runs in the shell's block 0: layers configured differently by index (alternating sliding
+windows) run as block 0 is configured, in both models alike.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.errors import BadInputError
+from normswap.load.checkpoint_dir import (
+    CheckpointDirectory,
+    build_on_meta,
+    quiet_transformers,
+    replace_recorded,
+    stored_dtype,
+    transformers_config,
+)
+from normswap.validate.metrics import TensorComparison, compare_tensors
+
+Relate = Callable[[torch.Tensor], torch.Tensor]
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def centered(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream as a recentered model carries it: minus its mean over the hidden dim."""
+    mean = x.double().mean(dim=-1, keepdim=True)
+    return (x.double() - mean).to(x.dtype)
+
+
+@dataclass
+class BlockwiseReport:
+    """Per stage (``embeddings``, ``block 0``..., ``head``), the comparison of the converted model with
+    the original; ``first_divergent`` names the first stage outside the tolerance (None: all within)."""
+
+    stages: list[tuple[str, TensorComparison]] = field(default_factory=list)
+    blocks_path: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.stages) and all(c.within_tolerance for _, c in self.stages)
+
+    @property
+    def first_divergent(self) -> str | None:
+        return next((stage for stage, c in self.stages if not c.within_tolerance), None)
+
+    @property
+    def worst_rel(self) -> float:
+        return max((c.max_rel for _, c in self.stages), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "blocks": self.blocks_path,
+            "first_divergent": self.first_divergent,
+            "stages": [
+                {
+                    "stage": s,
+                    "max_rel": c.max_rel,
+                    "sqnr_db": c.sqnr_db,
+                    "within_tolerance": c.within_tolerance,
+                }
+                for s, c in self.stages
+            ],
+        }
+
+
+def find_blocks(model: nn.Module) -> tuple[str, int]:
+    """The path of the model's blocks (the largest ModuleList of one class, by parameter count) and their
+    number; BadInputError when it has none."""
+    best: tuple[int, str, int] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if len({type(child) for child in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, name, len(module))
+    if best is None:
+        raise BadInputError("the model has no list of blocks (a ModuleList of one module class) to verify by")
+    return best[1], best[2]
+
+
+class _Shell:
+    """One model directory's model with one block, whose block takes any block's weights."""
+
+    def __init__(self, checkpoint: CheckpointDirectory, blocks: str) -> None:
+        config = transformers_config(checkpoint)
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = 1
+        for key in ("layer_types",):
+            if isinstance(getattr(config, key, None), list):
+                setattr(config, key, getattr(config, key)[:1])
+        import transformers
+
+        with quiet_transformers():
+            self.model = (
+                getattr(transformers, checkpoint.architecture)
+                ._from_config(config, dtype=stored_dtype(config))
+                .eval()
+            )
+        self.checkpoint = checkpoint
+        self.blocks = blocks
+        self.recipes = checkpoint.replaced_modules
+        # modules normswap changed outside the blocks (a final norm) are put in once
+        outside = {p: r for p, r in self.recipes.items() if not p.startswith(blocks + ".")}
+        replace_recorded(self.model, checkpoint, device="cpu", only=outside)
+        self._load(lambda name: None if name.startswith(blocks + ".") else name)
+
+    def _load(self, stored_name: Callable[[str], str | None]) -> None:
+        """Copy into the shell every tensor whose name ``stored_name`` maps to a stored one (tied names
+        share one tensor: one stored name fills them all)."""
+        from safetensors import safe_open
+
+        wanted: dict[str, list[torch.Tensor]] = {}
+        missing = []
+        groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            groups.setdefault(id(tensor), []).append((name, tensor))
+        for members in groups.values():
+            sources = [stored_name(name) for name, _ in members]
+            if all(s is None for s in sources):
+                continue
+            stored = next((s for s in sources if s in self.checkpoint.weight_map), None)
+            if stored is None:
+                missing.append(next(s for s in sources if s is not None))
+                continue
+            wanted.setdefault(stored, []).append(members[0][1])
+        if missing:
+            raise BadInputError(
+                f"{self.checkpoint.path}: {len(missing)} tensors not stored (e.g. {missing[0]})"
+            )
+        by_shard: dict[str, list[str]] = {}
+        for name in wanted:
+            by_shard.setdefault(self.checkpoint.weight_map[name], []).append(name)
+        with torch.no_grad():
+            for shard, names in by_shard.items():
+                with safe_open(str(self.checkpoint.path / shard), framework="pt") as handle:
+                    for name in names:
+                        value = handle.get_tensor(name)
+                        for target in wanted[name]:
+                            if target.shape != value.shape:
+                                raise BadInputError(
+                                    f"{self.checkpoint.path}: {name} has shape {tuple(value.shape)}"
+                                )
+                            target.copy_(value)
+
+    def take_block(self, index: int) -> nn.Module:
+        """The shell's block, now block ``index`` of the directory's model."""
+        prefix, shell_prefix = f"{self.blocks}.{index}.", f"{self.blocks}.0."
+        inside = {shell_prefix + p[len(prefix) :]: r for p, r in self.recipes.items() if p.startswith(prefix)}
+        if inside:
+            replace_recorded(self.model, self.checkpoint, device="cpu", only=inside)
+        self._load(lambda name: prefix + name[len(shell_prefix) :] if name.startswith(shell_prefix) else None)
+        return self.model.get_submodule(shell_prefix[:-1])
+
+
+class _Stop(Exception):
+    pass
+
+
+def _block_inputs(shell: _Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """What the model hands its first block: recorded by a hook that stops the forward there."""
+    seen: dict[str, Any] = {}
+
+    def record(module: nn.Module, block_args: tuple, block_kwargs: dict[str, Any]) -> None:
+        seen["args"], seen["kwargs"] = block_args, block_kwargs
+        raise _Stop
+
+    block = shell.model.get_submodule(f"{shell.blocks}.0")
+    handle = block.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            shell.model(*args, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in seen:
+        raise BadInputError("the model's forward never reached its first block")
+    return seen["args"], seen["kwargs"]
+
+
+def _hidden(block_args: tuple, block_kwargs: dict[str, Any]) -> torch.Tensor:
+    if block_args:
+        return block_args[0]
+    return block_kwargs["hidden_states"]
+
+
+def _with_hidden(block_args: tuple, block_kwargs: dict[str, Any], hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if block_args:
+        return (hidden, *block_args[1:]), block_kwargs
+    return block_args, {**block_kwargs, "hidden_states": hidden}
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def _head(shell: _Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
+    """The model's output when its last block's output is ``hidden``: the shell's block is made to return
+    it (same structure as the block's own output)."""
+
+    def replace(module: nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return hidden
+        return (hidden, *output[1:])
+
+    block = shell.model.get_submodule(f"{shell.blocks}.0")
+    handle = block.register_forward_hook(replace)
+    try:
+        with torch.no_grad():
+            out = shell.model(*args, **kwargs)
+    finally:
+        handle.remove()
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        logits = getattr(out, "last_hidden_state", None)
+    if logits is None:
+        logits = _first(out)
+    return logits
+
+
+def verify_blockwise(
+    original: CheckpointDirectory,
+    converted: CheckpointDirectory,
+    example_args: tuple,
+    example_kwargs: dict[str, Any],
+    relate: Relate = identity,
+    on_block: Callable[[str], None] | None = None,
+) -> BlockwiseReport:
+    """Compare ``converted`` with ``original`` stage by stage on the example inputs (see the module doc)."""
+    say = on_block or (lambda _: None)
+    meta = build_on_meta(original)
+    blocks, count = find_blocks(meta)
+    del meta
+    report = BlockwiseReport(blocks_path=f"{blocks} ({count} blocks)")
+    ours, theirs = _Shell(original, blocks), _Shell(converted, blocks)
+    ours.take_block(0)
+    theirs.take_block(0)
+    o_args, o_kwargs = _block_inputs(ours, example_args, example_kwargs)
+    c_args, c_kwargs = _block_inputs(theirs, example_args, example_kwargs)
+    hidden = _hidden(o_args, o_kwargs)
+    report.stages.append(
+        ("embeddings", compare_tensors("embeddings", relate(hidden), _hidden(c_args, c_kwargs)))
+    )
+    for index in range(count):
+        say(f"block {index + 1}/{count}")
+        block, block_c = ours.take_block(index), theirs.take_block(index)
+        with torch.no_grad():
+            in_args, in_kwargs = _with_hidden(o_args, o_kwargs, hidden)
+            out = _first(block(*in_args, **in_kwargs))
+            c_in_args, c_in_kwargs = _with_hidden(c_args, c_kwargs, relate(hidden))
+            out_c = _first(block_c(*c_in_args, **c_in_kwargs))
+        report.stages.append((f"block {index}", compare_tensors(f"block {index}", relate(out), out_c)))
+        hidden = out
+    logits = _head(ours, example_args, example_kwargs, hidden)
+    logits_c = _head(theirs, example_args, example_kwargs, relate(hidden))
+    report.stages.append(("head", compare_tensors("head", logits, logits_c)))
+    return report

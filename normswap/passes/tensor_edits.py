@@ -78,8 +78,10 @@ def streamable(fold_norm_affine: bool, to: str | None, exact: bool, other: list[
     ]
     if len(asked) != 1:
         return "a stream runs one rewrite: --fold-norm-affine or --to rmsnorm --exact"
-    if to is not None and (to != "rmsnorm" or not exact):
-        return f"--to {to}{'' if exact else ' without --exact'} is not an exact rewrite of the stored tensors"
+    if to is not None and to != "rmsnorm":
+        return f"--to {to} does not stream (--fold-norm-affine and --to rmsnorm --exact do)"
+    if to is not None and not exact:
+        return "--to rmsnorm without --exact may fall back to a lossy swap, which does not stream"
     return None
 
 

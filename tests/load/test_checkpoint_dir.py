@@ -21,6 +21,8 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers")
 
+from hf_dirs import configs, logits, make_directory, rel, token_ids  # noqa: E402
+
 from normswap import ConvertConfig, convert, save  # noqa: E402
 from normswap.errors import BadInputError, CheckFailedError  # noqa: E402
 from normswap.load import load_model  # noqa: E402
@@ -30,95 +32,12 @@ from normswap.load.model_file import load_model_structure  # noqa: E402
 runner = CliRunner()
 
 
-def _randomize_norms(model: torch.nn.Module) -> None:
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "ln" in name or "norm" in name:
-                offset = (
-                    1.0 if name.endswith("weight") and "gemma" not in type(model).__name__.lower() else 0.0
-                )
-                param.copy_(offset + 0.5 * torch.randn(param.shape, generator=generator))
-
-
-def _configs() -> dict[str, tuple[type, object]]:
-    small = {"vocab_size": 300, "use_cache": False}
-    return {
-        "gpt2": (
-            transformers.GPT2LMHeadModel,
-            transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, bos_token_id=0, eos_token_id=0, **small),
-        ),
-        "llama": (
-            transformers.LlamaForCausalLM,
-            transformers.LlamaConfig(
-                num_hidden_layers=2,
-                hidden_size=64,
-                intermediate_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                tie_word_embeddings=False,
-                **small,
-            ),
-        ),
-        "opt": (
-            transformers.OPTForCausalLM,
-            transformers.OPTConfig(
-                num_hidden_layers=2,
-                hidden_size=64,
-                ffn_dim=128,
-                num_attention_heads=4,
-                word_embed_proj_dim=64,
-                **small,
-            ),
-        ),
-        "gemma": (
-            transformers.GemmaForCausalLM,
-            transformers.GemmaConfig(
-                num_hidden_layers=2,
-                hidden_size=64,
-                intermediate_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                **small,
-            ),
-        ),
-    }
-
-
-def _make(root: Path, name: str, dtype: torch.dtype = torch.float32) -> Path:
-    cls, config = _configs()[name]
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    _randomize_norms(model)
-    model = model.to(dtype)
-    path = root / f"{name}-{str(dtype).split('.')[-1]}"
-    # about four shards: several files and an index, as real checkpoints come
-    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    model.save_pretrained(path, max_shard_size=total // 4 + 1)
-    (path / "tokenizer.json").write_text('{"version": "1.0"}')
-    return path
-
-
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    made = {name: _make(root, name) for name in _configs()}
-    made["gpt2-bf16"] = _make(root, "gpt2", torch.bfloat16)
+    made = {name: make_directory(root, name) for name in configs()}
+    made["gpt2-bf16"] = make_directory(root, "gpt2", torch.bfloat16)
     return made
-
-
-def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=ids).logits.double()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / a.abs().max()).item()
-
-
-def _ids() -> torch.Tensor:
-    return torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3))
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -260,8 +179,8 @@ def test_fold_norm_affine_writes_a_directory_the_stock_loader_reads(dirs, tmp_pa
         assert handle.metadata() == {"format": "pt"}
     stock = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(stock) is type(loaded.model)
-    ids = _ids()
-    assert _rel(_logits(loaded.model, ids), _logits(stock, ids)) <= 1e-5
+    ids = token_ids()
+    assert rel(logits(loaded.model, ids), logits(stock, ids)) <= 1e-5
     # each folded norm is stored with neutral weights (its affine moved into the readers); the rest as it was
     folded = {change.site for change in result.report.passes[0].changes}
     neutral = 0.0 if name == "gemma" else 1.0
@@ -289,16 +208,19 @@ def test_rmsnorm_exact_records_the_new_modules_and_normswap_loads_them(dirs, tmp
     from normswap.modules import RMSNorm
 
     assert isinstance(back.model.transformer.h[1].ln_2, RMSNorm)
-    ids = _ids()
-    assert _rel(_logits(loaded.model, ids), _logits(back.model, ids)) <= 1e-5
+    ids = token_ids()
+    assert rel(logits(loaded.model, ids), logits(back.model, ids)) <= 1e-5
 
 
 def test_the_cli_writes_a_directory_and_refuses_an_existing_one(dirs, tmp_path):
     out = tmp_path / "out"
-    argv = ["convert", str(dirs["llama"]), "--fold-norm-affine", "-o", str(out)]
+    # --to fused does not stream: the in-memory route, its directory loaded back before the rename
+    argv = ["convert", str(dirs["llama"]), "--to", "fused", "-o", str(out)]
     result = runner.invoke(app, argv)
     assert result.exit_code == 0, result.output
-    assert "loads with transformers' from_pretrained" in result.output
+    assert (
+        "5 modules recorded in normswap.json" in result.output and "loaded back and compared" in result.output
+    )
     before = sorted(p.name for p in out.iterdir())
     again = runner.invoke(app, argv)
     assert again.exit_code == 2

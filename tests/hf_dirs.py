@@ -1,0 +1,94 @@
+"""Small Hugging Face model directories for the tests, made by transformers' own ``save_pretrained``
+from configs of GPT-2 (tied embeddings), Llama (untied), OPT and Gemma: random weights, norm parameters
+far from (1, 0) so that exactness is not a coincidence of identity norms, sharded into about four files
+with an index, and a tokenizer file beside them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+
+def randomize_norms(model: torch.nn.Module) -> None:
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "ln" in name or "norm" in name:
+                offset = (
+                    1.0 if name.endswith("weight") and "gemma" not in type(model).__name__.lower() else 0.0
+                )
+                param.copy_(offset + 0.5 * torch.randn(param.shape, generator=generator))
+
+
+def configs() -> dict[str, tuple[type, object]]:
+    small = {"vocab_size": 300, "use_cache": False}
+    return {
+        "gpt2": (
+            transformers.GPT2LMHeadModel,
+            transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, bos_token_id=0, eos_token_id=0, **small),
+        ),
+        "llama": (
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=False,
+                **small,
+            ),
+        ),
+        "opt": (
+            transformers.OPTForCausalLM,
+            transformers.OPTConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                ffn_dim=128,
+                num_attention_heads=4,
+                word_embed_proj_dim=64,
+                **small,
+            ),
+        ),
+        "gemma": (
+            transformers.GemmaForCausalLM,
+            transformers.GemmaConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                **small,
+            ),
+        ),
+    }
+
+
+def make_directory(root: Path, name: str, dtype: torch.dtype = torch.float32) -> Path:
+    cls, config = configs()[name]
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    randomize_norms(model)
+    model = model.to(dtype)
+    path = root / f"{name}-{str(dtype).split('.')[-1]}"
+    # about four shards: several files and an index, as real checkpoints come
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(path, max_shard_size=total // 4 + 1)
+    (path / "tokenizer.json").write_text('{"version": "1.0"}')
+    return path
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.double()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / a.abs().max()).item()
+
+
+def token_ids() -> torch.Tensor:
+    return torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3))

@@ -1,0 +1,207 @@
+"""Model directories rewritten as a stream (analysis on the meta device, tensors computed group by group
+in float64, untouched tensors copied as bytes) and verified block by block.
+
+The streamed result must be the in-memory route's result, tensor for tensor; it must load (stock
+``from_pretrained`` for a fold, normswap's loader for RMSNorm) and match the original; a wrong tensor
+must be caught by the block-by-block check at the block it is in, and then nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+transformers = pytest.importorskip("transformers")
+
+from hf_dirs import logits, make_directory, rel, token_ids  # noqa: E402
+
+from normswap import ConvertConfig, convert, save  # noqa: E402
+from normswap.api.checkpoint import convert_checkpoint  # noqa: E402
+from normswap.errors import BadInputError, CheckFailedError  # noqa: E402
+from normswap.load import load_model  # noqa: E402
+from normswap.load.checkpoint_dir import read_checkpoint_directory  # noqa: E402
+from normswap.load.safetensors_io import read_header  # noqa: E402
+from normswap.validate.blockwise import centered, identity, verify_blockwise  # noqa: E402
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("stream")
+    made = {name: make_directory(root, name) for name in ("gpt2", "llama", "opt", "gemma")}
+    made["llama-bf16"] = make_directory(root, "llama", torch.bfloat16)
+    return made
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    found: dict[str, torch.Tensor] = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        found.update(load_file(shard))
+    return found
+
+
+def _bytes(path: Path) -> dict[str, bytes]:
+    """Each tensor's raw bytes, as stored."""
+    found = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        entries, _ = read_header(shard)
+        data = shard.read_bytes()
+        found.update({name: data[e.start : e.end] for name, e in entries.items()})
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("gpt2", {"fold_norm_affine": True}),
+        ("llama", {"fold_norm_affine": True}),
+        ("llama-bf16", {"fold_norm_affine": True}),
+        ("opt", {"fold_norm_affine": True}),
+        ("gemma", {"fold_norm_affine": True}),
+        ("gpt2", {"to": "rmsnorm", "exact": True}),
+        ("opt", {"to": "rmsnorm", "exact": True}),
+    ],
+)
+def test_the_stream_writes_what_the_in_memory_route_writes(dirs, tmp_path, name, options):
+    source = dirs[name]
+    streamed = convert_checkpoint(source, tmp_path / "streamed", **options)
+    loaded = load_model(str(source))
+    result = convert(loaded.model, ConvertConfig(**options), loaded.example_args, loaded.example_kwargs)
+    save(result, tmp_path / "memory", source=loaded.checkpoint)
+    ours, theirs = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [
+        k for k in ours if not torch.equal(ours[k], theirs[k])
+    ]
+    assert len(streamed.report.changes) == len(result.report.passes[0].changes) >= 4
+    # untouched tensors are the input's bytes; every edited one was planned
+    before, after = _bytes(source), _bytes(tmp_path / "streamed")
+    untouched = [k for k in before if before[k] == after.get(k)]
+    assert streamed.copied_tensors + streamed.edited_tensors == len(after)
+    # an edit may leave a tensor's bytes as they were (a zero bias centered), a copy never changes them
+    assert len(untouched) >= streamed.copied_tensors > 0
+    # the index lists every tensor in the shard that holds it, and the config says what changed
+    index = json.loads((tmp_path / "streamed" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(after) and len(streamed.shards) == len(
+        set(index["weight_map"].values())
+    )
+    config = json.loads((tmp_path / "streamed" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is (
+        False if name == "gpt2" and "to" in options else config["tie_word_embeddings"]
+    )
+    # verified on two input shapes, every block and the head within the exact tolerance
+    blocks = 2
+    assert [len(v.stages) for v in streamed.verification] == [blocks + 2, blocks + 2]
+    assert all(v.ok for v in streamed.verification)
+    # and what a user loads from it computes the original's function
+    back = (
+        transformers.AutoModelForCausalLM.from_pretrained
+        if "to" not in options
+        else lambda p: load_model(str(p)).model
+    )(tmp_path / "streamed")
+    ids = token_ids()
+    tolerance = 1.6e-2 if name.endswith("bf16") else 1e-5
+    assert rel(logits(loaded.model, ids), logits(back, ids)) <= tolerance
+
+
+def test_a_wrong_tensor_is_caught_at_its_block_and_nothing_is_written(dirs, tmp_path, monkeypatch):
+    import normswap.api.checkpoint as streaming
+
+    real = streaming._stream
+
+    def damaged(checkpoint, headers, plan, temp):
+        # one reader of block 1's attention gets a wrong value, as a bug in the fold math would give
+        for edit in plan.edits:
+            if edit.label == "fold model.layers.1.input_layernorm":
+                compute = edit.compute
+
+                def wrong(tensors, compute=compute):
+                    out = compute(tensors)
+                    out["model.layers.1.self_attn.q_proj.weight"] = (
+                        out["model.layers.1.self_attn.q_proj.weight"] * 1.01
+                    )
+                    return out
+
+                edit.compute = wrong
+        return real(checkpoint, headers, plan, temp)
+
+    monkeypatch.setattr(streaming, "_stream", damaged)
+    out = tmp_path / "out"
+    with pytest.raises(CheckFailedError, match=r"verification: block 1 of the written model is outside"):
+        convert_checkpoint(dirs["llama"], out, fold_norm_affine=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_blockwise_verification_names_the_first_divergent_block(dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dirs["gpt2"], copy)
+    index = json.loads((copy / "model.safetensors.index.json").read_text())
+    name = "transformer.h.1.mlp.c_proj.weight"
+    shard = copy / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name] * 1.001
+    save_file(tensors, shard, metadata={"format": "pt"})
+    original, damaged = read_checkpoint_directory(dirs["gpt2"]), read_checkpoint_directory(copy)
+    inputs = {"input_ids": token_ids()}
+    same = verify_blockwise(original, original, (), inputs)
+    assert same.ok and same.worst_rel == 0.0 and len(same.stages) == 4
+    report = verify_blockwise(original, damaged, (), inputs)
+    assert not report.ok and report.first_divergent == "block 1"
+    # the next block and the head start again from the original's activation: the error does not carry over
+    assert [c.within_tolerance for _, c in report.stages] == [True, True, False, True]
+    # a recentered model is compared through the centering; without it, the embeddings already differ
+    rms = tmp_path / "rms"
+    convert_checkpoint(dirs["gpt2"], rms, to="rmsnorm", exact=True)
+    assert verify_blockwise(original, read_checkpoint_directory(rms), (), inputs, centered).ok
+    assert (
+        verify_blockwise(original, read_checkpoint_directory(rms), (), inputs, identity).first_divergent
+        == "embeddings"
+    )
+
+
+def test_the_cli_streams_dir_to_dir_and_runs_the_rest_in_memory(dirs, tmp_path):
+    streamed = runner.invoke(
+        app, ["convert", str(dirs["llama"]), "--fold-norm-affine", "-o", str(tmp_path / "a")]
+    )
+    assert streamed.exit_code == 0, streamed.output
+    assert "fold_norm_affine (exact, streamed): 5 changed" in streamed.output
+    assert streamed.output.count("verified block by block (model.layers (2 blocks))") == 2
+    fused = runner.invoke(app, ["convert", str(dirs["llama"]), "--to", "fused", "-o", str(tmp_path / "b")])
+    assert fused.exit_code == 0, fused.output
+    assert "does not stream" in fused.output and "converting in memory" in fused.output
+    assert json.loads((tmp_path / "b" / "normswap.json").read_text())["modules"]
+
+
+def test_a_model_that_neither_streams_nor_fits_is_refused(dirs, tmp_path, monkeypatch):
+    import normswap.api.checkpoint as streaming
+
+    monkeypatch.setattr(streaming, "_available_memory", lambda: 1000)
+    result = runner.invoke(app, ["convert", str(dirs["llama"]), "--to", "fused", "-o", str(tmp_path / "b")])
+    assert result.exit_code == 2
+    assert "converting in memory needs about" in result.output and not (tmp_path / "b").exists()
+
+
+def test_exact_rmsnorm_on_a_post_ln_model_fails_and_writes_nothing(tmp_path):
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=300
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config).eval().save_pretrained(tmp_path / "bert")
+    with pytest.raises(CheckFailedError, match="cannot be rewritten exactly"):
+        convert_checkpoint(tmp_path / "bert", tmp_path / "out", to="rmsnorm", exact=True)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(BadInputError, match="a stream runs one rewrite"):
+        convert_checkpoint(
+            tmp_path / "bert", tmp_path / "out", to="rmsnorm", exact=True, fold_norm_affine=True
+        )

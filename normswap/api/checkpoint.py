@@ -254,18 +254,17 @@ def convert_checkpoint(
         _write_config(checkpoint, temp, plan)
         written = read_checkpoint_directory(temp)
         relate = centered if to is not None else identity
-        verification = []
-        for batch, length in VERIFY_SHAPES:
-            args_, kwargs_ = example_inputs(
-                model, checkpoint.config, batch=batch, length=length, device="cpu"
-            )
-            report = verify_blockwise(checkpoint, written, args_, kwargs_, relate, on_block=say)
+        inputs = [
+            example_inputs(model, checkpoint.config, batch=batch, length=length, device="cpu")
+            for batch, length in VERIFY_SHAPES
+        ]
+        verification = verify_blockwise(checkpoint, written, inputs, relate, on_block=say)
+        for report, (batch, length) in zip(verification, VERIFY_SHAPES, strict=True):
             if not report.ok:
                 raise CheckFailedError(
                     f"verification: {report.first_divergent} of the written model is outside the exact "
                     f"tolerance on inputs {batch}x{length} (max {report.worst_rel:.3g} x max|ref|); nothing written"
                 )
-            verification.append(report)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
         if output.exists() or output.is_symlink():
             raise BadInputError(

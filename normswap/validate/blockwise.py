@@ -252,37 +252,46 @@ def _head(shell: _Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tens
 def verify_blockwise(
     original: CheckpointDirectory,
     converted: CheckpointDirectory,
-    example_args: tuple,
-    example_kwargs: dict[str, Any],
+    inputs: list[tuple[tuple, dict[str, Any]]],
     relate: Relate = identity,
     on_block: Callable[[str], None] | None = None,
-) -> BlockwiseReport:
-    """Compare ``converted`` with ``original`` stage by stage on the example inputs (see the module doc)."""
+) -> list[BlockwiseReport]:
+    """Compare ``converted`` with ``original`` stage by stage on each of ``inputs`` (``(args, kwargs)``
+    pairs), one report per input (see the module doc). Each block is read from the files once for all
+    inputs."""
     say = on_block or (lambda _: None)
     meta = build_on_meta(original)
     blocks, count = find_blocks(meta)
     del meta
-    report = BlockwiseReport(blocks_path=f"{blocks} ({count} blocks)")
     ours, theirs = _Shell(original, blocks), _Shell(converted, blocks)
     ours.take_block(0)
     theirs.take_block(0)
-    o_args, o_kwargs = _block_inputs(ours, example_args, example_kwargs)
-    c_args, c_kwargs = _block_inputs(theirs, example_args, example_kwargs)
-    hidden = _hidden(o_args, o_kwargs)
-    report.stages.append(
-        ("embeddings", compare_tensors("embeddings", relate(hidden), _hidden(c_args, c_kwargs)))
-    )
+    reports, states = [], []
+    for args, kwargs in inputs:
+        report = BlockwiseReport(blocks_path=f"{blocks} ({count} blocks)")
+        o_args, o_kwargs = _block_inputs(ours, args, kwargs)
+        c_args, c_kwargs = _block_inputs(theirs, args, kwargs)
+        hidden = _hidden(o_args, o_kwargs)
+        report.stages.append(
+            ("embeddings", compare_tensors("embeddings", relate(hidden), _hidden(c_args, c_kwargs)))
+        )
+        reports.append(report)
+        states.append([o_args, o_kwargs, c_args, c_kwargs, hidden])
     for index in range(count):
-        say(f"block {index + 1}/{count}")
+        say(f"verifying block {index + 1}/{count}")
         block, block_c = ours.take_block(index), theirs.take_block(index)
-        with torch.no_grad():
-            in_args, in_kwargs = _with_hidden(o_args, o_kwargs, hidden)
-            out = _first(block(*in_args, **in_kwargs))
-            c_in_args, c_in_kwargs = _with_hidden(c_args, c_kwargs, relate(hidden))
-            out_c = _first(block_c(*c_in_args, **c_in_kwargs))
-        report.stages.append((f"block {index}", compare_tensors(f"block {index}", relate(out), out_c)))
-        hidden = out
-    logits = _head(ours, example_args, example_kwargs, hidden)
-    logits_c = _head(theirs, example_args, example_kwargs, relate(hidden))
-    report.stages.append(("head", compare_tensors("head", logits, logits_c)))
-    return report
+        for report, state in zip(reports, states, strict=True):
+            o_args, o_kwargs, c_args, c_kwargs, hidden = state
+            with torch.no_grad():
+                in_args, in_kwargs = _with_hidden(o_args, o_kwargs, hidden)
+                out = _first(block(*in_args, **in_kwargs))
+                c_in_args, c_in_kwargs = _with_hidden(c_args, c_kwargs, relate(hidden))
+                out_c = _first(block_c(*c_in_args, **c_in_kwargs))
+            report.stages.append((f"block {index}", compare_tensors(f"block {index}", relate(out), out_c)))
+            state[4] = out
+    for report, state, (args, kwargs) in zip(reports, states, inputs, strict=True):
+        hidden = state[4]
+        logits = _head(ours, args, kwargs, hidden)
+        logits_c = _head(theirs, args, kwargs, relate(hidden))
+        report.stages.append(("head", compare_tensors("head", logits, logits_c)))
+    return reports

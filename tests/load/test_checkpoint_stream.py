@@ -154,20 +154,18 @@ def test_blockwise_verification_names_the_first_divergent_block(dirs, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     original, damaged = read_checkpoint_directory(dirs["gpt2"]), read_checkpoint_directory(copy)
     inputs = {"input_ids": token_ids()}
-    same = verify_blockwise(original, original, (), inputs)
+    [same] = verify_blockwise(original, original, [((), inputs)])
     assert same.ok and same.worst_rel == 0.0 and len(same.stages) == 4
-    report = verify_blockwise(original, damaged, (), inputs)
+    [report] = verify_blockwise(original, damaged, [((), inputs)])
     assert not report.ok and report.first_divergent == "block 1"
     # the next block and the head start again from the original's activation: the error does not carry over
     assert [c.within_tolerance for _, c in report.stages] == [True, True, False, True]
     # a recentered model is compared through the centering; without it, the embeddings already differ
     rms = tmp_path / "rms"
     convert_checkpoint(dirs["gpt2"], rms, to="rmsnorm", exact=True)
-    assert verify_blockwise(original, read_checkpoint_directory(rms), (), inputs, centered).ok
-    assert (
-        verify_blockwise(original, read_checkpoint_directory(rms), (), inputs, identity).first_divergent
-        == "embeddings"
-    )
+    [related] = verify_blockwise(original, read_checkpoint_directory(rms), [((), inputs)], centered)
+    [unrelated] = verify_blockwise(original, read_checkpoint_directory(rms), [((), inputs)], identity)
+    assert related.ok and unrelated.first_divergent == "embeddings"
 
 
 def test_the_cli_streams_dir_to_dir_and_runs_the_rest_in_memory(dirs, tmp_path):

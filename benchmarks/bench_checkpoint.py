@@ -1,0 +1,242 @@
+"""Checkpoints larger than memory: time and peak memory of streamed exact rewrites of model directories.
+
+    python benchmarks/bench_checkpoint.py [--layers 8,16,32] [--models llama,opt] [--root DIR]
+                                          [--out benchmarks/results]
+
+For each model shape and layer count, in one run:
+
+1. a synthetic Hugging Face directory is written tensor by tensor (config.json; bf16 safetensors shards
+   of at most 2 GB with their index; random weights, norm weights and biases far from (1, 0)), so that
+   writing it never holds the model either;
+2. a plain copy of its shard files (``cp``) is timed: the floor for any rewrite that reads and writes
+   every byte;
+3. ``normswap convert DIR --fold-norm-affine -o OUT`` (Llama shape: hidden 4096, intermediate 11008,
+   32 heads) or ``normswap convert DIR --to rmsnorm --exact -o OUT`` (OPT shape: hidden 4096, ffn 16384,
+   a pre-LN LayerNorm model) runs in its own process: wall time and peak RSS (``wait4``), the pass's
+   report, the largest edit group and the block-by-block verification, which is part of the command;
+4. on the smallest size, where two full models fit in memory, the output is loaded as a user would
+   (``from_pretrained`` for the fold, ``normswap.load_model`` for RMSNorm) and its logits compared with
+   the original's;
+5. the directory and its output are deleted before the next size.
+
+Results: ``benchmarks/results/checkpoint_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_convert import _normswap, _run_rss
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHARD_BYTES = 2 * 1000**3
+
+
+def config_for(model: str, layers: int, small: bool = False) -> Any:
+    """The benchmark's shapes, or a few-MB version of them (``small``: a smoke run of the script)."""
+    import transformers
+
+    hidden, heads = (256, 4) if small else (4096, 32)
+    if model == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=hidden,
+            intermediate_size=688 if small else 11008,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            num_hidden_layers=layers,
+            vocab_size=1000 if small else 32000,
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["LlamaForCausalLM"]
+    else:
+        config = transformers.OPTConfig(
+            hidden_size=hidden,
+            ffn_dim=4 * hidden,
+            num_attention_heads=heads,
+            num_hidden_layers=layers,
+            vocab_size=1000 if small else 50272,
+            word_embed_proj_dim=hidden,
+        )
+        config.architectures = ["OPTForCausalLM"]
+    config.dtype = "bfloat16"
+    return config
+
+
+def write_synthetic(config: Any, path: Path, seed: int = 0) -> int:
+    """A model directory for ``config`` with random bf16 weights, written one tensor at a time; its bytes."""
+    import transformers
+
+    from normswap.load.checkpoint_dir import INDEX_FILE
+    from normswap.load.safetensors_io import NAMES, ShardWriter
+
+    with torch.device("meta"):
+        model = getattr(transformers, config.architectures[0])._from_config(config, dtype=torch.bfloat16)
+    seen: set[int] = set()
+    tensors = []  # (name, shape) of what save_pretrained would store: tied tensors once
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        tensors.append((name, tuple(tensor.shape)))
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensors:
+        nbytes = 2 * int(torch.tensor(shape).prod()) if shape else 2
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    path.mkdir(parents=True)
+    config.save_pretrained(path)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for i, members in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        writer = ShardWriter(
+            path / file, [(n, NAMES[torch.bfloat16], s) for n, s in members], {"format": "pt"}
+        )
+        for name, shape in members:
+            if "norm" in name:
+                value = (1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn(
+                    shape, generator=generator
+                )
+            else:
+                value = 0.02 * torch.randn(shape, generator=generator)
+            writer.write(name, value.to(torch.bfloat16))
+            weight_map[name] = file
+            total += value.numel() * 2
+        writer.close()
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def _copy_seconds(source: Path, target: Path) -> float:
+    start = time.perf_counter()
+    target.mkdir()
+    for shard in sorted(source.glob("*.safetensors")):
+        shutil.copyfile(shard, target / shard.name)
+    os.sync()
+    return time.perf_counter() - start
+
+
+def _logits_match(model: str, source: Path, output: Path) -> dict[str, Any]:
+    """The output loaded as a user loads it, against the original, on 2 x 16 token ids (bf16 forward)."""
+    import transformers
+
+    from normswap.load import load_model
+    from normswap.util.tolerance import exact_tolerance
+
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        original = transformers.AutoModelForCausalLM.from_pretrained(source)
+        want = original(input_ids=ids).logits.double()
+        del original
+        if model == "llama":
+            converted = transformers.AutoModelForCausalLM.from_pretrained(output)
+        else:
+            converted = load_model(str(output)).model
+        got = converted(input_ids=ids).logits.double()
+    rel = float((want - got).abs().max() / want.abs().max())
+    return {
+        "max_rel": rel,
+        "tolerance": exact_tolerance(torch.bfloat16),
+        "loader": type(converted).__module__,
+    }
+
+
+def bench(model: str, layers: int, root: Path, check_logits: bool, small: bool = False) -> dict[str, Any]:
+    config = config_for(model, layers, small)
+    source, output, copy = (
+        root / f"{model}-{layers}",
+        root / f"{model}-{layers}-out",
+        root / f"{model}-{layers}-copy",
+    )
+    start = time.perf_counter()
+    total = write_synthetic(config, source)
+    row: dict[str, Any] = {
+        "model": model,
+        "layers": layers,
+        "bytes": total,
+        "write_s": time.perf_counter() - start,
+    }
+    row["copy_s"] = _copy_seconds(source, copy)
+    shutil.rmtree(copy)
+    rewrite = ["--fold-norm-affine"] if model == "llama" else ["--to", "rmsnorm", "--exact"]
+    report = root / "report.json"
+    os.sync()
+    seconds, peak = _run_rss(
+        _normswap("convert", str(source), *rewrite, "-o", str(output), "--report", str(report))
+    )
+    data = json.loads(report.read_text())
+    row.update(
+        rewrite=" ".join(rewrite),
+        convert_s=seconds,
+        peak_rss=peak,
+        time_over_copy=seconds / row["copy_s"],
+        changed=len(data["report"]["changes"]),
+        skipped=len(data["report"]["skips"]),
+        largest_group_bytes=data["largest_group_bytes"],
+        edited_tensors=data["edited_tensors"],
+        copied_tensors=data["copied_tensors"],
+        verification=[
+            {"ok": v["ok"], "stages": len(v["stages"]), "worst_rel": max(s["max_rel"] for s in v["stages"])}
+            for v in data["verification"]
+        ],
+    )
+    print(
+        f"{model} {layers} layers, {total / 1e9:.2f} GB: convert {seconds:.0f} s ({row['time_over_copy']:.2f}x "
+        f"a copy of {row['copy_s']:.0f} s), peak RSS {peak / 1e9:.2f} GB, {row['changed']} changed, "
+        f"verified {[v['ok'] for v in row['verification']]}",
+        flush=True,
+    )
+    if check_logits:
+        row["logits"] = _logits_match(model, source, output)
+        print(f"  loaded back: logits max rel {row['logits']['max_rel']:.3g}", flush=True)
+    shutil.rmtree(source)
+    shutil.rmtree(output)
+    report.unlink()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", default="8,16,32")
+    parser.add_argument("--models", default="llama,opt")
+    parser.add_argument("--root", type=Path, default=None, help="where the checkpoints go [a temp folder]")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--small", action="store_true", help="hidden 256: a smoke run in seconds")
+    options = parser.parse_args()
+    layers = [int(n) for n in options.layers.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="normswap-bench-", dir=options.root))
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "runs": [],
+    }
+    out = options.out / ("checkpoint_cpu_small.json" if options.small else "checkpoint_cpu.json")
+    try:
+        for model in options.models.split(","):
+            for count in layers:
+                check = count == min(layers)
+                results["runs"].append(bench(model, count, root, check_logits=check, small=options.small))
+                out.write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -324,7 +324,7 @@ def test_empty_file(tmp_path: Path) -> None:
 
 
 def test_directory(tmp_path: Path) -> None:
-    with pytest.raises(BadInputError, match="model file is a directory, not a file"):
+    with pytest.raises(BadInputError, match=r"is a directory without a config\.json"):
         load_model(str(tmp_path))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from normswap_cli import render
@@ -25,9 +25,12 @@ def inspect(
     from normswap.load import resolve_inputs
 
     check_paths({"MODEL": model, "--weights": weights, "--inputs": inputs}, {"--json": json_out})
-    loaded = load(model, weights, trust_pickle)
+    # a model directory is built on the meta device: its norms are found without reading a weight
+    loaded = load(model, weights, trust_pickle, structure_only=True)
     resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     args, kwargs = resolved if resolved is not None else (None, None)
+    if loaded.format == "directory" and resolved is not None:
+        args, kwargs = _on_meta(args), _on_meta(kwargs)
     if inputs is not None or input_shape:
         check_inputs_fit(loaded.model, args, kwargs)
     with render.status("capturing a graph of the model", quiet=json_out is not None):
@@ -45,3 +48,16 @@ def inspect(
                 "sites": [s.to_dict() for s in inventory],
             },
         )
+
+
+def _on_meta(value: Any) -> Any:
+    """Inputs for a model built on the meta device: every tensor as a meta tensor of its shape and dtype."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, dict):
+        return {k: _on_meta(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_meta(v) for v in value)
+    return value

@@ -39,12 +39,15 @@ def write_json(path: Path, data: Any) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
 
 
-def load(model: str, weights: Path | None, trust_pickle: bool) -> Any:
-    """Load MODEL (see MODEL_HELP) in inference mode: BatchNorm uses its running statistics."""
+def load(model: str, weights: Path | None, trust_pickle: bool, structure_only: bool = False) -> Any:
+    """Load MODEL (see MODEL_HELP) in inference mode: BatchNorm uses its running statistics.
+    ``structure_only``: a model directory is built on the meta device, no weight read (for ``inspect``)."""
     from normswap.load import load_model
+    from normswap.load.model_file import load_model_structure
     from normswap.util.modes import set_inference_mode
 
-    loaded = load_model(model, weights=weights, trust_pickle=trust_pickle)
+    loader = load_model_structure if structure_only else load_model
+    loaded = loader(model, weights=weights, trust_pickle=trust_pickle)
     set_inference_mode(loaded.model)
     return loaded
 

@@ -59,11 +59,15 @@ def test_a_sharded_directory_loads_with_its_weights_in_the_stored_dtype(dirs):
 
 def test_inspect_builds_the_model_on_meta_and_reads_no_weight(dirs, monkeypatch, tmp_path):
     import normswap.load.checkpoint_dir as checkpoint_dir
+    import normswap.load.model_file as model_file
+    import safetensors
 
     def no_weights(*args, **kwargs):
         raise AssertionError("inspect read the weights")
 
-    monkeypatch.setattr(checkpoint_dir, "load_checkpoint_directory", no_weights)
+    for module in (checkpoint_dir, model_file):
+        monkeypatch.setattr(module, "load_checkpoint_directory", no_weights)
+    monkeypatch.setattr(safetensors.safe_open, "get_tensor", no_weights, raising=False)
     structure = load_model_structure(str(dirs["llama"]))
     assert all(p.is_meta for p in structure.model.parameters())
     out = tmp_path / "sites.json"

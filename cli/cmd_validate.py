@@ -55,6 +55,21 @@ def validate(
     inputs: InputsOpt = None,
     input_shape: InputShapeOpt = None,
     report: ReportOpt = None,
+    blockwise: Annotated[
+        bool,
+        flag(
+            "--blockwise",
+            help="Two model directories: compare them block by block, holding neither model (exact tolerance).",
+        ),
+    ] = False,
+    centered: Annotated[
+        bool,
+        flag(
+            "--centered",
+            help="With --blockwise: CONVERTED carries the residual stream centered (a --to rmsnorm --exact "
+            "result): compare through the centering.",
+        ),
+    ] = False,
 ) -> None:
     """Compare CONVERTED with ORIGINAL on the same inputs: per output, per layer, per norm site."""
     from normswap.errors import BadInputError, CheckFailedError
@@ -71,6 +86,11 @@ def validate(
         },
         {"--plot": plot, "--report": report},
     )
+    if blockwise:
+        _validate_blockwise(original, converted, centered, report)
+        return
+    if centered:
+        raise BadInputError("--centered applies to --blockwise")
     if exact and min_sqnr is not None:
         raise BadInputError("--exact and --min-sqnr are two different checks: give one")
     if plot is not None and plot.suffix.lower() != ".png":
@@ -130,3 +150,44 @@ def _norm_paths(model: Any, pair: tuple) -> list[str]:
 
     inventory = find_norms(model, *pair)
     return [site.path for site in inventory if site.is_module]
+
+
+def _validate_blockwise(original: str, converted: str, centered: bool, report: Path | None) -> None:
+    """Two model directories compared block by block (normswap.validate.blockwise) on the inputs a
+    streamed conversion is verified on; exit 1 when a stage is outside the exact tolerance."""
+    from normswap.api.checkpoint import VERIFY_SHAPES
+    from normswap.errors import BadInputError, CheckFailedError
+    from normswap.load.checkpoint_dir import build_on_meta, example_inputs, read_checkpoint_directory
+    from normswap.validate import blockwise
+
+    paths = {"ORIGINAL": original, "CONVERTED": converted}
+    checkpoints = {}
+    for label, path in paths.items():
+        if not Path(path).is_dir():
+            raise BadInputError(f"--blockwise compares two model directories; {label} {path} is not one")
+        checkpoints[label] = read_checkpoint_directory(path)
+    meta = build_on_meta(checkpoints["ORIGINAL"])
+    inputs = [
+        example_inputs(meta, checkpoints["ORIGINAL"].config, batch=b, length=n, device="cpu")
+        for b, n in VERIFY_SHAPES
+    ]
+    relate = blockwise.centered if centered else blockwise.identity
+    with render.status("comparing block by block", quiet=report is not None) as say:
+        results = blockwise.verify_blockwise(
+            checkpoints["ORIGINAL"], checkpoints["CONVERTED"], inputs, relate, on_block=say
+        )
+    for (batch, length), result in zip(VERIFY_SHAPES, results, strict=True):
+        verdict = "[green]PASS[/]" if result.ok else f"[red]FAIL[/] (first: {result.first_divergent})"
+        render.out.print(
+            f"inputs {batch}x{length}, {result.blocks_path}: {len(result.stages)} stages, worst "
+            f"{render.fmt_float(result.worst_rel)} x max|ref| {verdict}",
+            soft_wrap=True,
+        )
+    if report is not None:
+        write_json(
+            report,
+            {"original": original, "converted": converted, "blockwise": [r.to_dict() for r in results]},
+        )
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise CheckFailedError(f"{failed[0].first_divergent} is outside the exact tolerance")

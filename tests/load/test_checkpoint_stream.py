@@ -203,3 +203,19 @@ def test_exact_rmsnorm_on_a_post_ln_model_fails_and_writes_nothing(tmp_path):
         convert_checkpoint(
             tmp_path / "bert", tmp_path / "out", to="rmsnorm", exact=True, fold_norm_affine=True
         )
+
+
+def test_validate_blockwise_compares_two_directories(dirs, tmp_path):
+    out = tmp_path / "rms"
+    convert_checkpoint(dirs["opt"], out, to="rmsnorm", exact=True)
+    report = tmp_path / "report.json"
+    argv = ["validate", str(dirs["opt"]), str(out), "--blockwise"]
+    through = runner.invoke(app, [*argv, "--centered", "--report", str(report)])
+    assert through.exit_code == 0, through.output
+    stages = json.loads(report.read_text())["blockwise"]
+    assert [len(s["stages"]) for s in stages] == [4, 4] and all(s["ok"] for s in stages)
+    # compared as it is, the recentered stream differs from the original's from the embeddings on
+    raw = runner.invoke(app, argv)
+    assert raw.exit_code == 1 and "first: embeddings" in raw.output
+    not_dirs = runner.invoke(app, ["validate", str(dirs["opt"]), "x.pt2", "--blockwise"])
+    assert not_dirs.exit_code == 2 and "compares two model directories" in not_dirs.output

@@ -1,5 +1,6 @@
 """Small Hugging Face model directories for the tests, made by transformers' own ``save_pretrained``
-from configs of GPT-2 (tied embeddings), Llama (untied), OPT and Gemma: random weights, norm parameters
+from configs of GPT-2 (tied embeddings), Llama (untied), OPT, Phi (one LayerNorm per parallel block) and
+Gemma: random weights, norm parameters
 far from (1, 0) so that exactness is not a coincidence of identity norms, sharded into about four files
 with an index, and a tokenizer file beside them."""
 
@@ -50,6 +51,12 @@ def configs() -> dict[str, tuple[type, object]]:
                 num_attention_heads=4,
                 word_embed_proj_dim=64,
                 **small,
+            ),
+        ),
+        "phi": (
+            transformers.PhiForCausalLM,
+            transformers.PhiConfig(
+                num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, **small
             ),
         ),
         "gemma": (

@@ -58,9 +58,10 @@ def test_a_sharded_directory_loads_with_its_weights_in_the_stored_dtype(dirs):
 
 
 def test_inspect_builds_the_model_on_meta_and_reads_no_weight(dirs, monkeypatch, tmp_path):
+    import safetensors
+
     import normswap.load.checkpoint_dir as checkpoint_dir
     import normswap.load.model_file as model_file
-    import safetensors
 
     def no_weights(*args, **kwargs):
         raise AssertionError("inspect read the weights")
@@ -161,7 +162,7 @@ def test_pickled_weights_and_a_corrupt_shard_are_refused(dirs, tmp_path):
 # --- writing ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "gemma"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "phi", "gemma"])
 def test_fold_norm_affine_writes_a_directory_the_stock_loader_reads(dirs, tmp_path, name):
     source = dirs[name]
     (source / "original").mkdir(exist_ok=True)  # a folder of other-format weights: not carried over
@@ -169,7 +170,7 @@ def test_fold_norm_affine_writes_a_directory_the_stock_loader_reads(dirs, tmp_pa
     result = convert(
         loaded.model, ConvertConfig(fold_norm_affine=True), loaded.example_args, loaded.example_kwargs
     )
-    assert result.ok and len(result.report.passes[0].changes) >= 4
+    assert result.ok and len(result.report.passes[0].changes) >= 3
     out = tmp_path / "folded"
     saved = save(result, out, source=loaded.checkpoint)
     written = saved.directory
@@ -193,7 +194,7 @@ def test_fold_norm_affine_writes_a_directory_the_stock_loader_reads(dirs, tmp_pa
         owner, _, leaf = key.rpartition(".")
         if owner in folded:
             assert torch.all(value == (neutral if leaf == "weight" else 0.0)), key
-    assert len(folded) >= 4 and all(f"{site}.weight" in original for site in folded)
+    assert len(folded) >= 3 and all(f"{site}.weight" in original for site in folded)
 
 
 def test_rmsnorm_exact_records_the_new_modules_and_normswap_loads_them(dirs, tmp_path):

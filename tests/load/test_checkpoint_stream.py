@@ -35,7 +35,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("stream")
-    made = {name: make_directory(root, name) for name in ("gpt2", "llama", "opt", "gemma")}
+    made = {name: make_directory(root, name) for name in ("gpt2", "llama", "opt", "phi", "gemma")}
     made["llama-bf16"] = make_directory(root, "llama", torch.bfloat16)
     return made
 
@@ -69,6 +69,8 @@ def _bytes(path: Path) -> dict[str, bytes]:
         ("gemma", {"fold_norm_affine": True}),
         ("gpt2", {"to": "rmsnorm", "exact": True}),
         ("opt", {"to": "rmsnorm", "exact": True}),
+        ("phi", {"fold_norm_affine": True}),
+        ("phi", {"to": "rmsnorm", "exact": True}),
     ],
 )
 def test_the_stream_writes_what_the_in_memory_route_writes(dirs, tmp_path, name, options):
@@ -82,7 +84,7 @@ def test_the_stream_writes_what_the_in_memory_route_writes(dirs, tmp_path, name,
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), [
         k for k in ours if not torch.equal(ours[k], theirs[k])
     ]
-    assert len(streamed.report.changes) == len(result.report.passes[0].changes) >= 4
+    assert len(streamed.report.changes) == len(result.report.passes[0].changes) >= 3
     # untouched tensors are the input's bytes; every edited one was planned
     before, after = _bytes(source), _bytes(tmp_path / "streamed")
     untouched = [k for k in before if before[k] == after.get(k)]

@@ -216,7 +216,7 @@ def convert_checkpoint(
     ``fold_norm_affine=True``, or ``to="rmsnorm", exact=True``. Nothing is written when a LayerNorm that
     ``to`` asked for cannot be made RMSNorm exactly (:class:`CheckFailedError`, the report says why) or
     when the verification finds a block outside the exact tolerance. Memory: the largest edit group
-    plus the meta model and its graph; the verification holds the embeddings, the head and two blocks."""
+    plus the meta model and its graph; the verification holds one model's embeddings, head and block."""
     say = on_step or (lambda _: None)
     from normswap.passes.tensor_edits import streamable
 

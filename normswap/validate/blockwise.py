@@ -2,8 +2,9 @@
 
 Each model is run in a *shell*: the model its config builds with one block (embeddings, final norm, head
 and the buffers computed at construction, such as rotary frequencies, all real), whose one block takes
-the weights of block ``i`` in turn. So memory is the embeddings and head, two blocks and the
-activations, whatever the number of blocks.
+the weights of block ``i`` in turn. The original runs through all its blocks first, keeping their inputs
+and outputs; then the converted model's shell replaces it. So memory is one model's embeddings, head and
+block, and the activations, whatever the number of blocks.
 
 The check, with ``relate`` the map from an original activation to the converted model's (the identity
 for folds; centering over the hidden dim for a recentered residual stream):
@@ -249,6 +250,29 @@ def _head(shell: _Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tens
     return logits
 
 
+def _run_original(
+    shell: _Shell, count: int, inputs: list[tuple[tuple, dict[str, Any]]], say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Every block's input and output, and the model's output, of the original on each input."""
+    shell.take_block(0)
+    runs = []
+    for args, kwargs in inputs:
+        block_args, block_kwargs = _block_inputs(shell, args, kwargs)
+        runs.append(
+            {"args": block_args, "kwargs": block_kwargs, "hidden": [_hidden(block_args, block_kwargs)]}
+        )
+    for index in range(count):
+        say(f"verifying: original block {index + 1}/{count}")
+        block = shell.take_block(index)
+        for run in runs:
+            in_args, in_kwargs = _with_hidden(run["args"], run["kwargs"], run["hidden"][-1])
+            with torch.no_grad():
+                run["hidden"].append(_first(block(*in_args, **in_kwargs)))
+    for run, (args, kwargs) in zip(runs, inputs, strict=True):
+        run["output"] = _head(shell, args, kwargs, run["hidden"][-1])
+    return runs
+
+
 def verify_blockwise(
     original: CheckpointDirectory,
     converted: CheckpointDirectory,
@@ -257,41 +281,37 @@ def verify_blockwise(
     on_block: Callable[[str], None] | None = None,
 ) -> list[BlockwiseReport]:
     """Compare ``converted`` with ``original`` stage by stage on each of ``inputs`` (``(args, kwargs)``
-    pairs), one report per input (see the module doc). Each block is read from the files once for all
-    inputs."""
+    pairs), one report per input (see the module doc).
+
+    The original runs first, through all its blocks, keeping each block's input and output (activations
+    are small beside weights); its shell is then dropped and the converted model runs block by block on
+    those inputs. So one model's shell is in memory at a time, and each block is read once."""
     say = on_block or (lambda _: None)
     meta = build_on_meta(original)
     blocks, count = find_blocks(meta)
     del meta
-    ours, theirs = _Shell(original, blocks), _Shell(converted, blocks)
-    ours.take_block(0)
-    theirs.take_block(0)
-    reports, states = [], []
-    for args, kwargs in inputs:
+    shell = _Shell(original, blocks)
+    runs = _run_original(shell, count, inputs, say)
+    del shell
+    shell = _Shell(converted, blocks)
+    shell.take_block(0)
+    reports = []
+    for run, (args, kwargs) in zip(runs, inputs, strict=True):
         report = BlockwiseReport(blocks_path=f"{blocks} ({count} blocks)")
-        o_args, o_kwargs = _block_inputs(ours, args, kwargs)
-        c_args, c_kwargs = _block_inputs(theirs, args, kwargs)
-        hidden = _hidden(o_args, o_kwargs)
-        report.stages.append(
-            ("embeddings", compare_tensors("embeddings", relate(hidden), _hidden(c_args, c_kwargs)))
-        )
+        run["c_args"], run["c_kwargs"] = _block_inputs(shell, args, kwargs)
+        theirs = _hidden(run["c_args"], run["c_kwargs"])
+        report.stages.append(("embeddings", compare_tensors("embeddings", relate(run["hidden"][0]), theirs)))
         reports.append(report)
-        states.append([o_args, o_kwargs, c_args, c_kwargs, hidden])
     for index in range(count):
-        say(f"verifying block {index + 1}/{count}")
-        block, block_c = ours.take_block(index), theirs.take_block(index)
-        for report, state in zip(reports, states, strict=True):
-            o_args, o_kwargs, c_args, c_kwargs, hidden = state
+        say(f"verifying: converted block {index + 1}/{count}")
+        block = shell.take_block(index)
+        for report, run in zip(reports, runs, strict=True):
+            in_args, in_kwargs = _with_hidden(run["c_args"], run["c_kwargs"], relate(run["hidden"][index]))
             with torch.no_grad():
-                in_args, in_kwargs = _with_hidden(o_args, o_kwargs, hidden)
                 out = _first(block(*in_args, **in_kwargs))
-                c_in_args, c_in_kwargs = _with_hidden(c_args, c_kwargs, relate(hidden))
-                out_c = _first(block_c(*c_in_args, **c_in_kwargs))
-            report.stages.append((f"block {index}", compare_tensors(f"block {index}", relate(out), out_c)))
-            state[4] = out
-    for report, state, (args, kwargs) in zip(reports, states, inputs, strict=True):
-        hidden = state[4]
-        logits = _head(ours, args, kwargs, hidden)
-        logits_c = _head(theirs, args, kwargs, relate(hidden))
-        report.stages.append(("head", compare_tensors("head", logits, logits_c)))
+            want = relate(run["hidden"][index + 1])
+            report.stages.append((f"block {index}", compare_tensors(f"block {index}", want, out)))
+    for report, run, (args, kwargs) in zip(reports, runs, inputs, strict=True):
+        logits = _head(shell, args, kwargs, relate(run["hidden"][-1]))
+        report.stages.append(("head", compare_tensors("head", run["output"], logits)))
     return reports

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from normswap.load.checkpoint_dir import (
 )
 from normswap.load.checkpoint_write import copy_side_files
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
+from normswap.load.save import reserve_temp_dir
 from normswap.passes.base import PassReport
 from normswap.passes.tensor_edits import EditPlan, plan_edits
 from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise
@@ -110,19 +110,6 @@ def _layout(
             rows += [(new, entry.dtype, entry.shape) for new in new_after.get(name, [])]
         layout[shard] = rows
     return layout
-
-
-def _temp_dir(path: Path) -> Path:
-    from normswap.load.save import _host
-
-    temp = path.with_name(f".{path.name}.normswap-tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        temp.mkdir()
-    except OSError as exc:
-        raise BadInputError(
-            f"cannot write to output directory {path.parent}: {exc.strerror or describe(exc)}"
-        ) from None
-    return temp
 
 
 def _stream(
@@ -246,7 +233,7 @@ def convert_checkpoint(
         )
     if not plan.edits:
         raise CheckFailedError("no norm could be rewritten; nothing written")
-    temp = _temp_dir(output)
+    temp = reserve_temp_dir(output)
     try:
         say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
         shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)

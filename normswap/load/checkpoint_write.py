@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -257,24 +256,18 @@ def write_checkpoint_directory(
     (tokenizer, README, ...) are copied. ``verify``: called with the complete temporary directory before
     it takes its name; it loads it back and compares it with ``model``, returning the max relative
     difference, or raises, and then nothing is kept."""
-    from normswap.load.save import _host
+    from normswap.load.save import reserve_temp_dir
 
     path = Path(path)
     check_directory_output(model, path)
     plan = plan_directory(model)
-    temp = path.with_name(f".{path.name}.normswap-tmp-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
     config = model.config
     tie = _tie_setting(model)
     config_changes: dict[str, Any] = {}
     saved_tie = getattr(config, "tie_word_embeddings", None)
     if tie is not None and saved_tie is not None and bool(saved_tie) != tie:
         config_changes["tie_word_embeddings"] = tie
-    try:
-        temp.mkdir()
-    except OSError as exc:
-        raise BadInputError(
-            f"cannot write to output directory {path.parent}: {exc.strerror or describe(exc)}"
-        ) from None
+    temp = reserve_temp_dir(path)
     try:
         if config_changes:
             config.tie_word_embeddings = tie

@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import socket
 import stat
 from collections.abc import Callable
@@ -65,8 +66,9 @@ def _pid_is_gone(pid: int) -> bool:
     return False
 
 
-def _remove_stale_temps(path: Path) -> None:
-    """Remove temp files that an earlier, killed run on this host left for this same destination."""
+def _remove_stale_temps(path: Path, directory: bool = False) -> None:
+    """Remove temp files (or folders, for a model directory) that an earlier, killed run on this host
+    left for this same destination."""
     if os.name != "posix":  # os.kill(pid, 0) probes a process only on POSIX
         return
     stem, host = _temp_stem(path), _host()
@@ -95,7 +97,10 @@ def _remove_stale_temps(path: Path) -> None:
             continue
         candidate = path.parent / name
         try:
-            if stat.S_ISREG(os.lstat(candidate).st_mode):
+            mode = os.lstat(candidate).st_mode
+            if directory and stat.S_ISDIR(mode):
+                shutil.rmtree(candidate)
+            elif not directory and stat.S_ISREG(mode):
                 candidate.unlink()
         except OSError:  # gone already, or a read-only directory: nothing to clean
             pass
@@ -114,6 +119,23 @@ def _reserve_temp_path(path: Path) -> Path:
         os.close(fd)
         return candidate
     raise BadInputError(f"cannot create a temporary file next to {path}")
+
+
+def reserve_temp_dir(path: Path) -> Path:
+    """A new hidden folder beside ``path`` (``.NAME.normswap-tmp-HOST-PID-TOKEN``) to build a model
+    directory in before it is renamed to ``path``; folders a killed earlier run on this host left for the
+    same destination are removed first."""
+    if not path.parent.is_dir():
+        raise BadInputError(f"output directory does not exist: {path.parent}")
+    _remove_stale_temps(path, directory=True)
+    temp = _temp_path(path, _host(), os.getpid(), secrets.token_hex(4))
+    try:
+        temp.mkdir()
+    except OSError as exc:
+        raise BadInputError(
+            f"cannot write to output directory {path.parent}: {exc.strerror or describe(exc)}"
+        ) from None
+    return temp
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:

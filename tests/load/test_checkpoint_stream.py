@@ -221,3 +221,32 @@ def test_validate_blockwise_compares_two_directories(dirs, tmp_path):
     assert raw.exit_code == 1 and "first: embeddings" in raw.output
     not_dirs = runner.invoke(app, ["validate", str(dirs["opt"]), "x.pt2", "--blockwise"])
     assert not_dirs.exit_code == 2 and "compares two model directories" in not_dirs.output
+
+
+def test_a_killed_run_leaves_no_directory_that_looks_complete(dirs, tmp_path):
+    import subprocess
+    import sys
+
+    from normswap.load.save import _host
+
+    # a run killed mid-write: its hidden folder is there, the output name is not
+    out = tmp_path / "out"
+    script = (
+        "import os, signal, normswap.api.checkpoint as c\n"
+        "real = c._write_index\n"
+        "def die(*a):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "c._write_index = die\n"
+        f"c.convert_checkpoint({str(dirs['llama'])!r}, {str(out)!r}, fold_norm_affine=True)\n"
+    )
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert killed.returncode == -9
+    left = [p.name for p in tmp_path.iterdir()]
+    assert not out.exists() and len(left) == 1 and left[0].startswith(f".out.normswap-tmp-{_host()}-")
+    # the next write of the same output removes it (its process is gone) and writes the whole directory
+    convert_checkpoint(dirs["llama"], out, fold_norm_affine=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (
+        read_checkpoint_directory(out).weight_map.keys()
+        == read_checkpoint_directory(dirs["llama"]).weight_map.keys()
+    )

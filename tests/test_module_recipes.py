@@ -45,9 +45,9 @@ def test_a_recipe_builds_a_module_computing_the_same(make):
     torch.testing.assert_close(rebuilt(x), original(x), rtol=0, atol=0)
 
 
-def test_modules_normswap_did_not_make_have_no_recipe():
+def test_modules_normswap_does_not_put_into_a_model_have_no_recipe():
     assert module_recipe(nn.LayerNorm(8)) is None  # the config builds torch's own: nothing to record
-    assert module_recipe(nn.Linear(4, 4)) is None
+    assert module_recipe(nn.GELU()) is None
 
     class Sneaky(RMSNorm):  # a subclass is not the class the recipe would build
         pass
@@ -109,3 +109,33 @@ def test_modules_normswap_did_not_make_have_no_recipe():
 def test_a_recipe_from_a_file_is_checked_before_anything_is_built(recipe, reason):
     with pytest.raises(ValueError, match=reason):
         build_from_recipe(recipe)
+
+
+@pytest.mark.parametrize(
+    ("layer", "x"),
+    [
+        (nn.Linear(6, 5, bias=False), torch.randn(2, 6)),
+        (nn.Conv1d(4, 6, 3, padding="same", padding_mode="reflect"), torch.randn(2, 4, 9)),
+        (nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=2, bias=True), torch.randn(2, 4, 9, 9)),
+        (nn.Conv3d(2, 3, (1, 3, 3), dilation=(1, 2, 2)), torch.randn(1, 2, 3, 9, 9)),
+    ],
+)
+def test_a_layer_recipe_builds_the_same_layer(layer, x):
+    recipe = module_recipe(layer)
+    rebuilt = build_from_recipe(recipe)
+    assert type(rebuilt) is type(layer) and repr(rebuilt) == repr(layer)
+    rebuilt.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(rebuilt(x), layer(x), rtol=0, atol=0)
+
+
+def test_a_layer_recipe_with_bad_arguments_is_refused():
+    good = module_recipe(nn.Conv2d(4, 8, 3))
+    for key, value, reason in [
+        ("kernel_size", [3], "kernel_size must be a list of 2 ints"),
+        ("groups", 0, "groups must be an int >= 1"),
+        ("padding", "sometimes", "padding must be 'same', 'valid' or a list of ints"),
+        ("padding_mode", "mirror", "padding_mode must be one of"),
+    ]:
+        bad = {"class": "Conv2d", "kwargs": {**good["kwargs"], key: value}}
+        with pytest.raises(ValueError, match=reason):
+            build_from_recipe(bad)

@@ -1,7 +1,8 @@
 """A module as plain data: the class and constructor arguments of the modules normswap puts into a model.
 
-A checkpoint directory whose conversion changed module classes (LayerNorm -> RMSNorm, a norm moved onto
-the fused kernels, a folded BatchNorm become an Identity) records each new module as a recipe in JSON,
+A checkpoint directory whose conversion changed module classes or their parameters (LayerNorm -> RMSNorm,
+a norm moved onto the fused kernels, a folded BatchNorm become an Identity and its conv given a bias)
+records each new module as a recipe in JSON,
 and the loader builds it back. The file a recipe comes from is untrusted: a recipe names a class only
 from :data:`RECIPE_CLASSES` and gives only the constructor arguments that class is known to take, each
 checked for its type, so reading one runs no code of the file's choosing.
@@ -29,8 +30,14 @@ _AFFINE_NORMS: tuple[type[nn.Module], ...] = (
 )
 _CHANNEL_NORMS = (FusedChannelRMSNorm, FusedChannelLayerNorm)
 
+# torch's layers whose parameters a fold changes (a BatchNorm folded into a conv gives it a bias)
+_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
 # Recipe class name -> class. Names are normswap's own, not import paths: a file cannot name anything else.
-RECIPE_CLASSES: dict[str, type[nn.Module]] = {cls.__name__: cls for cls in (*_AFFINE_NORMS, nn.Identity)}
+RECIPE_CLASSES: dict[str, type[nn.Module]] = {
+    cls.__name__: cls for cls in (*_AFFINE_NORMS, *_LAYERS, nn.Identity)
+}
 
 
 def module_recipe(module: nn.Module) -> dict[str, Any] | None:
@@ -42,6 +49,31 @@ def module_recipe(module: nn.Module) -> dict[str, Any] | None:
         return None
     if cls is nn.Identity:
         return {"class": name, "kwargs": {}}
+    if cls is nn.Linear:
+        return {
+            "class": name,
+            "kwargs": {
+                "in_features": module.in_features,
+                "out_features": module.out_features,
+                "bias": module.bias is not None,
+            },
+        }
+    if cls in _LAYERS:
+        padding = module.padding if isinstance(module.padding, str) else list(module.padding)
+        return {
+            "class": name,
+            "kwargs": {
+                "in_channels": module.in_channels,
+                "out_channels": module.out_channels,
+                "kernel_size": list(module.kernel_size),
+                "stride": list(module.stride),
+                "padding": padding,
+                "dilation": list(module.dilation),
+                "groups": module.groups,
+                "bias": module.bias is not None,
+                "padding_mode": module.padding_mode,
+            },
+        }
     if (getattr(module, "_weight_key", "weight"), getattr(module, "_bias_key", "bias")) != ("weight", "bias"):
         return None  # a fused norm keeping a hand-written norm's own names ("gain"): not a plain class
     kwargs: dict[str, Any] = {
@@ -102,6 +134,55 @@ def _affine_kwargs(kwargs: Mapping[str, Any], channel: bool) -> dict[str, Any]:
     return checked
 
 
+def _check_count(key: str, value: Any, minimum: int = 1) -> int:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{key} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_ints(key: str, value: Any, rank: int, minimum: int) -> list[int]:
+    if not isinstance(value, list) or len(value) != rank:
+        raise ValueError(f"{key} must be a list of {rank} ints, got {value!r}")
+    return [_check_count(key, v, minimum) for v in value]
+
+
+def _layer_kwargs(cls: type[nn.Module], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    if cls is nn.Linear:
+        if set(kwargs) != {"in_features", "out_features", "bias"}:
+            raise ValueError(
+                f"arguments must be exactly ['bias', 'in_features', 'out_features'], got {sorted(kwargs)}"
+            )
+        return {
+            "in_features": _check_count("in_features", kwargs["in_features"]),
+            "out_features": _check_count("out_features", kwargs["out_features"]),
+            "bias": _check_bool("bias", kwargs["bias"]),
+        }
+    expected = {
+        "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "bias", "padding_mode"
+    }  # fmt: skip
+    if set(kwargs) != expected:
+        raise ValueError(f"arguments must be exactly {sorted(expected)}, got {sorted(kwargs)}")
+    rank = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}[cls]
+    padding = kwargs["padding"]
+    if not (padding in ("same", "valid") or isinstance(padding, list)):
+        raise ValueError(f"padding must be 'same', 'valid' or a list of ints, got {padding!r}")
+    if kwargs["padding_mode"] not in _PADDING_MODES:
+        raise ValueError(
+            f"padding_mode must be one of {list(_PADDING_MODES)}, got {kwargs['padding_mode']!r}"
+        )
+    return {
+        "in_channels": _check_count("in_channels", kwargs["in_channels"]),
+        "out_channels": _check_count("out_channels", kwargs["out_channels"]),
+        "kernel_size": _check_ints("kernel_size", kwargs["kernel_size"], rank, 1),
+        "stride": _check_ints("stride", kwargs["stride"], rank, 1),
+        "padding": padding if isinstance(padding, str) else _check_ints("padding", padding, rank, 0),
+        "dilation": _check_ints("dilation", kwargs["dilation"], rank, 1),
+        "groups": _check_count("groups", kwargs["groups"]),
+        "bias": _check_bool("bias", kwargs["bias"]),
+        "padding_mode": kwargs["padding_mode"],
+    }
+
+
 def build_from_recipe(
     recipe: Any, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> nn.Module:
@@ -119,6 +200,8 @@ def build_from_recipe(
         if kwargs:
             raise ValueError(f"Identity takes no arguments, got {sorted(kwargs)}")
         return nn.Identity()
+    if cls in _LAYERS:
+        return cls(**_layer_kwargs(cls, kwargs), device=device, dtype=dtype)
     checked = _affine_kwargs(kwargs, channel=cls in _CHANNEL_NORMS)
     channel_dim = checked.pop("channel_dim", None)
     module = cls(**checked, device=device, dtype=dtype)

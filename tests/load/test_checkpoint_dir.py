@@ -280,3 +280,32 @@ def test_a_record_naming_an_unknown_class_is_refused(dirs, tmp_path):
     (out / "normswap.json").write_text(json.dumps(record))
     with pytest.raises(BadInputError, match=r"transformer\.ln_f: unknown module class 'builtins\.eval'"):
         load_model(str(out))
+
+
+def test_folded_batchnorms_of_a_hf_resnet_go_to_a_directory_and_load_back(tmp_path):
+    config = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, image_size=64
+    )
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5)
+                module.running_var.uniform_(0.5, 1.5)
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+    model.save_pretrained(tmp_path / "resnet")
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "resnet"), "--fold-bn", "-o", str(tmp_path / "out")]
+    )
+    assert result.exit_code == 0, result.output
+    # each BatchNorm became an Identity and its conv gained a bias: recorded, and rebuilt by normswap
+    modules = json.loads((tmp_path / "out" / "normswap.json").read_text())["modules"]
+    assert {r["class"] for r in modules.values()} == {"Identity", "Conv2d"}
+    back = load_model(str(tmp_path / "out")).model
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in back.modules())
+    pixels = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = model(pixel_values=pixels).logits, back(pixel_values=pixels).logits
+    assert rel(want.double(), got.double()) <= 1e-5

@@ -305,7 +305,7 @@ def _print_pass_figures(p: Any) -> None:
 def _print_exact_figures(p: Any, worst: dict[str, Any] | None, counts: str) -> None:
     from normswap.validate.variants import format_shapes
 
-    half = p.validation.get("half_precision")
+    half = p.validation.get("rounding")
     failed = p.validation.get("failed_inputs", [])
     passed = (half["within_rounding"] if half else p.validation["within_tolerance"]) and not failed
     verdict = "[green]PASS[/]" if passed else "[bold red]FAIL[/]"
@@ -318,7 +318,8 @@ def _print_exact_figures(p: Any, worst: dict[str, Any] | None, counts: str) -> N
     out.print(f"{p.pass_name} (exact): {counts}; {figures} {verdict}", soft_wrap=True)
     if half:
         out.print(
-            f"  judged against the model in fp32: {fmt_float(half['rewritten_rel_error'])} x max|ref| "
+            f"  judged against the model in {half.get('dtype', 'a wider dtype')} (its own rounding exceeds "
+            f"the table): {fmt_float(half['rewritten_rel_error'])} x max|ref| "
             f"vs the original's own {fmt_float(half['original_rel_error'])} (allowed: twice that)"
         )
     verified = p.validation.get("verified_inputs", [])

@@ -346,17 +346,20 @@ def write_comparison(before: Path, after: Path, path: Path) -> None:
 
     old, new = read(before), read(after)
     common = sorted(set(old) & set(new))
+    full = {m: new[m] for m in common}
     old = {m: trimmed(old[m], new[m]) for m in common}
     new = {m: trimmed(new[m], old[m]) for m in common}
-    lines = ["| source | figure | before | after |", "|---|---|---|---|"]
+    lines = ["| source | figure | before | after | after, every step it took |", "|---|---|---|---|---|"]
     for source in ("hf", "torchvision", "timm"):
         was = totals([old[m] for m in common], source)
         now = totals([new[m] for m in common], source)
-        for key in dict.fromkeys([*was, *now]):
-            lines.append(f"| {source} | {key} | {was.get(key, 0)} | {now.get(key, 0)} |")
+        every = totals([full[m] for m in common], source)
+        for key in dict.fromkeys([*was, *now, *every]):
+            lines.append(f"| {source} | {key} | {was.get(key, 0)} | {now.get(key, 0)} | {every.get(key, 0)} |")
     path.write_text(
         f"# Sweep before and after\n\n`{before.name}` vs `{after.name}`, over the {len(common)} models both "
-        "hold.\n\n" + "\n".join(lines) + "\n"
+        "hold. *before* and *after* count a step only where both runs took it (a run with `--steps` takes "
+        "fewer); the last column counts every step of the after run.\n\n" + "\n".join(lines) + "\n"
     )
 
 

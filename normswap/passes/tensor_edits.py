@@ -105,6 +105,38 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
 # --- fold norm affine ----------------------------------------------------------------------------------
 
 
+def _fold_in_slices(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gain: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    in_dim: int,
+    slice_elements: int = 1 << 23,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`fold_affine_into_linear` on slices of output features, so that its float64 temporaries are
+    a slice's (64 MB) and not the weight's: an LM head of 32000 x 4096 would need 2 GB of them at once.
+    Each output feature's row is computed whole, so the result is the same as on the whole weight."""
+    out_dim = 1 - in_dim
+    rows = weight.shape[out_dim]
+    step = max(1, slice_elements // max(1, weight.numel() // max(1, rows)))
+    if step >= rows:
+        return fold_affine_into_linear(weight, bias, gain, shift, in_dim)
+    new_w = torch.empty_like(weight)
+    new_b: torch.Tensor | None = None
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        part_b = bias[start:end] if bias is not None else None
+        w, b = fold_affine_into_linear(
+            weight.narrow(out_dim, start, end - start), part_b, gain, shift, in_dim
+        )
+        new_w.narrow(out_dim, start, end - start).copy_(w)
+        if b is not None:
+            if new_b is None:
+                new_b = torch.empty(rows, dtype=b.dtype)
+            new_b[start:end] = b
+    return new_w, new_b
+
+
 def _fold_edit(plan: AffinePlan, stored: set[str]) -> TensorEdit | str:
     site = plan.site
     norm_w = f"{site.path}.{plan.weight_name}" if plan.weight_name else None
@@ -125,7 +157,7 @@ def _fold_edit(plan: AffinePlan, stored: set[str]) -> TensorEdit | str:
         shift = t[norm_b] if norm_b else None
         out: Tensors = {}
         for weight, bias, in_dim in readers:
-            new_w, new_b = fold_affine_into_linear(t[weight], t.get(bias), gain, shift, in_dim)
+            new_w, new_b = _fold_in_slices(t[weight], t.get(bias), gain, shift, in_dim)
             out[weight] = new_w
             if new_b is not None:
                 out[bias] = new_b
@@ -172,7 +204,7 @@ def _center_edit(name: str, dim: int, scale: str | None, untie: list[str], store
         original = t[stored_name]
         out = {stored_name: center_along(original, dim, t[scale] if scale else None)}
         for other in untie:
-            out[other] = original.clone()
+            out[other] = original  # written as it is under the other name: no copy in memory
         return out
 
     return TensorEdit(

@@ -250,3 +250,20 @@ def test_a_killed_run_leaves_no_directory_that_looks_complete(dirs, tmp_path):
         read_checkpoint_directory(out).weight_map.keys()
         == read_checkpoint_directory(dirs["llama"]).weight_map.keys()
     )
+
+
+@pytest.mark.parametrize("in_dim", [0, 1])
+def test_the_fold_in_slices_equals_the_fold_on_the_whole_weight(in_dim):
+    from normswap.passes.fold_norm_affine import fold_affine_into_linear
+    from normswap.passes.tensor_edits import _fold_in_slices
+
+    generator = torch.Generator().manual_seed(0)
+    shape = (37, 24) if in_dim == 1 else (24, 37)  # 37 output features, 24 inputs
+    weight = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(37, generator=generator).to(torch.bfloat16)
+    gain, shift = torch.rand(24, generator=generator) + 0.5, torch.randn(24, generator=generator)
+    whole = fold_affine_into_linear(weight, bias, gain, shift, in_dim)
+    for b in (bias, None):
+        whole = fold_affine_into_linear(weight, b, gain, shift, in_dim)
+        sliced = _fold_in_slices(weight, b, gain, shift, in_dim, slice_elements=100)  # 4 rows a slice
+        assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])

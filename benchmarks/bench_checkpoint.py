@@ -133,27 +133,36 @@ def _copy_seconds(source: Path, target: Path) -> float:
 
 
 def _logits_match(model: str, source: Path, output: Path) -> dict[str, Any]:
-    """The output loaded as a user loads it, against the original, on 2 x 16 token ids (bf16 forward)."""
+    """The output loaded as a user loads it, against the original, on 2 x 16 token ids. Both run in bf16,
+    whose own rounding over a deep model exceeds the bf16 row of the table, so both are measured against
+    the original computed in fp32 and the rule of the exact passes applies: the converted model may be
+    at most twice as far from it as the original bf16 model is."""
     import transformers
 
     from normswap.load import load_model
-    from normswap.util.tolerance import exact_tolerance
 
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        original = transformers.AutoModelForCausalLM.from_pretrained(source)
-        want = original(input_ids=ids).logits.double()
-        del original
-        if model == "llama":
-            converted = transformers.AutoModelForCausalLM.from_pretrained(output)
-        else:
-            converted = load_model(str(output)).model
-        got = converted(input_ids=ids).logits.double()
-    rel = float((want - got).abs().max() / want.abs().max())
+
+    def logits(loaded: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return loaded(input_ids=ids).logits.double()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max())
+
+    auto = transformers.AutoModelForCausalLM
+    reference = logits(auto.from_pretrained(source, dtype=torch.float32))
+    original = logits(auto.from_pretrained(source))
+    converted_model = auto.from_pretrained(output) if model == "llama" else load_model(str(output)).model
+    loader = type(converted_model).__module__
+    converted = logits(converted_model)
+    del converted_model
     return {
-        "max_rel": rel,
-        "tolerance": exact_tolerance(torch.bfloat16),
-        "loader": type(converted).__module__,
+        "converted_vs_original_bf16": rel(converted, original),
+        "original_bf16_vs_fp32": rel(original, reference),
+        "converted_bf16_vs_fp32": rel(converted, reference),
+        "within_rounding": rel(converted, reference) <= 2 * rel(original, reference),
+        "loader": loader,
     }
 
 
@@ -204,7 +213,13 @@ def bench(model: str, layers: int, root: Path, check_logits: bool, small: bool =
     )
     if check_logits:
         row["logits"] = _logits_match(model, source, output)
-        print(f"  loaded back: logits max rel {row['logits']['max_rel']:.3g}", flush=True)
+        got = row["logits"]
+        print(
+            f"  loaded back ({got['loader']}): logits {got['converted_bf16_vs_fp32']:.3g} x max from the fp32 "
+            f"original, the bf16 original {got['original_bf16_vs_fp32']:.3g}: within rounding "
+            f"{got['within_rounding']}",
+            flush=True,
+        )
     shutil.rmtree(source)
     shutil.rmtree(output)
     report.unlink()

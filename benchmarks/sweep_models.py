@@ -355,7 +355,9 @@ def write_comparison(before: Path, after: Path, path: Path) -> None:
         now = totals([new[m] for m in common], source)
         every = totals([full[m] for m in common], source)
         for key in dict.fromkeys([*was, *now, *every]):
-            lines.append(f"| {source} | {key} | {was.get(key, 0)} | {now.get(key, 0)} | {every.get(key, 0)} |")
+            lines.append(
+                f"| {source} | {key} | {was.get(key, 0)} | {now.get(key, 0)} | {every.get(key, 0)} |"
+            )
     path.write_text(
         f"# Sweep before and after\n\n`{before.name}` vs `{after.name}`, over the {len(common)} models both "
         "hold. *before* and *after* count a step only where both runs took it (a run with `--steps` takes "

@@ -164,15 +164,27 @@ class ShardWriter:
                 f"{name}: the layout says {target.dtype} {list(target.shape)}, the source has another"
             )
         with open(source, "rb") as handle:
-            handle.seek(entry.start)
             done = 0
             while done < entry.nbytes:
-                chunk = handle.read(min(_COPY_CHUNK, entry.nbytes - done))
-                if not chunk:
+                count = min(_COPY_CHUNK, entry.nbytes - done)
+                moved = self._copy_range(handle, entry.start + done, self.base + target.start + done, count)
+                if not moved:
                     raise BadInputError(f"{source} ends inside {name}")
-                os.pwrite(self._fd, chunk, self.base + target.start + done)
-                done += len(chunk)
+                done += moved
         self.pending.discard(name)
+
+    def _copy_range(self, handle: Any, source_offset: int, target_offset: int, count: int) -> int:
+        """Copy up to ``count`` bytes between the files; the kernel copies them where it can
+        (``copy_file_range``: no trip through this process's memory), else a read and a write."""
+        if hasattr(os, "copy_file_range"):
+            try:
+                return os.copy_file_range(handle.fileno(), self._fd, count, source_offset, target_offset)
+            except OSError:  # another file system, or a kernel without it: copy through memory
+                pass
+        handle.seek(source_offset)
+        chunk = handle.read(count)
+        os.pwrite(self._fd, chunk, target_offset)
+        return len(chunk)
 
     def close(self) -> None:
         os.fsync(self._fd)

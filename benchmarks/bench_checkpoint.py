@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -123,7 +124,19 @@ def write_synthetic(config: Any, path: Path, seed: int = 0) -> int:
     return total
 
 
+def _drop_caches() -> bool:
+    """Empty the page cache (root on Linux), so that a timing reads its input from disk and not from the
+    memory the previous step left it in; False where this machine does not allow it."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
 def _copy_seconds(source: Path, target: Path) -> float:
+    _drop_caches()
     start = time.perf_counter()
     target.mkdir()
     for shard in sorted(source.glob("*.safetensors")):
@@ -185,7 +198,7 @@ def bench(model: str, layers: int, root: Path, check_logits: bool, small: bool =
     shutil.rmtree(copy)
     rewrite = ["--fold-norm-affine"] if model == "llama" else ["--to", "rmsnorm", "--exact"]
     report = root / "report.json"
-    os.sync()
+    row["cold_cache"] = _drop_caches()
     seconds, peak = _run_rss(
         _normswap("convert", str(source), *rewrite, "-o", str(output), "--report", str(report))
     )
@@ -212,7 +225,18 @@ def bench(model: str, layers: int, root: Path, check_logits: bool, small: bool =
         flush=True,
     )
     if check_logits:
-        row["logits"] = _logits_match(model, source, output)
+        # in a process of its own: loading three models here would raise this process's RSS, which the
+        # next convert child would inherit in its peak (Linux counts a child's memory from before exec)
+        code = (
+            "import json, sys; sys.path.insert(0, sys.argv[1]); import bench_checkpoint as b; "
+            "from pathlib import Path; print(json.dumps(b._logits_match(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]))))"
+        )
+        here = str(Path(__file__).resolve().parent)
+        done = subprocess.run(
+            [sys.executable, "-c", code, here, model, str(source), str(output)],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        row["logits"] = json.loads(done.stdout.strip().splitlines()[-1])
         got = row["logits"]
         print(
             f"  loaded back ({got['loader']}): logits {got['converted_bf16_vs_fp32']:.3g} x max from the fp32 "

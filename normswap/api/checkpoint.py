@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ from normswap.load.checkpoint_write import copy_side_files
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
 from normswap.load.save import reserve_temp_dir
 from normswap.passes.base import PassReport
-from normswap.passes.tensor_edits import EditPlan, plan_edits
+from normswap.passes.tensor_edits import EditPlan, TensorEdit, plan_edits
 from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise
 
 # The inputs a streamed result is verified on: (batch, length) of token ids, two shapes so that a
@@ -112,47 +114,91 @@ def _layout(
     return layout
 
 
+def _copy_all(jobs: list[tuple[ShardWriter, str, Path, TensorEntry]], stop: threading.Event) -> int:
+    """Byte copies of tensors that no edit computes (kernel copies: no trip through this process)."""
+    for done, (writer, name, source, entry) in enumerate(jobs):
+        if stop.is_set():
+            return done
+        writer.copy_bytes(name, source, entry)
+    return len(jobs)
+
+
 def _stream(
     checkpoint: CheckpointDirectory,
     headers: dict[str, tuple[dict[str, TensorEntry], dict[str, str]]],
     plan: EditPlan,
     temp: Path,
 ) -> tuple[list[str], int, int, int]:
+    """Write every output shard: untouched tensors copied as bytes in one thread while the edit groups
+    are read, computed and written in this one, the next group read ahead while the in-flight inputs
+    stay within the largest group's bytes (so memory stays one group, and reading overlaps computing
+    and writing: file I/O and torch's kernels release the GIL)."""
     layout = _layout(checkpoint, headers, plan)
     where = {name: shard for shard, rows in layout.items() for name, _, _ in rows}
     writers = {
         shard: ShardWriter(temp / shard, rows, headers[shard][1] or {"format": "pt"})
         for shard, rows in layout.items()
     }
-    edited = plan.writes
-    copied = 0
+    edited, byte_copies = plan.writes, plan.copies
+    jobs = [
+        (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
+        for shard, rows in layout.items()
+        for name, _, _ in rows
+        if name not in edited and name in headers[shard][0]
+    ]
+    untouched = len(jobs)
+    for name, source in byte_copies.items():  # an untied tensor: its source's input bytes
+        shard = checkpoint.weight_map[source]
+        jobs.append((writers[where[name]], name, checkpoint.path / shard, headers[shard][0][source]))
+
+    def entry(name: str) -> TensorEntry:
+        return headers[checkpoint.weight_map[name]][0][name]
+
+    def read_group(edit: TensorEdit) -> dict[str, torch.Tensor]:
+        return {n: read_tensor(checkpoint.path / checkpoint.weight_map[n], entry(n)) for n in edit.reads}
+
+    edits = plan.edits
+    sizes = [sum(entry(n).nbytes for n in edit.reads) for edit in edits]
+    budget = max(sizes, default=0)
+    stop = threading.Event()
+    largest = 0
     try:
-        for shard, rows in layout.items():
-            entries = headers[shard][0]
-            for name, _, _ in rows:
-                if name not in edited and name in entries:
-                    writers[shard].copy_bytes(name, checkpoint.path / shard, entries[name])
-                    copied += 1
-        largest = 0
-        for edit in plan.edits:
-            inputs = {}
-            for name in edit.reads:
-                shard = checkpoint.weight_map[name]
-                inputs[name] = read_tensor(checkpoint.path / shard, headers[shard][0][name])
-            with torch.no_grad():
-                outputs = edit.compute(inputs)
-            if set(outputs) != set(edit.writes):
-                raise RuntimeError(f"{edit.label}: wrote {sorted(outputs)}, planned {sorted(edit.writes)}")
-            largest = max(
-                largest, sum(t.numel() * t.element_size() for t in (*inputs.values(), *outputs.values()))
-            )
-            for name, value in outputs.items():
-                writers[where[name]].write(name, value)
-            del inputs, outputs
-    finally:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="normswap-io") as pool:
+            copying = pool.submit(_copy_all, jobs, stop)
+            try:
+                ahead = pool.submit(read_group, edits[0]) if edits else None
+                for i, edit in enumerate(edits):
+                    assert ahead is not None
+                    inputs = ahead.result()
+                    following = i + 1 < len(edits)
+                    ahead = None
+                    if following and sizes[i] + sizes[i + 1] <= budget:
+                        ahead = pool.submit(read_group, edits[i + 1])
+                    with torch.no_grad():
+                        outputs = edit.compute(inputs)
+                    if set(outputs) != set(edit.writes):
+                        raise RuntimeError(
+                            f"{edit.label}: wrote {sorted(outputs)}, planned {sorted(edit.writes)}"
+                        )
+                    # the group's memory: what it read, and what it wrote into new memory
+                    held = {t.untyped_storage().data_ptr(): t for t in (*inputs.values(), *outputs.values())}
+                    largest = max(largest, sum(t.untyped_storage().nbytes() for t in held.values()))
+                    for name, value in outputs.items():
+                        writers[where[name]].write(name, value)
+                    del inputs, outputs, held
+                    if following and ahead is None:
+                        ahead = pool.submit(read_group, edits[i + 1])
+                copying.result()
+            except BaseException:
+                stop.set()  # the copies stop at their next tensor; the pool waits for that
+                raise
         for writer in writers.values():
             writer.close()
-    return sorted(layout), copied, len(edited), largest
+    except BaseException:
+        for writer in writers.values():
+            writer.abandon()
+        raise
+    return sorted(layout), untouched, len(edited) + len(byte_copies), largest
 
 
 def _write_index(checkpoint: CheckpointDirectory, temp: Path, layout_shards: list[str]) -> None:
@@ -239,6 +285,7 @@ def convert_checkpoint(
         shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
         _write_index(checkpoint, temp, shards)
         _write_config(checkpoint, temp, plan)
+        say("verifying block by block against the original")
         written = read_checkpoint_directory(temp)
         relate = centered if to is not None else identity
         inputs = [

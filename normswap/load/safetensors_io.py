@@ -104,17 +104,30 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str
     return entries, {str(k): str(v) for k, v in metadata.items()}
 
 
-def read_tensor(path: str | Path, entry: TensorEntry) -> torch.Tensor:
-    """One tensor of a file, read from its byte range (a fresh CPU tensor; nothing else of the file)."""
-    with open(path, "rb") as handle:
+def read_tensor(path: str | Path, entry: TensorEntry, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One tensor of a file, read from its byte range (nothing else of the file) straight into the memory
+    of a fresh CPU tensor, or of ``out`` (contiguous, on the CPU, of the entry's dtype and shape): one
+    copy from the page cache, no intermediate buffer."""
+    dtype = DTYPES[entry.dtype]
+    if out is None:
+        out = torch.empty(entry.shape, dtype=dtype)
+    elif out.dtype != dtype or tuple(out.shape) != entry.shape or not out.is_contiguous() or out.is_meta:
+        raise ValueError(
+            f"cannot read {entry.dtype} {list(entry.shape)} into {out.dtype} {list(out.shape)}"
+            f"{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
+    if entry.nbytes == 0:
+        return out
+    view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    with open(path, "rb", buffering=0) as handle:
         handle.seek(entry.start)
-        data = bytearray(handle.read(entry.nbytes))
-    if len(data) != entry.nbytes:
-        raise BadInputError(f"{path} ends inside a tensor")
-    if not data:
-        return torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
-    flat = torch.frombuffer(data, dtype=DTYPES[entry.dtype])
-    return flat.reshape(entry.shape)
+        while done < entry.nbytes:
+            count = handle.readinto(view[done:])
+            if not count:
+                raise BadInputError(f"{path} ends inside a tensor")
+            done += count
+    return out
 
 
 class ShardWriter:
@@ -152,8 +165,10 @@ class ShardWriter:
             raise ValueError(
                 f"{name}: the layout says {entry.dtype} {list(entry.shape)}, got {tensor.dtype} {list(tensor.shape)}"
             )
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        os.pwrite(self._fd, data, self.base + entry.start)
+        data = memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(data):  # pwrite may write less than asked (a signal, a large count)
+            done += os.pwrite(self._fd, data[done:], self.base + entry.start + done)
         self.pending.discard(name)
 
     def copy_bytes(self, name: str, source: Path, entry: TensorEntry) -> None:
@@ -187,9 +202,17 @@ class ShardWriter:
         return len(chunk)
 
     def close(self) -> None:
+        """Flush the file to disk and close it; RuntimeError when a tensor's range was never filled."""
         os.fsync(self._fd)
         os.close(self._fd)
+        self._fd = -1
         if self.pending:
             raise RuntimeError(
                 f"{self.path.name}: {len(self.pending)} tensors never written (e.g. {min(self.pending)})"
             )
+
+    def abandon(self) -> None:
+        """Close the file without a check (the caller removes it): after a failure, or more than once."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -82,19 +82,22 @@ def fold_affine_into_linear(
     ``Conv1D`` (``(in, out)``). Returns ``(W', b')`` in ``weight``'s dtype; ``b'`` is None only when
     there was no bias and no shift. Math in float64.
     """
-    w = weight.detach().double()
+    weight = weight.detach()
     shape = [1, 1]
     shape[in_dim] = -1
-    new_w = w * gain.detach().double().reshape(shape) if gain is not None else w
+    new_w = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    if gain is not None:
+        # the product promotes to float64 and rounds once into new_w's dtype: no float64 copy of W
+        torch.mul(weight, gain.detach().double().reshape(shape), out=new_w)
+    else:
+        new_w.copy_(weight)
     new_b = bias.detach().double() if bias is not None else None
     if shift is not None:
-        s = shift.detach().double()
+        w, s = weight.double(), shift.detach().double()
         moved = w @ s if in_dim == 1 else s @ w  # the shift as every output feature sees it
         new_b = moved if new_b is None else new_b + moved
     dtype = weight.dtype
-    return new_w.to(dtype), (
-        new_b.to(bias.dtype if bias is not None else dtype) if new_b is not None else None
-    )
+    return new_w, (new_b.to(bias.dtype if bias is not None else dtype) if new_b is not None else None)
 
 
 # --- graph bookkeeping ------------------------------------------------------------------------------

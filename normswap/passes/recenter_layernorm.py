@@ -61,7 +61,7 @@ def center_along(
     scale: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
-    chunk_elements: int = 1 << 22,
+    chunk_elements: int = 1 << 19,
 ) -> torch.Tensor:
     """``tensor`` (first multiplied by ``scale`` along ``dim``, if given) minus its mean over ``dim``.
 
@@ -69,8 +69,10 @@ def center_along(
     weight of the layer it scales: ``gamma * (W x + b) = (diag(gamma) W) x + gamma * b``.
 
     The fp64 work runs on slices of about ``chunk_elements`` values across another dim, so that a large
-    weight (an embedding) costs one output tensor and not several fp64 copies of itself; each slice
-    holds whole lines along ``dim``, so the result is the same as on the whole tensor. ``out`` may be
+    weight (an embedding) costs one output tensor and not several fp64 copies of itself, and a slice's
+    fp64 values stay in the CPU's cache (4 MB slices center a bf16 weight 4-10x faster than 32 MB ones
+    on this project's machine); each slice holds whole lines along ``dim``, so the result is the same as
+    on the whole tensor. ``out`` may be
     ``tensor`` itself: each slice is read whole before it is written, and no other slice reads it.
     """
     if tensor.ndim == 1:
@@ -84,19 +86,23 @@ def center_along(
     out = out.detach()
     for start in range(0, tensor.shape[across], step):
         length = min(step, tensor.shape[across] - start)
-        out.narrow(across, start, length).copy_(
-            _centered(tensor.detach().narrow(across, start, length), dim, scale)
+        _centered(
+            tensor.detach().narrow(across, start, length), dim, scale, out.narrow(across, start, length)
         )
     return out
 
 
-def _centered(tensor: torch.Tensor, dim: int, scale: torch.Tensor | None) -> torch.Tensor:
+def _centered(
+    tensor: torch.Tensor, dim: int, scale: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One slice of :func:`center_along`, into ``out`` (or a new tensor of ``tensor``'s dtype)."""
     t = tensor.double()
     if scale is not None:
         shape = [1] * t.ndim
         shape[dim] = -1
-        t = t * scale.detach().double().reshape(shape)
-    return (t - t.mean(dim=dim, keepdim=True)).to(tensor.dtype)
+        t.mul_(scale.detach().double().reshape(shape))
+    t.sub_(t.mean(dim=dim, keepdim=True))
+    return t.to(tensor.dtype) if out is None else out.copy_(t)
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

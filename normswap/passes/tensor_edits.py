@@ -43,14 +43,17 @@ Tensors = dict[str, torch.Tensor]
 @dataclass
 class TensorEdit:
     """One group: ``compute`` maps the tensors named in ``reads`` to the tensors it writes (name ->
-    value, each in the dtype it is stored in). ``new`` names written tensors the input does not store,
-    each with the stored tensor whose dtype and shape it takes (an untied copy)."""
+    value, each in the dtype it is stored in); it may reuse the memory of the tensors it reads. ``new``
+    names tensors the input does not store, each with the stored tensor whose dtype and shape it takes
+    (an untied copy); those in ``copies`` take that stored tensor's input bytes as they are (the writer
+    copies them from the input file: they never pass through memory), the others are computed."""
 
     label: str
     reads: tuple[str, ...]
     compute: Callable[[Tensors], Tensors]
     writes: tuple[str, ...]
     new: dict[str, str] = field(default_factory=dict)
+    copies: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,7 +68,13 @@ class EditPlan:
 
     @property
     def writes(self) -> set[str]:
+        """The tensors the edits compute."""
         return {name for edit in self.edits for name in edit.writes}
+
+    @property
+    def copies(self) -> dict[str, str]:
+        """New tensor -> the stored tensor whose input bytes it takes."""
+        return {new: source for edit in self.edits for new, source in edit.copies.items()}
 
 
 def streamable(fold_norm_affine: bool, to: str | None, exact: bool, other: list[str]) -> str | None:
@@ -111,30 +120,28 @@ def _fold_in_slices(
     gain: torch.Tensor | None,
     shift: torch.Tensor | None,
     in_dim: int,
-    slice_elements: int = 1 << 23,
+    slice_elements: int = 1 << 19,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`fold_affine_into_linear` on slices of output features, so that its float64 temporaries are
-    a slice's (64 MB) and not the weight's: an LM head of 32000 x 4096 would need 2 GB of them at once.
-    Each output feature's row is computed whole, so the result is the same as on the whole weight."""
+    """:func:`fold_affine_into_linear` on slices of output features, written over ``weight`` itself, so
+    that the group holds the weight once and float64 temporaries of a slice (4 MB, which stay in the CPU's
+    cache), not of the weight: an LM head of 32000 x 4096 would need 2 GB of them at once. Each output feature's row is computed
+    whole from its own values, read before they are written, so the result is the same as on the whole
+    weight."""
     out_dim = 1 - in_dim
     rows = weight.shape[out_dim]
     step = max(1, slice_elements // max(1, weight.numel() // max(1, rows)))
-    if step >= rows:
-        return fold_affine_into_linear(weight, bias, gain, shift, in_dim)
-    new_w = torch.empty_like(weight)
     new_b: torch.Tensor | None = None
     for start in range(0, rows, step):
         end = min(rows, start + step)
         part_b = bias[start:end] if bias is not None else None
-        w, b = fold_affine_into_linear(
-            weight.narrow(out_dim, start, end - start), part_b, gain, shift, in_dim
-        )
-        new_w.narrow(out_dim, start, end - start).copy_(w)
+        part_w = weight.narrow(out_dim, start, end - start)
+        w, b = fold_affine_into_linear(part_w, part_b, gain, shift, in_dim)
+        part_w.copy_(w)
         if b is not None:
             if new_b is None:
                 new_b = torch.empty(rows, dtype=b.dtype)
             new_b[start:end] = b
-    return new_w, new_b
+    return weight, new_b
 
 
 def _fold_edit(plan: AffinePlan, stored: set[str]) -> TensorEdit | str:
@@ -201,15 +208,12 @@ def _center_edit(name: str, dim: int, scale: str | None, untie: list[str], store
     reads = (stored_name,) + ((scale,) if scale else ())
 
     def compute(t: Tensors) -> Tensors:
+        # in place: the group's memory is the one tensor (the untied copies are the input's bytes)
         original = t[stored_name]
-        out = {stored_name: center_along(original, dim, t[scale] if scale else None)}
-        for other in untie:
-            out[other] = original  # written as it is under the other name: no copy in memory
-        return out
+        return {stored_name: center_along(original, dim, t[scale] if scale else None, out=original)}
 
-    return TensorEdit(
-        f"center {name}", reads, compute, (stored_name, *untie), new={other: stored_name for other in untie}
-    )
+    untied = {other: stored_name for other in untie}
+    return TensorEdit(f"center {name}", reads, compute, (stored_name,), new=untied, copies=untied)
 
 
 def _plan_recenter(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:

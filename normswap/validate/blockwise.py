@@ -36,11 +36,11 @@ from normswap.errors import BadInputError
 from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
-    quiet_transformers,
+    build_to_load,
     replace_recorded,
-    stored_dtype,
     transformers_config,
 )
+from normswap.load.safetensors_io import DTYPES, TensorEntry, read_header, read_tensor
 from normswap.validate.metrics import TensorComparison, compare_tensors
 
 Relate = Callable[[torch.Tensor], torch.Tensor]
@@ -120,16 +120,11 @@ class _Shell:
         for key in ("layer_types",):
             if isinstance(getattr(config, key, None), list):
                 setattr(config, key, getattr(config, key)[:1])
-        import transformers
-
-        with quiet_transformers():
-            self.model = (
-                getattr(transformers, checkpoint.architecture)
-                ._from_config(config, dtype=stored_dtype(config))
-                .eval()
-            )
+        # weights left uninitialized: _load below fills every one the shell has (or refuses)
+        self.model = build_to_load(checkpoint, config).eval()
         self.checkpoint = checkpoint
         self.blocks = blocks
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
         self.recipes = checkpoint.replaced_modules
         # modules normswap changed outside the blocks (a final norm) are put in once
         outside = {p: r for p, r in self.recipes.items() if not p.startswith(blocks + ".")}
@@ -139,8 +134,6 @@ class _Shell:
     def _load(self, stored_name: Callable[[str], str | None]) -> None:
         """Copy into the shell every tensor whose name ``stored_name`` maps to a stored one (tied names
         share one tensor: one stored name fills them all)."""
-        from safetensors import safe_open
-
         wanted: dict[str, list[torch.Tensor]] = {}
         missing = []
         groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
@@ -159,20 +152,23 @@ class _Shell:
             raise BadInputError(
                 f"{self.checkpoint.path}: {len(missing)} tensors not stored (e.g. {missing[0]})"
             )
-        by_shard: dict[str, list[str]] = {}
-        for name in wanted:
-            by_shard.setdefault(self.checkpoint.weight_map[name], []).append(name)
         with torch.no_grad():
-            for shard, names in by_shard.items():
-                with safe_open(str(self.checkpoint.path / shard), framework="pt") as handle:
-                    for name in names:
-                        value = handle.get_tensor(name)
-                        for target in wanted[name]:
-                            if target.shape != value.shape:
-                                raise BadInputError(
-                                    f"{self.checkpoint.path}: {name} has shape {tuple(value.shape)}"
-                                )
-                            target.copy_(value)
+            for name, targets in wanted.items():
+                shard = self.checkpoint.weight_map[name]
+                if shard not in self._headers:
+                    self._headers[shard] = read_header(self.checkpoint.path / shard)[0]
+                entry = self._headers[shard][name]
+                first = targets[0]
+                if tuple(first.shape) != entry.shape:
+                    raise BadInputError(f"{self.checkpoint.path}: {name} has shape {list(entry.shape)}")
+                if first.is_contiguous() and first.dtype == DTYPES[entry.dtype]:
+                    read_tensor(self.checkpoint.path / shard, entry, out=first)  # no copy in between
+                    value = first
+                else:
+                    value = read_tensor(self.checkpoint.path / shard, entry)
+                    first.copy_(value)
+                for target in targets[1:]:
+                    target.copy_(value)
 
     def take_block(self, index: int) -> nn.Module:
         """The shell's block, now block ``index`` of the directory's model."""

@@ -268,3 +268,51 @@ def test_the_fold_in_slices_equals_the_fold_on_the_whole_weight(in_dim):
         sliced = _fold_in_slices(into, b, gain, shift, in_dim, slice_elements=100)  # 4 rows a slice
         assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
         assert sliced[0] is into  # written over the weight it read: the group holds it once
+
+
+def test_a_group_holds_one_tensor_and_an_untied_copy_is_the_inputs_bytes(dirs, tmp_path):
+    """Recentering GPT-2 unties its LM head from the embedding: the head must be the input embedding's
+    bytes (copied from the file), and every writer centered in place."""
+    source = dirs["gpt2"]
+    streamed = convert_checkpoint(source, tmp_path / "out", to="rmsnorm", exact=True)
+    before, after = _bytes(source), _bytes(tmp_path / "out")
+    assert after["lm_head.weight"] == before["transformer.wte.weight"]
+    assert after["transformer.wte.weight"] != before["transformer.wte.weight"]
+    # each group is one writer centered where it was read: its memory is that tensor, nothing more
+    changed = [k for k in before if after[k] != before[k]]
+    assert "transformer.h.0.mlp.c_proj.weight" in changed
+    assert streamed.largest_group_bytes == max(len(before[k]) for k in changed)
+
+
+def test_a_group_that_fails_stops_the_copies_and_leaves_nothing(dirs, tmp_path, monkeypatch):
+    import normswap.passes.tensor_edits as tensor_edits
+
+    real = tensor_edits._center_edit
+    calls = []
+
+    def failing(*args, **kwargs):
+        edit = real(*args, **kwargs)
+        if calls:  # the second group fails while the copies run beside it
+            edit.compute = lambda t: (_ for _ in ()).throw(MemoryError("no memory for this group"))
+        calls.append(edit)
+        return edit
+
+    monkeypatch.setattr(tensor_edits, "_center_edit", failing)
+    with pytest.raises(MemoryError, match="no memory for this group"):
+        convert_checkpoint(dirs["opt"], tmp_path / "out", to="rmsnorm", exact=True)
+    assert list(tmp_path.iterdir()) == []  # neither the output nor its temporary folder
+
+
+def test_read_tensor_reads_into_a_given_tensor_and_refuses_one_that_does_not_fit(dirs, tmp_path):
+    from normswap.load.safetensors_io import read_tensor
+
+    shard = max(dirs["llama"].glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    entries, _ = read_header(shard)
+    name, entry = max(entries.items(), key=lambda kv: kv[1].nbytes)
+    expected = _tensors(dirs["llama"])[name]
+    into = torch.empty(entry.shape, dtype=expected.dtype)
+    assert read_tensor(shard, entry, out=into) is into and torch.equal(into, expected)
+    with pytest.raises(ValueError, match="cannot read F32"):
+        read_tensor(shard, entry, out=torch.empty(entry.shape, dtype=torch.float64))
+    with pytest.raises(ValueError, match="not contiguous"):
+        read_tensor(shard, entry, out=torch.empty(tuple(reversed(entry.shape))).t())

@@ -20,8 +20,9 @@ import json
 import os
 import shutil
 import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,10 +130,11 @@ def _stream(
     plan: EditPlan,
     temp: Path,
 ) -> tuple[list[str], int, int, int]:
-    """Write every output shard: untouched tensors copied as bytes in one thread while the edit groups
-    are read, computed and written in this one, the next group read ahead while the in-flight inputs
-    stay within the largest group's bytes (so memory stays one group, and reading overlaps computing
-    and writing: file I/O and torch's kernels release the GIL)."""
+    """Write every output shard. Three things run at once (file I/O and torch's kernels release the GIL):
+    untouched tensors are copied as bytes in one thread; edit groups are read ahead, computed here and
+    written by pool threads, in order; the groups in flight (read, computed or being written) hold at
+    most twice the largest group's bytes, so memory stays bounded by the largest group whatever the
+    model's size, and a group's reading overlaps the previous one's computing and writing."""
     layout = _layout(checkpoint, headers, plan)
     where = {name: shard for shard, rows in layout.items() for name, _, _ in rows}
     writers = {
@@ -157,22 +159,41 @@ def _stream(
     def read_group(edit: TensorEdit) -> dict[str, torch.Tensor]:
         return {n: read_tensor(checkpoint.path / checkpoint.weight_map[n], entry(n)) for n in edit.reads}
 
+    def write_group(outputs: dict[str, torch.Tensor]) -> None:
+        for name, value in outputs.items():
+            writers[where[name]].write(name, value)
+
     edits = plan.edits
     sizes = [sum(entry(n).nbytes for n in edit.reads) for edit in edits]
-    budget = max(sizes, default=0)
+    budget = 2 * max(sizes, default=0)
     stop = threading.Event()
     largest = 0
     try:
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="normswap-io") as pool:
+        with ThreadPoolExecutor(max_workers=3, thread_name_prefix="normswap-io") as pool:
             copying = pool.submit(_copy_all, jobs, stop)
+            writing: deque[tuple[Future[None], int]] = deque()
+            in_flight = 0  # bytes of the groups read and not yet written
+
+            def room_for(size: int, wait: bool) -> bool:
+                nonlocal in_flight
+                while in_flight + size > budget and writing and (wait or writing[0][0].done()):
+                    done, freed = writing.popleft()
+                    done.result()
+                    in_flight -= freed
+                return in_flight + size <= budget
+
             try:
-                ahead = pool.submit(read_group, edits[0]) if edits else None
+                ahead: Future[dict[str, torch.Tensor]] | None = None
+                if edits:
+                    in_flight += sizes[0]
+                    ahead = pool.submit(read_group, edits[0])
                 for i, edit in enumerate(edits):
                     assert ahead is not None
                     inputs = ahead.result()
                     following = i + 1 < len(edits)
                     ahead = None
-                    if following and sizes[i] + sizes[i + 1] <= budget:
+                    if following and room_for(sizes[i + 1], wait=False):
+                        in_flight += sizes[i + 1]
                         ahead = pool.submit(read_group, edits[i + 1])
                     with torch.no_grad():
                         outputs = edit.compute(inputs)
@@ -183,14 +204,17 @@ def _stream(
                     # the group's memory: what it read, and what it wrote into new memory
                     held = {t.untyped_storage().data_ptr(): t for t in (*inputs.values(), *outputs.values())}
                     largest = max(largest, sum(t.untyped_storage().nbytes() for t in held.values()))
-                    for name, value in outputs.items():
-                        writers[where[name]].write(name, value)
+                    writing.append((pool.submit(write_group, outputs), sizes[i]))
                     del inputs, outputs, held
                     if following and ahead is None:
+                        room_for(sizes[i + 1], wait=True)
+                        in_flight += sizes[i + 1]
                         ahead = pool.submit(read_group, edits[i + 1])
+                while writing:
+                    writing.popleft()[0].result()
                 copying.result()
             except BaseException:
-                stop.set()  # the copies stop at their next tensor; the pool waits for that
+                stop.set()  # the copies stop at their next tensor; the pool waits for what runs
                 raise
         for writer in writers.values():
             writer.close()

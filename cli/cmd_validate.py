@@ -59,7 +59,9 @@ def validate(
         bool,
         flag(
             "--blockwise",
-            help="Two model directories: compare them block by block, holding neither model (exact tolerance).",
+            help="Compare block by block (exact tolerance): every block of CONVERTED runs on ORIGINAL's "
+            "activation, and the first block outside is named. Two model directories are compared "
+            "holding neither model.",
         ),
     ] = False,
     centered: Annotated[
@@ -86,10 +88,10 @@ def validate(
         },
         {"--plot": plot, "--report": report},
     )
-    if blockwise:
+    if blockwise and Path(original).is_dir() and Path(converted).is_dir():
         _validate_blockwise(original, converted, centered, report)
         return
-    if centered:
+    if centered and not blockwise:
         raise BadInputError("--centered applies to --blockwise")
     if exact and min_sqnr is not None:
         raise BadInputError("--exact and --min-sqnr are two different checks: give one")
@@ -97,6 +99,12 @@ def validate(
         raise BadInputError(f"--plot {plot}: the plot is a PNG file")
     reference = load(original, weights, trust_pickle)
     candidate = load(converted, converted_weights, trust_pickle)
+    if blockwise:
+        from normswap.load import require_inputs
+
+        pair = require_inputs(reference, inputs_file=inputs, input_shapes=input_shape)
+        _validate_blockwise(original, converted, centered, report, (reference.model, candidate.model, pair))
+        return
     if data is not None:
         from normswap.load import resolve_inputs
 
@@ -152,34 +160,46 @@ def _norm_paths(model: Any, pair: tuple) -> list[str]:
     return [site.path for site in inventory if site.is_module]
 
 
-def _validate_blockwise(original: str, converted: str, centered: bool, report: Path | None) -> None:
-    """Two model directories compared block by block (normswap.validate.blockwise) on the inputs a
-    streamed conversion is verified on; exit 1 when a stage is outside the exact tolerance."""
+def _validate_blockwise(
+    original: str,
+    converted: str,
+    centered: bool,
+    report: Path | None,
+    in_memory: tuple[Any, Any, tuple] | None = None,
+) -> None:
+    """Two models compared block by block (normswap.validate.blockwise); exit 1 when a stage is outside
+    the exact tolerance. Two model directories are compared holding neither model, on the inputs a
+    streamed conversion is verified on; other models (``in_memory``: both models and the example
+    inputs) are held and compared on the example inputs."""
     from normswap.api.checkpoint import VERIFY_SHAPES
-    from normswap.errors import BadInputError, CheckFailedError
+    from normswap.errors import CheckFailedError
     from normswap.load.checkpoint_dir import build_on_meta, example_inputs, read_checkpoint_directory
     from normswap.validate import blockwise
 
-    paths = {"ORIGINAL": original, "CONVERTED": converted}
-    checkpoints = {}
-    for label, path in paths.items():
-        if not Path(path).is_dir():
-            raise BadInputError(f"--blockwise compares two model directories; {label} {path} is not one")
-        checkpoints[label] = read_checkpoint_directory(path)
-    meta = build_on_meta(checkpoints["ORIGINAL"])
-    inputs = [
-        example_inputs(meta, checkpoints["ORIGINAL"].config, batch=b, length=n, device="cpu")
-        for b, n in VERIFY_SHAPES
-    ]
     relate = blockwise.centered if centered else blockwise.identity
     with render.status("comparing block by block", quiet=report is not None) as say:
-        results = blockwise.verify_blockwise(
-            checkpoints["ORIGINAL"], checkpoints["CONVERTED"], inputs, relate, on_block=say
-        )
-    for (batch, length), result in zip(VERIFY_SHAPES, results, strict=True):
+        if in_memory is not None:
+            reference, candidate, pair = in_memory
+            shapes = [_shape_of(pair)]
+            results = blockwise.verify_blockwise_models(reference, candidate, [pair], relate, on_block=say)
+        else:
+            checkpoints = {
+                label: read_checkpoint_directory(path)
+                for label, path in (("ORIGINAL", original), ("CONVERTED", converted))
+            }
+            meta = build_on_meta(checkpoints["ORIGINAL"])
+            inputs = [
+                example_inputs(meta, checkpoints["ORIGINAL"].config, batch=b, length=n, device="cpu")
+                for b, n in VERIFY_SHAPES
+            ]
+            shapes = [f"{b}x{n}" for b, n in VERIFY_SHAPES]
+            results = blockwise.verify_blockwise(
+                checkpoints["ORIGINAL"], checkpoints["CONVERTED"], inputs, relate, on_block=say
+            )
+    for shape, result in zip(shapes, results, strict=True):
         verdict = "[green]PASS[/]" if result.ok else f"[red]FAIL[/] (first: {result.first_divergent})"
         render.out.print(
-            f"inputs {batch}x{length}, {result.blocks_path}: {len(result.stages)} stages, worst "
+            f"inputs {shape}, {result.blocks_path}: {len(result.stages)} stages, worst "
             f"{render.fmt_float(result.worst_rel)} x max|ref| {verdict}",
             soft_wrap=True,
         )
@@ -191,3 +211,10 @@ def _validate_blockwise(original: str, converted: str, centered: bool, report: P
     failed = [r for r in results if not r.ok]
     if failed:
         raise CheckFailedError(f"{failed[0].first_divergent} is outside the exact tolerance")
+
+
+def _shape_of(pair: tuple) -> str:
+    """The example inputs' shapes, as the report names them (``1x16``)."""
+    args, kwargs = pair
+    tensors = [t for t in (*args, *kwargs.values()) if hasattr(t, "shape")]
+    return ", ".join("x".join(str(d) for d in t.shape) for t in tensors) or "the example inputs"

@@ -124,6 +124,7 @@ class _Shell:
         self.model = build_to_load(checkpoint, config).eval()
         self.checkpoint = checkpoint
         self.blocks = blocks
+        self.last_block = f"{blocks}.0"  # the block whose output the head reads
         self._headers: dict[str, dict[str, TensorEntry]] = {}
         self.recipes = checkpoint.replaced_modules
         # modules normswap changed outside the blocks (a final norm) are put in once
@@ -180,11 +181,27 @@ class _Shell:
         return self.model.get_submodule(shell_prefix[:-1])
 
 
+class _Resident:
+    """A model held in memory, seen as a shell: its blocks are its own (no weight is copied), the head
+    reads its last block."""
+
+    def __init__(self, model: nn.Module, blocks: str, count: int) -> None:
+        self.model = model
+        self.blocks = blocks
+        self.last_block = f"{blocks}.{count - 1}"
+
+    def take_block(self, index: int) -> nn.Module:
+        return self.model.get_submodule(f"{self.blocks}.{index}")
+
+
+Shell = _Shell | _Resident
+
+
 class _Stop(Exception):
     pass
 
 
-def _block_inputs(shell: _Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def _block_inputs(shell: Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """What the model hands its first block: recorded by a hook that stops the forward there."""
     seen: dict[str, Any] = {}
 
@@ -222,7 +239,7 @@ def _first(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
-def _head(shell: _Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
+def _head(shell: Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
     """The model's output when its last block's output is ``hidden``: the shell's block is made to return
     it (same structure as the block's own output)."""
 
@@ -231,7 +248,7 @@ def _head(shell: _Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tens
             return hidden
         return (hidden, *output[1:])
 
-    block = shell.model.get_submodule(f"{shell.blocks}.0")
+    block = shell.model.get_submodule(shell.last_block)
     handle = block.register_forward_hook(replace)
     try:
         with torch.no_grad():
@@ -247,7 +264,7 @@ def _head(shell: _Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tens
 
 
 def _run_original(
-    shell: _Shell, count: int, inputs: list[tuple[tuple, dict[str, Any]]], say: Callable[[str], None]
+    shell: Shell, count: int, inputs: list[tuple[tuple, dict[str, Any]]], say: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     """Every block's input and output, and the model's output, of the original on each input."""
     shell.take_block(0)
@@ -282,14 +299,54 @@ def verify_blockwise(
     The original runs first, through all its blocks, keeping each block's input and output (activations
     are small beside weights); its shell is then dropped and the converted model runs block by block on
     those inputs. So one model's shell is in memory at a time, and each block is read once."""
-    say = on_block or (lambda _: None)
     meta = build_on_meta(original)
     blocks, count = find_blocks(meta)
     del meta
-    shell = _Shell(original, blocks)
+    return _compare(
+        lambda: _Shell(original, blocks), lambda: _Shell(converted, blocks), count, inputs, relate, on_block
+    )
+
+
+def verify_blockwise_models(
+    original: nn.Module,
+    converted: nn.Module,
+    inputs: list[tuple[tuple, dict[str, Any]]],
+    relate: Relate = identity,
+    on_block: Callable[[str], None] | None = None,
+) -> list[BlockwiseReport]:
+    """:func:`verify_blockwise` for two models in memory (the same model class, or the same list of
+    blocks): every block of ``converted`` runs on the original's activation of that block, so the first
+    block outside the exact tolerance is named, and an error does not carry over to later blocks."""
+    blocks, count = find_blocks(original)
+    if find_blocks(converted) != (blocks, count):
+        theirs = find_blocks(converted)
+        raise BadInputError(
+            f"the models' blocks differ: ORIGINAL has {count} in {blocks}, CONVERTED {theirs[1]} in {theirs[0]}"
+        )
+    return _compare(
+        lambda: _Resident(original, blocks, count),
+        lambda: _Resident(converted, blocks, count),
+        count,
+        inputs,
+        relate,
+        on_block,
+    )
+
+
+def _compare(
+    make_original: Callable[[], Shell],
+    make_converted: Callable[[], Shell],
+    count: int,
+    inputs: list[tuple[tuple, dict[str, Any]]],
+    relate: Relate,
+    on_block: Callable[[str], None] | None,
+) -> list[BlockwiseReport]:
+    say = on_block or (lambda _: None)
+    shell = make_original()
+    blocks = shell.blocks
     runs = _run_original(shell, count, inputs, say)
     del shell
-    shell = _Shell(converted, blocks)
+    shell = make_converted()
     shell.take_block(0)
     reports = []
     for run, (args, kwargs) in zip(runs, inputs, strict=True):

@@ -219,8 +219,21 @@ def test_validate_blockwise_compares_two_directories(dirs, tmp_path):
     # compared as it is, the recentered stream differs from the original's from the embeddings on
     raw = runner.invoke(app, argv)
     assert raw.exit_code == 1 and "first: embeddings" in raw.output
-    not_dirs = runner.invoke(app, ["validate", str(dirs["opt"]), "x.pt2", "--blockwise"])
-    assert not_dirs.exit_code == 2 and "compares two model directories" in not_dirs.output
+
+
+def test_validate_blockwise_compares_a_directory_with_a_model_in_memory(dirs, tmp_path):
+    pickled = tmp_path / "rms.pt"
+    done = runner.invoke(app, ["convert", str(dirs["opt"]), "--to", "rmsnorm", "--exact", "-o", str(pickled)])
+    assert done.exit_code == 0, done.output
+    argv = ["validate", str(dirs["opt"]), str(pickled), "--trust-pickle", "--blockwise", "--centered"]
+    report = tmp_path / "report.json"
+    through = runner.invoke(app, [*argv, "--report", str(report)])
+    assert through.exit_code == 0, through.output
+    stages = json.loads(report.read_text())["blockwise"]
+    assert [len(s["stages"]) for s in stages] == [4] and all(s["ok"] for s in stages)
+    assert "model.decoder.layers (2 blocks)" in through.output
+    raw = runner.invoke(app, argv[:-1])  # without --centered the stream differs from the embeddings on
+    assert raw.exit_code == 1 and "first: embeddings" in raw.output
 
 
 def test_a_killed_run_leaves_no_directory_that_looks_complete(dirs, tmp_path):

@@ -267,7 +267,9 @@ def _weight_init_skipped() -> Iterator[None]:
     while buffers computed in ``__init__`` (rotary frequencies, position ids) are computed as usual.
     Initializing the weights of a 4096-wide OPT shell only to overwrite them took 8 s and 1.2 GB of
     float32 temporaries; without it, 1.5 s. Where transformers has no such context, weights are
-    initialized as before."""
+    initialized as before. The context swaps torch's init functions for no-ops only while it is open
+    (transformers' doing, undone on exit, also on error), around the model's construction alone, on
+    the thread that builds it: no other normswap thread runs then."""
     try:
         from transformers.initialization import no_init_weights
     except ImportError:

@@ -130,6 +130,18 @@ def read_tensor(path: str | Path, entry: TensorEntry, out: torch.Tensor | None =
     return out
 
 
+def fill_tensor(path: str | Path, name: str, entry: TensorEntry, target: torch.Tensor) -> torch.Tensor:
+    """Load one stored tensor into ``target`` (a model's parameter or buffer) and return it: read
+    straight into its memory when its layout allows, else read and copied (cast) in; BadInputError for
+    a shape that differs from the stored one."""
+    if tuple(target.shape) != entry.shape:
+        raise BadInputError(f"{path}: {name} has shape {list(entry.shape)}, the model {list(target.shape)}")
+    with torch.no_grad():
+        if target.is_contiguous() and target.dtype == DTYPES[entry.dtype]:
+            return read_tensor(path, entry, out=target)
+        return target.copy_(read_tensor(path, entry))
+
+
 class ShardWriter:
     """A safetensors file laid out in advance: ``layout`` lists (name, dtype name, shape) in file order.
 

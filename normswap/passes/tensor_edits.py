@@ -123,10 +123,10 @@ def _fold_in_slices(
     slice_elements: int = 1 << 19,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`fold_affine_into_linear` on slices of output features, written over ``weight`` itself, so
-    that the group holds the weight once and float64 temporaries of a slice (4 MB, which stay in the CPU's
-    cache), not of the weight: an LM head of 32000 x 4096 would need 2 GB of them at once. Each output feature's row is computed
-    whole from its own values, read before they are written, so the result is the same as on the whole
-    weight."""
+    that the group holds the weight once and float64 temporaries of a slice (4 MB, which stay in the
+    CPU's cache), not of the weight: an LM head of 32000 x 4096 would need 2 GB of them at once. Each
+    output feature's row is computed whole from its own values, read before they are written, so the
+    result is the same as on the whole weight."""
     out_dim = 1 - in_dim
     rows = weight.shape[out_dim]
     step = max(1, slice_elements // max(1, weight.numel() // max(1, rows)))

@@ -40,7 +40,7 @@ from normswap.load.checkpoint_dir import (
     replace_recorded,
     transformers_config,
 )
-from normswap.load.safetensors_io import DTYPES, TensorEntry, read_header, read_tensor
+from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header
 from normswap.validate.metrics import TensorComparison, compare_tensors
 
 Relate = Callable[[torch.Tensor], torch.Tensor]
@@ -159,15 +159,7 @@ class _Shell:
                 if shard not in self._headers:
                     self._headers[shard] = read_header(self.checkpoint.path / shard)[0]
                 entry = self._headers[shard][name]
-                first = targets[0]
-                if tuple(first.shape) != entry.shape:
-                    raise BadInputError(f"{self.checkpoint.path}: {name} has shape {list(entry.shape)}")
-                if first.is_contiguous() and first.dtype == DTYPES[entry.dtype]:
-                    read_tensor(self.checkpoint.path / shard, entry, out=first)  # no copy in between
-                    value = first
-                else:
-                    value = read_tensor(self.checkpoint.path / shard, entry)
-                    first.copy_(value)
+                value = fill_tensor(self.checkpoint.path / shard, name, entry, targets[0])
                 for target in targets[1:]:
                     target.copy_(value)
 
@@ -318,8 +310,8 @@ def verify_blockwise_models(
     blocks): every block of ``converted`` runs on the original's activation of that block, so the first
     block outside the exact tolerance is named, and an error does not carry over to later blocks."""
     blocks, count = find_blocks(original)
-    if find_blocks(converted) != (blocks, count):
-        theirs = find_blocks(converted)
+    theirs = find_blocks(converted)
+    if theirs != (blocks, count):
         raise BadInputError(
             f"the models' blocks differ: ORIGINAL has {count} in {blocks}, CONVERTED {theirs[1]} in {theirs[0]}"
         )

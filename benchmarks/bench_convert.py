@@ -6,10 +6,11 @@ Four figures, each against the cheapest way to do the same work without normswap
               counted): a .pt output, a .pt2 output, --exact, --fold-bn, and an ONNX output
     gpt2      the whole `convert --to rmsnorm --exact -o out.pt2` process on 24- and 48-layer GPT-2
               configs (n_embd 256) vs a process that builds the model, exports it once and saves the
-              program; and how the command's time grows from 24 to 48 layers
+              program, static and with the batch and sequence dims dynamic as normswap saves it; and how
+              the command's time grows from 24 to 48 layers
     resnet50  `--fold-bn` on torchvision resnet50: the fold call vs torch.fx's `fuse()` in one process,
-              and the whole command vs a process that builds, fuses with fx, compares the outputs once
-              and saves the program
+              and the whole command vs a process that builds, fuses with fx, compares the outputs on the
+              inputs normswap checks and saves the program
     memory    the peak RSS of an exact LayerNorm -> RMSNorm pipeline on a GPT-2 of GPT-2 small's shapes
               above what its process held once the model was built, in units of the model's weight bytes
               (the converted model is 1x; what is above it is a copy the engine did not need)
@@ -95,24 +96,39 @@ def resnet18() -> Any:
 # --- the baselines, each run as its own process ---------------------------------------------------
 
 
-def _baseline_export(factory: str, out: str) -> None:
-    """Build, export once, save the program: the least a .pt2 output can cost."""
+def _baseline_export(factory: str, out: str, dynamic: bool = False) -> None:
+    """Build, export once, save the program: the least a .pt2 output can cost. ``dynamic``: with the
+    batch and sequence dims free, as normswap saves a .pt2 (``Dim.AUTO`` on every dim of the token ids),
+    so that both sides write a program of the same use."""
     import torch
 
     model, args, kwargs = (*globals()[factory](), {})[:3]
-    program = torch.export.export(model, args, kwargs=kwargs, strict=False)
+    shapes = None
+    if dynamic:
+        auto = torch.export.Dim.AUTO
+        shapes = {name: {i: auto for i in range(value.ndim)} for name, value in kwargs.items()}
+    program = torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=shapes, strict=False)
     torch.export.save(program, out)
 
 
+# The inputs `convert --fold-bn` checks resnet50's fold on (its report's "input_variants": the example,
+# batch 2 and two other image sizes), which the hand-made process checks too: the same validation work on
+# both sides.
+_RESNET50_CHECKED = ((1, 3, 224, 224), (2, 3, 224, 224), (1, 3, 56, 56), (1, 3, 316, 316))
+
+
 def _baseline_fx_fold(out: str) -> None:
-    """Build resnet50, fold its BNs with torch.fx, compare the outputs once, export and save."""
+    """Build resnet50, fold its BNs with torch.fx, compare the outputs on the inputs normswap checks,
+    export and save."""
     import torch
     from torch.fx.experimental.optimization import fuse
 
     model, args = resnet50()
     folded = fuse(model)
     with torch.no_grad():
-        torch.testing.assert_close(folded(*args), model(*args), rtol=1e-4, atol=1e-4)
+        for shape in _RESNET50_CHECKED:
+            x = torch.rand(shape)
+            torch.testing.assert_close(folded(x), model(x), rtol=1e-4, atol=1e-4)
     torch.export.save(torch.export.export(folded, args, strict=False), out)
 
 
@@ -234,12 +250,15 @@ def bench_gpt2(repeats: int, tmp: str, against: str | None = None) -> dict[str, 
         commands = {
             "convert": (_normswap("convert", f"{HERE}:gpt2", "--to", "rmsnorm", "--exact", "-o", out), env),
             "build+export+save": (baseline, env),
+            "build+export dynamic+save": ([*baseline, "dynamic"], env),
         }
         one = figures[layers] = _alternate(_against(commands, against), repeats)
         one["ratio"] = one["convert"]["median_s"] / one["build+export+save"]["median_s"]
+        one["ratio_dynamic"] = one["convert"]["median_s"] / one["build+export dynamic+save"]["median_s"]
         print(
             f"gpt2 {layers} layers: convert {one['convert']['median_s']:.1f} s, build+export+save "
-            f"{one['build+export+save']['median_s']:.1f} s, ratio {one['ratio']:.2f}x"
+            f"{one['build+export+save']['median_s']:.1f} s (ratio {one['ratio']:.2f}x), with dynamic shapes "
+            f"{one['build+export dynamic+save']['median_s']:.1f} s (ratio {one['ratio_dynamic']:.2f}x)"
             + (f"; against: {one['convert (against)']['median_s']:.1f} s" if against else "")
         )
     figures["growth_24_to_48"] = figures[48]["convert"]["median_s"] / figures[24]["convert"]["median_s"]
@@ -350,7 +369,7 @@ def main() -> None:
         help="a folder put first on PYTHONPATH for a second run of each command (an earlier checkout)",
     )
     parser.add_argument("--count-exports", help=argparse.SUPPRESS)
-    parser.add_argument("--baseline-export", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-export", nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--baseline-fx-fold", help=argparse.SUPPRESS)
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -358,7 +377,8 @@ def main() -> None:
         print(json.dumps(count_exports(options.count_exports)))
         return
     if options.baseline_export:
-        _baseline_export(*options.baseline_export)
+        factory, out, *dynamic = options.baseline_export
+        _baseline_export(factory, out, dynamic=dynamic == ["dynamic"])
         return
     if options.baseline_fx_fold:
         _baseline_fx_fold(options.baseline_fx_fold)

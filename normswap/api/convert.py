@@ -148,8 +148,11 @@ def convert(
         check_inputs_fit(model, args, kwargs)
         # Captured once, before the work: it tells whether the output format can be written at all (a
         # .pt2 or .onnx is an export), and the first pass analyzes this same graph.
-        say("capturing a graph of the model (torch.export)")
-        captured = capture_graph(model, args, kwargs)
+        say("capturing a graph of the model")
+        # fx where every pass reads only module-level facts (normswap.graph.fx_capture), else torch.export
+        captured = capture_graph(
+            model, args, kwargs, fx_first=bool(passes) and all(p.fx_analysis for p in passes)
+        )
         if config.output_path is not None:
             _check_writable(model, config.output_path, config.remove_weight_norm, args, kwargs, captured)
         converted, report = Pipeline(passes, exact_only=config.exact)(

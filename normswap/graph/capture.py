@@ -27,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from normswap.errors import shorten
+from normswap.graph.fx_capture import faithful_trace, trace_graph
 from normswap.util.modes import modes_restored
 
 
@@ -41,6 +42,9 @@ class CapturedGraph:
     param_names: dict[str, str] = field(default_factory=dict)
     # Settings turned off for the capture (see :func:`capture_friendly`), e.g. "use_cache=False".
     notes: list[str] = field(default_factory=list)
+    # An fx graph that ran on the example inputs: its nodes carry shapes, and it computed the model's
+    # outputs exactly (normswap.graph.fx_capture); False for a trace without inputs.
+    ran: bool = False
     # The graph's index (a GraphView), built once by normswap.graph.analysis.view_of for everyone who
     # reads this capture: discovery and every pass the capture is handed to.
     index: Any = field(default=None, repr=False, compare=False)
@@ -56,7 +60,7 @@ class CapturedGraph:
     @property
     def advice(self) -> str:
         """What a user can do about a missing or shape-less graph, as one clause."""
-        if self.method == "export":
+        if self.method == "export" or self.ran:
             return ""
         if any(e.startswith("torch.export skipped") for e in self.errors):
             return "give example inputs (--inputs or --input-shape) so that torch.export can capture it"
@@ -150,14 +154,17 @@ def capture_graph(
     example_kwargs: dict[str, Any] | None = None,
     *,
     leaf_modules: tuple[type[nn.Module], ...] = (),
+    fx_first: bool = False,
 ) -> CapturedGraph:
     """Capture an analysis graph of ``model``; never raises for an uncapturable model.
 
     torch.export needs example inputs; fx symbolic tracing does not, but fails on data-dependent
-    control flow. ``leaf_modules`` are kept opaque by the fx fallback.
+    control flow. ``leaf_modules`` are kept opaque by the fx fallback. ``fx_first``: for a reader of
+    module-level facts only (see :mod:`normswap.graph.fx_capture`), an fx graph that ran on the example
+    inputs with the model's outputs and holds no op a norm pattern reads, before trying torch.export.
     """
     with capture_friendly(model, example_args, example_kwargs) as notes:
-        return _capture(model, example_args, example_kwargs, leaf_modules, notes)
+        return _capture(model, example_args, example_kwargs, leaf_modules, notes, fx_first)
 
 
 def _capture(
@@ -166,8 +173,19 @@ def _capture(
     example_kwargs: dict[str, Any] | None,
     leaf_modules: tuple[type[nn.Module], ...],
     notes: list[str],
+    fx_first: bool,
 ) -> CapturedGraph:
     errors: list[str] = []
+    fx_declined = ""  # why the fx graph was not taken, said only when export fails too
+    if (
+        fx_first
+        and (example_args is not None or example_kwargs)
+        and not any(m.training for m in model.modules())
+    ):
+        fx_graph = _fx_with_shapes(model, tuple(example_args or ()), dict(example_kwargs or {}), leaf_modules)
+        if isinstance(fx_graph, fx.Graph):
+            return CapturedGraph(fx_graph, "fx", errors, notes=notes, ran=True)
+        fx_declined = fx_graph
     if example_args is not None or example_kwargs:
         try:
             with modes_restored(model), _quiet_export():
@@ -182,13 +200,13 @@ def _capture(
             return CapturedGraph(exported.graph, "export", errors, param_names, notes)
         except Exception as exc:  # export failures come in many types; we only report them
             errors.append(f"torch.export failed: {_short_error(exc)}")
+            if fx_declined:
+                errors.append(fx_declined)
     else:
         errors.append("torch.export skipped: no example inputs")
 
     try:
-        tracer = _LeafTracer(leaf_modules)
-        graph = tracer.trace(model)
-        return CapturedGraph(graph, "fx", errors, notes=notes)
+        return CapturedGraph(trace_graph(model, leaf_modules), "fx", errors, notes=notes)
     except Exception as exc:
         errors.append(f"fx tracing failed: {_short_error(exc)}")
     return CapturedGraph(None, None, errors, notes=notes)
@@ -295,12 +313,14 @@ def export_module(
     return program.module()
 
 
-class _LeafTracer(fx.Tracer):
-    def __init__(self, leaf_modules: tuple[type[nn.Module], ...]) -> None:
-        super().__init__()
-        self._extra_leaves = leaf_modules
+def _fx_with_shapes(
+    model: nn.Module, args: tuple, kwargs: dict[str, Any], leaf_modules: tuple[type[nn.Module], ...]
+) -> fx.Graph | str:
+    """:func:`faithful_trace` of ``model``, judged against the model's own run on the inputs."""
 
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if self._extra_leaves and isinstance(m, self._extra_leaves):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
+    def reference() -> Any:
+        with torch.no_grad():
+            return model(*args, **kwargs)
+
+    graph, why = faithful_trace(model, args, kwargs, reference, leaf_modules)
+    return graph if graph is not None else why

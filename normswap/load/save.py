@@ -239,7 +239,9 @@ def check_writable(
         problem = pickle_problem(model)
         if problem is not None:
             raise BadInputError(f"-o {path}: the model cannot be pickled ({problem}); save as .pt2 instead")
-    elif captured is not None and captured.method != "export":
+    elif captured is not None and captured.method != "export" and not captured.ran:
+        # (an fx graph that ran on the inputs says nothing of export either way: the program is
+        # exported when it is written, and an export that fails there writes nothing)
         raise BadInputError(
             f"-o {path}: a {label} file is written from a torch.export capture, and the model cannot be "
             f"captured ({captured.reason}): {captured.advice}, or save as .pt"

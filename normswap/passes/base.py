@@ -210,6 +210,10 @@ class Pass(ABC, Generic[SiteT, PlanT, StateT]):
     # at the same call sites, and change parameter values. A pass that removes a module (a folded BN
     # becomes an Identity the stale graph would still show normalizing) or restructures one leaves it False.
     keeps_capture: ClassVar[bool] = False
+    # True when the pass reads only module-level facts of a graph (which module feeds which, call counts,
+    # shared weights): a faithful fx graph then serves it as well as torch.export's, at a fraction of the
+    # cost (normswap.graph.fx_capture). Passes that read op patterns or residual streams leave it False.
+    fx_analysis: ClassVar[bool] = False
     # for an exported-graph pass: what it does, in "no example inputs: <doing> needs a captured graph"
     doing: ClassVar[str] = "this pass"
 
@@ -279,7 +283,9 @@ class Pass(ABC, Generic[SiteT, PlanT, StateT]):
             )
         if self.needs is Needs.GRAPH:
             target = model if inplace else copy_model(model)
-            ctx = build_context(target, example_args, example_kwargs, captured=captured)
+            ctx = build_context(
+                target, example_args, example_kwargs, captured=captured, fx_first=self.fx_analysis
+            )
             report.graph_method = ctx.captured.method
             report.graph_error = ctx.captured.reason
             report.graph_notes = list(ctx.captured.notes)
@@ -343,15 +349,32 @@ def build_context(
     example_kwargs: dict[str, Any] | None = None,
     *,
     captured: CapturedGraph | None = None,
+    fx_first: bool = False,
 ) -> PassContext:
-    """The context of a ``graph`` pass: a capture of ``model`` (or ``captured``) and its norms."""
-    if captured is None:
-        captured = capture_graph(model, example_args, example_kwargs)
+    """The context of a ``graph`` pass: a capture of ``model`` (or ``captured``) and its norms.
+    ``fx_first``: the pass reads module-level facts only (:attr:`Pass.fx_analysis`)."""
+    captured = usable_capture(model, example_args, example_kwargs, captured, fx_first=fx_first)
     inventory = find_norms(model, example_args, example_kwargs, captured=captured)
     view = view_of(captured) if captured.ok else None
     return PassContext(
         model, inventory, captured, view, dict(model.named_modules()), example_args, example_kwargs
     )
+
+
+def usable_capture(
+    model: nn.Module,
+    example_args: tuple | None,
+    example_kwargs: dict[str, Any] | None,
+    captured: CapturedGraph | None,
+    *,
+    fx_first: bool,
+) -> CapturedGraph:
+    """``captured`` when it can serve a pass (``fx_first``: one that reads module-level facts only), else
+    a new capture of ``model``: an fx graph taken for such a pass is no graph for one that reads op
+    patterns, which gets torch.export's."""
+    if captured is not None and (fx_first or not captured.ran):
+        return captured
+    return capture_graph(model, example_args, example_kwargs, fx_first=fx_first)
 
 
 def replace_submodule(model: nn.Module, path: str, new: nn.Module) -> None:

@@ -131,6 +131,8 @@ def _rebuild_order(site: NormSite) -> int:
 class FoldBatchNorm(Pass[NormSite, FoldPlan, None]):
     name = "fold_batchnorm"
     kind = RewriteKind.EXACT
+    # producers, readers, call counts and layer forwards: module-level facts a faithful fx graph has
+    fx_analysis = True
 
     def candidates(self, ctx: PassContext, state: None) -> list[NormSite]:
         return sorted((s for s in ctx.inventory if s.kind == "batch"), key=_rebuild_order)

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from normswap.graph.capture import CapturedGraph, capture_graph
+from normswap.graph.capture import CapturedGraph
 from normswap.modules.copying import copy_model
-from normswap.passes.base import Pass, PassReport, RewriteKind
+from normswap.passes.base import Pass, PassReport, RewriteKind, usable_capture
 from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
 from normswap.validate.metrics import TensorComparison, flatten_outputs
 from normswap.validate.variants import (
@@ -149,8 +149,9 @@ class Pipeline:
             # One capture per graph state: captured here when a pass needs one and the last is stale, and
             # handed on while the passes after it change nothing or keep it valid (Pass.keeps_capture).
             if p.reuses_capture and has_inputs:
-                if captured is None:
-                    captured = capture_graph(current, example_args, example_kwargs)
+                captured = usable_capture(
+                    current, example_args, example_kwargs, captured, fx_first=p.fx_analysis
+                )
                 current, pass_report = p(
                     current, example_args, example_kwargs, inplace=True, captured=captured
                 )

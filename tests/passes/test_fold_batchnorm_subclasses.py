@@ -203,7 +203,7 @@ def test_a_batchnorm_does_not_fold_forward_into_a_conv_that_pads_with_zeros():
     _, report = Pipeline([FoldBatchNorm()])(model, (torch.randn(2, 3, 9, 10),))
     assert report.passes[0].changes == []
     assert _skip_reasons(report) == {
-        "0": "next layer 1 (_PaddedConv) pads its input with zeros in its forward (pad): zero padding does "
+        "0": "next layer 1 (_PaddedConv) pads its input with zeros in its forward (1.pad): zero padding does "
         "not commute with the BatchNorm's shift"
     }
 

@@ -128,7 +128,8 @@ def _baseline_fx_fold(out: str) -> None:
     with torch.no_grad():
         for shape in _RESNET50_CHECKED:
             x = torch.rand(shape)
-            torch.testing.assert_close(folded(x), model(x), rtol=1e-4, atol=1e-4)
+            want = model(x)  # within 1e-4 x max|ref|, normswap's fp32 rule for a fold's rounding
+            torch.testing.assert_close(folded(x), want, rtol=0, atol=1e-4 * float(want.abs().max()))
     torch.export.save(torch.export.export(folded, args, strict=False), out)
 
 

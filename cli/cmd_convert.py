@@ -204,6 +204,7 @@ def _stream(model: str, output: Path, config: Any, report: Path | None) -> None:
             fold_norm_affine=config.fold_norm_affine,
             to=config.to,
             exact=config.exact,
+            fold_bn=config.fold_bn,
             on_step=say,
         )
     render.print_streamed(result)

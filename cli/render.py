@@ -197,6 +197,13 @@ def print_streamed(result: Any) -> None:
             f"{fmt_float(check.worst_rel)} x max|ref| [green]PASS[/]",
             soft_wrap=True,
         )
+    if result.fold_checks:
+        worst = max(check.max_rel for check in result.fold_checks)
+        out.print(
+            f"verified {len(result.fold_checks)} folded layers against their BatchNorms on random inputs, worst "
+            f"{fmt_float(worst)} x max|ref| [green]PASS[/]",
+            soft_wrap=True,
+        )
     if result.recorded_modules:
         out.print(
             f"  {len(result.recorded_modules)} modules recorded in normswap.json: load it with normswap"

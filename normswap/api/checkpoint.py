@@ -23,7 +23,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from normswap.load.save import reserve_temp_dir
 from normswap.passes.base import PassReport
 from normswap.passes.tensor_edits import EditPlan, TensorEdit, plan_edits
 from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise
+from normswap.validate.metrics import TensorComparison
 
 # The inputs a streamed result is verified on: (batch, length) of token ids, two shapes so that a
 # rewrite right on one sequence length only is caught.
@@ -70,6 +71,8 @@ class StreamedConversion:
     copied_files: list[str] = field(default_factory=list)
     not_copied: list[str] = field(default_factory=list)
     verification: list[BlockwiseReport] = field(default_factory=list)
+    # --fold-bn: each folded layer against the BatchNorm and layer it replaces, on random inputs
+    fold_checks: list[TensorComparison] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -84,6 +87,7 @@ class StreamedConversion:
             "copied_files": self.copied_files,
             "not_copied": self.not_copied,
             "verification": [report.to_dict() for report in self.verification],
+            "fold_checks": [asdict(check) for check in self.fold_checks],
         }
 
 
@@ -98,19 +102,22 @@ def _layout(
 ) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
     """Output shard -> (name, dtype, shape) in file order: the input's tensors where they were (those the
     index lists), and each new tensor after the tensor it copies."""
-    new_after: dict[str, list[str]] = {}
+    new_after: dict[str, list[tuple[str, tuple[int, ...] | None]]] = {}
     for edit in plan.edits:
         for name, source in edit.new.items():
-            new_after.setdefault(source, []).append(name)
+            new_after.setdefault(source, []).append((name, None))
+        for name, (anchor, shape) in edit.creates.items():
+            new_after.setdefault(anchor, []).append((name, shape))
+    dropped = plan.drops
     layout: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
     for shard in checkpoint.shards:
         entries = headers[shard][0]
         rows = []
         for name, entry in sorted(entries.items(), key=lambda kv: kv[1].start):
-            if checkpoint.weight_map.get(name) != shard:
-                continue  # a tensor the index does not list is not part of the model
+            if checkpoint.weight_map.get(name) != shard or name in dropped:
+                continue  # a tensor the index does not list is not part of the model; a dropped one leaves it
             rows.append((name, entry.dtype, entry.shape))
-            rows += [(new, entry.dtype, entry.shape) for new in new_after.get(name, [])]
+            rows += [(new, entry.dtype, shape or entry.shape) for new, shape in new_after.get(name, [])]
         layout[shard] = rows
     return layout
 
@@ -265,19 +272,23 @@ def convert_checkpoint(
     fold_norm_affine: bool = False,
     to: str | None = None,
     exact: bool = False,
+    fold_bn: bool = False,
     on_step: Callable[[str], None] | None = None,
 ) -> StreamedConversion:
     """Stream one exact rewrite of the model directory ``source`` into the new directory ``output``, and
     verify it block by block against ``source`` before it takes its name.
 
-    ``fold_norm_affine=True``, or ``to="rmsnorm", exact=True``. Nothing is written when a LayerNorm that
-    ``to`` asked for cannot be made RMSNorm exactly (:class:`CheckFailedError`, the report says why) or
-    when the verification finds a block outside the exact tolerance. Memory: the largest edit group
-    plus the meta model and its graph; the verification holds one model's embeddings, head and block."""
+    ``fold_norm_affine=True``, ``fold_bn=True``, or ``to="rmsnorm", exact=True``. Nothing is written when
+    a LayerNorm that ``to`` asked for cannot be made RMSNorm exactly (:class:`CheckFailedError`, the
+    report says why) or when the verification finds a block outside the exact tolerance. Memory: the
+    largest edit group plus the meta model and its graph; the verification holds one model's
+    embeddings, head and block. A BatchNorm fold is verified group by group instead (each folded
+    layer's function against the BN and layer it replaces: :func:`check_folds`), which needs no list
+    of blocks: the convolutional models that hold BatchNorms have none of one class."""
     say = on_step or (lambda _: None)
     from normswap.passes.tensor_edits import streamable
 
-    why = streamable(fold_norm_affine, to, exact, [])
+    why = streamable(fold_norm_affine, to, exact, [], fold_bn=fold_bn)
     if why is not None:
         raise BadInputError(f"cannot stream this conversion: {why}")
     output = Path(output)
@@ -291,7 +302,16 @@ def convert_checkpoint(
     model = build_on_meta(checkpoint)
     args, kwargs = example_inputs(model, checkpoint.config)
     stored = set(checkpoint.weight_map)
-    plan = plan_edits(model, args, kwargs, stored, fold_norm_affine=fold_norm_affine, recenter=to is not None)
+    plan = plan_edits(
+        model,
+        args,
+        kwargs,
+        stored,
+        fold_norm_affine=fold_norm_affine,
+        recenter=to is not None,
+        fold_bn=fold_bn,
+        read=_reader(checkpoint),
+    )
     assert plan.report is not None
     # as in memory: under --exact a LayerNorm that --to rmsnorm asked for and cannot get exactly fails the
     # run; a norm whose affine cannot be folded stays as it is (the fold is exact either way)
@@ -309,20 +329,15 @@ def convert_checkpoint(
         shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
         _write_index(checkpoint, temp, shards)
         _write_config(checkpoint, temp, plan)
-        say("verifying block by block against the original")
         written = read_checkpoint_directory(temp)
-        relate = centered if to is not None else identity
-        inputs = [
-            example_inputs(model, checkpoint.config, batch=batch, length=length, device="cpu")
-            for batch, length in VERIFY_SHAPES
-        ]
-        verification = verify_blockwise(checkpoint, written, inputs, relate, on_block=say)
-        for report, (batch, length) in zip(verification, VERIFY_SHAPES, strict=True):
-            if not report.ok:
-                raise CheckFailedError(
-                    f"verification: {report.first_divergent} of the written model is outside the exact "
-                    f"tolerance on inputs {batch}x{length} (max {report.worst_rel:.3g} x max|ref|); nothing written"
-                )
+        verification: list[BlockwiseReport] = []
+        fold_checks: list[TensorComparison] = []
+        if plan.folds:
+            say(f"verifying {len(plan.folds)} folded layers against their BatchNorms")
+            fold_checks = _check_folds(checkpoint, written, plan)
+        else:
+            say("verifying block by block against the original")
+            verification = _verify_blocks(checkpoint, written, model, to, say)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
         if output.exists() or output.is_symlink():
             raise BadInputError(
@@ -347,7 +362,59 @@ def convert_checkpoint(
         copied_files=copied_files,
         not_copied=not_copied,
         verification=verification,
+        fold_checks=fold_checks,
     )
+
+
+def _verify_blocks(
+    checkpoint: CheckpointDirectory,
+    written: CheckpointDirectory,
+    model: torch.nn.Module,
+    to: str | None,
+    say: Callable[[str], None],
+) -> list[BlockwiseReport]:
+    relate = centered if to is not None else identity
+    inputs = [
+        example_inputs(model, checkpoint.config, batch=batch, length=length, device="cpu")
+        for batch, length in VERIFY_SHAPES
+    ]
+    verification = verify_blockwise(checkpoint, written, inputs, relate, on_block=say)
+    for report, (batch, length) in zip(verification, VERIFY_SHAPES, strict=True):
+        if not report.ok:
+            raise CheckFailedError(
+                f"verification: {report.first_divergent} of the written model is outside the exact "
+                f"tolerance on inputs {batch}x{length} (max {report.worst_rel:.3g} x max|ref|); nothing written"
+            )
+    return verification
+
+
+def _reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
+    """Reads one stored tensor of ``directory`` by name (each shard's header read once)."""
+    headers: dict[str, dict[str, TensorEntry]] = {}
+
+    def read(name: str) -> torch.Tensor:
+        shard = directory.weight_map[name]
+        if shard not in headers:
+            headers[shard] = read_header(directory.path / shard)[0]
+        return read_tensor(directory.path / shard, headers[shard][name])
+
+    return read
+
+
+def _check_folds(
+    checkpoint: CheckpointDirectory, written: CheckpointDirectory, plan: EditPlan
+) -> list[TensorComparison]:
+    """Each folded layer as written against the BatchNorm and layer of the input it replaces."""
+    from normswap.passes.tensor_edits_batchnorm import check_folds
+
+    checks = check_folds(plan.folds, _reader(checkpoint), _reader(written))
+    for check in checks:
+        if not check.within_tolerance:
+            raise CheckFailedError(
+                f"verification: {check.name} as written is outside the exact tolerance ({check.max_rel:.3g} x "
+                f"max|ref|, tolerance {check.tolerance:g}); nothing written"
+            )
+    return checks
 
 
 def _available_memory() -> int | None:
@@ -372,7 +439,6 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
     other = [
         flag
         for flag, on in (
-            ("--fold-bn", config.fold_bn),
             ("--fuse-add", config.fuse_add),
             ("--fuse-inline", config.fuse_inline),
             ("--add-weight-norm", config.add_weight_norm is not None),
@@ -384,9 +450,9 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
         )
         if on
     ]
-    from normswap.passes.tensor_edits import streamable
+    from normswap.passes.tensor_edits import STREAMED, streamable
 
-    why = streamable(config.fold_norm_affine, config.to, config.exact, other)
+    why = streamable(config.fold_norm_affine, config.to, config.exact, other, fold_bn=config.fold_bn)
     if why is None:
         return None
     checkpoint = read_checkpoint_directory(source)
@@ -394,6 +460,6 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
     if available is not None and need > available:
         raise BadInputError(
             f"{source}: {why}, and converting in memory needs about {_gb(need)} ({_gb(available)} available); "
-            "streamed rewrites: --fold-norm-affine, --to rmsnorm --exact"
+            f"streamed rewrites: {STREAMED}"
         )
     return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)"

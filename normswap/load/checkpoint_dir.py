@@ -402,6 +402,16 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
     return model.eval()
 
 
+# The image size given to a convolutional vision model whose config fixes none (HF's ResNet, RegNet,
+# MobileNet: they take any size): ImageNet's, which every such architecture's strides divide.
+_ANY_IMAGE_SIZE = 224
+
+
+def _convolutional(vision: dict[str, Any]) -> bool:
+    """A vision config of a convolutional net that fixes no input size (stages of conv widths)."""
+    return any(key in vision for key in ("hidden_sizes", "depths", "depth_multiplier"))
+
+
 def example_inputs(
     model: nn.Module,
     config: dict[str, Any],
@@ -411,7 +421,8 @@ def example_inputs(
     device: torch.device | str | None = None,
 ) -> tuple[tuple, dict[str, Any]]:
     """Inputs that a model of this directory takes, made from its config: ``batch`` x ``length`` token ids
-    (any vocab id) for a text model, ``batch`` images of the configured size for a vision model, on
+    (any vocab id) for a text model, ``batch`` images of the configured size for a vision model (224 for a
+    convolutional one whose config fixes no size), on
     ``device`` (default: the model's). BadInputError otherwise."""
     if device is None:
         device = next((t.device for t in model.parameters()), torch.device("cpu"))
@@ -424,6 +435,8 @@ def example_inputs(
         ids = torch.randint(0, text["vocab_size"], (batch, length), generator=generator)
         return (), {"input_ids": ids.to(device)}
     size, channels = vision.get("image_size"), vision.get("num_channels", 3)
+    if name == "pixel_values" and size is None and _convolutional(vision):
+        size = _ANY_IMAGE_SIZE
     if name == "pixel_values" and size is not None:
         height, width = (size, size) if isinstance(size, int) else tuple(size)
         dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)

@@ -87,9 +87,16 @@ def _module_guard(site: NormSite, bn: nn.Module) -> str | None:
             f"{class_name(bn)} does not keep its statistics and affine as per-channel vectors named "
             "running_mean, running_var, weight, bias"
         )
-    var = bn.running_var.detach().double() + bn_eps(site, bn)
+    if bn.running_var.is_meta:
+        return None  # a model on the meta device (a streamed checkpoint): its stream reads the values
+    return bn_statistics_problem(bn.running_mean, bn.running_var, bn_eps(site, bn))
+
+
+def bn_statistics_problem(running_mean: torch.Tensor, running_var: torch.Tensor, eps: float) -> str | None:
+    """Why statistics of these values make no affine map to fold, or None."""
+    var = running_var.detach().double() + eps
     if not bool(torch.isfinite(var).all() and (var > 0).all()) or not bool(
-        torch.isfinite(bn.running_mean).all()
+        torch.isfinite(running_mean).all()
     ):
         return "BatchNorm statistics are not finite with running_var + eps > 0: it is no affine map to fold"
     return None

@@ -19,6 +19,10 @@ Groups, per rewrite:
   tensor and ``tie_word_embeddings`` becomes false. Each LayerNorm becomes normswap's RMSNorm with the
   same eps, weight and bias, recorded as a module recipe.
 
+- ``--fold-bn`` (:class:`~normswap.passes.fold_batchnorm.FoldBatchNorm`): one BatchNorm with the Conv or
+  Linear it folds into (:mod:`normswap.passes.tensor_edits_batchnorm`); the BN's tensors leave the
+  output and both modules are recorded as recipes.
+
 Other rewrites do not stream: :func:`streamable` says why.
 """
 
@@ -36,6 +40,7 @@ from normswap.passes.base import Change, PassReport, Refusal, Skip, build_contex
 from normswap.passes.fold_norm_affine import AffinePlan, FoldNormAffine, fold_affine_into_linear
 from normswap.passes.recenter_layernorm import RecenterLayerNorm, center_along
 from normswap.passes.swap_norm import build_norm
+from normswap.passes.tensor_edits_batchnorm import FoldedGroup, plan_batchnorm_folds
 
 Tensors = dict[str, torch.Tensor]
 
@@ -54,6 +59,11 @@ class TensorEdit:
     writes: tuple[str, ...]
     new: dict[str, str] = field(default_factory=dict)
     copies: dict[str, str] = field(default_factory=dict)
+    # computed tensors the input does not store, of a shape of their own: name -> (the stored tensor after
+    # which it is written and whose dtype it takes, its shape); a folded BN's layer gaining a bias
+    creates: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    # stored tensors the output does not keep (a folded BN's statistics and affine)
+    drops: tuple[str, ...] = ()
 
 
 @dataclass
@@ -65,6 +75,8 @@ class EditPlan:
     recorded: dict[str, Any] = field(default_factory=dict)
     config_changes: dict[str, Any] = field(default_factory=dict)
     report: PassReport | None = None
+    # --fold-bn: each group's function, checked on the written output (tensor_edits_batchnorm.check_folds)
+    folds: list[FoldedGroup] = field(default_factory=list)
 
     @property
     def writes(self) -> set[str]:
@@ -72,21 +84,37 @@ class EditPlan:
         return {name for edit in self.edits for name in edit.writes}
 
     @property
+    def drops(self) -> set[str]:
+        """Stored tensors the output does not keep."""
+        return {name for edit in self.edits for name in edit.drops}
+
+    @property
     def copies(self) -> dict[str, str]:
         """New tensor -> the stored tensor whose input bytes it takes."""
         return {new: source for edit in self.edits for new, source in edit.copies.items()}
 
 
-def streamable(fold_norm_affine: bool, to: str | None, exact: bool, other: list[str]) -> str | None:
-    """Why a conversion cannot stream (None when it can): exactly one of ``--fold-norm-affine`` and
-    ``--to rmsnorm --exact``, nothing else."""
+STREAMED = "--fold-norm-affine, --fold-bn or --to rmsnorm --exact"
+
+
+def streamable(
+    fold_norm_affine: bool, to: str | None, exact: bool, other: list[str], *, fold_bn: bool = False
+) -> str | None:
+    """Why a conversion cannot stream (None when it can): exactly one of ``--fold-norm-affine``,
+    ``--fold-bn`` and ``--to rmsnorm --exact``, nothing else."""
     if other:
         return f"{', '.join(other)} does not stream yet"
     asked = [
-        n for n, on in (("--fold-norm-affine", fold_norm_affine), ("--to rmsnorm", to is not None)) if on
+        n
+        for n, on in (
+            ("--fold-norm-affine", fold_norm_affine),
+            ("--fold-bn", fold_bn),
+            ("--to rmsnorm", to is not None),
+        )
+        if on
     ]
     if len(asked) != 1:
-        return "a stream runs one rewrite: --fold-norm-affine or --to rmsnorm --exact"
+        return f"a stream runs one rewrite: {STREAMED}"
     if to is not None and to != "rmsnorm":
         return f"--to {to} does not stream (--fold-norm-affine and --to rmsnorm --exact do)"
     if to is not None and not exact:
@@ -290,12 +318,36 @@ def plan_edits(
     *,
     fold_norm_affine: bool = False,
     recenter: bool = False,
+    fold_bn: bool = False,
+    read: Callable[[str], torch.Tensor] | None = None,
 ) -> EditPlan:
     """The edit groups of one exact rewrite of ``model`` (on the meta device), whose checkpoint stores the
-    tensors named in ``stored``. The pass's own checks decide every site, on the captured graph."""
+    tensors named in ``stored``. The pass's own checks decide every site, on the captured graph; ``read``
+    gives a stored tensor by name, for the checks that need values (BatchNorm statistics)."""
+    if [fold_norm_affine, recenter, fold_bn].count(True) != 1:
+        raise ValueError("plan one rewrite: fold_norm_affine, recenter or fold_bn")
     ctx = build_context(model, example_args, example_kwargs)
-    if fold_norm_affine == recenter:
-        raise ValueError("plan one rewrite: fold_norm_affine or recenter")
     if fold_norm_affine:
         return _plan_fold(model, ctx, stored)
+    if fold_bn:
+        if read is None:
+            raise ValueError("fold_bn reads the stored BatchNorm statistics: give read")
+        return _plan_fold_bn(model, ctx, stored, read)
     return _plan_recenter(model, ctx, stored)
+
+
+def _plan_fold_bn(
+    model: nn.Module, ctx: Any, stored: set[str], read: Callable[[str], torch.Tensor]
+) -> EditPlan:
+    def make_edit(
+        label: str,
+        reads: tuple[str, ...],
+        compute: Callable[[Tensors], Tensors],
+        writes: tuple[str, ...],
+        creates: dict[str, tuple[str, tuple[int, ...]]],
+        drops: tuple[str, ...],
+    ) -> TensorEdit:
+        return TensorEdit(label, reads, compute, writes, creates=creates, drops=drops)
+
+    edits, groups, recorded, report = plan_batchnorm_folds(model, ctx, stored, make_edit, read)
+    return EditPlan(edits=edits, recorded=recorded, report=report, folds=groups)

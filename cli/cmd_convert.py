@@ -205,6 +205,9 @@ def _stream(model: str, output: Path, config: Any, report: Path | None) -> None:
             to=config.to,
             exact=config.exact,
             fold_bn=config.fold_bn,
+            add_weight_norm=config.add_weight_norm,
+            weight_norm_dim=config.weight_norm_dim,
+            remove_weight_norm=config.remove_weight_norm,
             on_step=say,
         )
     render.print_streamed(result)

@@ -171,7 +171,7 @@ def _validate_blockwise(
     the exact tolerance. Two model directories are compared holding neither model, on the inputs a
     streamed conversion is verified on; other models (``in_memory``: both models and the example
     inputs) are held and compared on the example inputs."""
-    from normswap.api.checkpoint import VERIFY_SHAPES
+    from normswap.api.checkpoint_checks import VERIFY_SHAPES
     from normswap.errors import CheckFailedError
     from normswap.load.checkpoint_dir import build_on_meta, example_inputs, read_checkpoint_directory
     from normswap.validate import blockwise

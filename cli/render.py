@@ -200,7 +200,7 @@ def print_streamed(result: Any) -> None:
     if result.fold_checks:
         worst = max(check.max_rel for check in result.fold_checks)
         out.print(
-            f"verified {len(result.fold_checks)} folded layers against their BatchNorms on random inputs, worst "
+            f"verified {len(result.fold_checks)} rewritten layers against the originals on random inputs, worst "
             f"{fmt_float(worst)} x max|ref| [green]PASS[/]",
             soft_wrap=True,
         )

@@ -139,3 +139,55 @@ def test_a_layer_recipe_with_bad_arguments_is_refused():
         bad = {"class": "Conv2d", "kwargs": {**good["kwargs"], key: value}}
         with pytest.raises(ValueError, match=reason):
             build_from_recipe(bad)
+
+
+@pytest.mark.parametrize(
+    ("make", "x"),
+    [
+        (
+            lambda: nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 6, 3, padding=1, groups=2), dim=2),
+            torch.randn(2, 4, 9),
+        ),
+        (lambda: nn.utils.parametrizations.weight_norm(nn.Linear(5, 3)), torch.randn(4, 5)),
+        (
+            lambda: nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 4, 3, bias=False), dim=None),
+            torch.randn(1, 3, 6, 6),
+        ),
+    ],
+)
+def test_a_weight_normed_layer_is_recorded_with_its_dim_and_built_back(make, x):
+    torch.manual_seed(0)
+    layer = make()
+    recipe = module_recipe(layer)
+    assert recipe is not None and recipe["weight_norm"] == {"dim": layer.parametrizations.weight[0].dim}
+    built = build_from_recipe(recipe)
+    assert built.state_dict().keys() == layer.state_dict().keys()
+    built.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        assert torch.equal(built(x), layer(x))
+    # a plain layer's recipe has no weight_norm; another parametrization stacked on it has no recipe at all
+    assert "weight_norm" not in module_recipe(nn.Linear(5, 3))
+
+    class Double(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+    nn.utils.parametrize.register_parametrization(layer, "weight", Double())
+    assert module_recipe(layer) is None
+
+
+@pytest.mark.parametrize(
+    ("weight_norm", "reason"),
+    [
+        ({"dim": 2}, r"weight_norm dim must be an int in \[-1, 2\), got 2"),
+        ({"dim": True}, r"weight_norm dim must be an int in \[-1, 2\), got True"),
+        ({"dim": 0, "code": "x"}, r"weight_norm must be \{'dim': DIM\}"),
+        ("all", r"weight_norm must be \{'dim': DIM\}"),
+    ],
+)
+def test_a_weight_norm_recipe_from_a_file_is_checked(weight_norm, reason):
+    recipe = {**module_recipe(nn.Linear(5, 3)), "weight_norm": weight_norm}
+    with pytest.raises(ValueError, match=reason):
+        build_from_recipe(recipe)
+    with pytest.raises(ValueError, match="weight_norm is for Linear, Conv1d, Conv2d, Conv3d, not 'Identity'"):
+        build_from_recipe({"class": "Identity", "kwargs": {}, "weight_norm": {"dim": 0}})

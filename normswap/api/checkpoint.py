@@ -21,7 +21,7 @@ import os
 import shutil
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from normswap.api.checkpoint_checks import check_rewritten_layers, reader, verify_blocks
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError, CheckFailedError, describe
 from normswap.load.checkpoint_dir import (
@@ -47,12 +48,9 @@ from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, 
 from normswap.load.save import reserve_temp_dir
 from normswap.passes.base import PassReport
 from normswap.passes.tensor_edits import EditPlan, TensorEdit, plan_edits
-from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise
+from normswap.passes.tensor_edits_weight_norm import WeightNormValueError
+from normswap.validate.blockwise import BlockwiseReport
 from normswap.validate.metrics import TensorComparison
-
-# The inputs a streamed result is verified on: (batch, length) of token ids, two shapes so that a
-# rewrite right on one sequence length only is caught.
-VERIFY_SHAPES = ((1, 16), (2, 5))
 
 
 @dataclass
@@ -114,10 +112,15 @@ def _layout(
         entries = headers[shard][0]
         rows = []
         for name, entry in sorted(entries.items(), key=lambda kv: kv[1].start):
-            if checkpoint.weight_map.get(name) != shard or name in dropped:
-                continue  # a tensor the index does not list is not part of the model; a dropped one leaves it
-            rows.append((name, entry.dtype, entry.shape))
-            rows += [(new, entry.dtype, shape or entry.shape) for new, shape in new_after.get(name, [])]
+            if checkpoint.weight_map.get(name) != shard:
+                continue  # a tensor the index does not list is not part of the model
+            if name not in dropped:
+                rows.append((name, entry.dtype, entry.shape))
+            # new tensors go where the tensor they follow was, also when it leaves the output
+            rows += [
+                (new, entry.dtype, entry.shape if shape is None else shape)
+                for new, shape in new_after.get(name, [])
+            ]
         layout[shard] = rows
     return layout
 
@@ -273,22 +276,36 @@ def convert_checkpoint(
     to: str | None = None,
     exact: bool = False,
     fold_bn: bool = False,
+    add_weight_norm: str | Sequence[str] | None = None,
+    weight_norm_dim: int | str | None = "output",
+    remove_weight_norm: bool = False,
     on_step: Callable[[str], None] | None = None,
 ) -> StreamedConversion:
     """Stream one exact rewrite of the model directory ``source`` into the new directory ``output``, and
     verify it block by block against ``source`` before it takes its name.
 
-    ``fold_norm_affine=True``, ``fold_bn=True``, or ``to="rmsnorm", exact=True``. Nothing is written when
+    ``fold_norm_affine=True``, ``fold_bn=True``, ``add_weight_norm`` (``"all"`` or module paths, along
+    ``weight_norm_dim``), ``remove_weight_norm=True``, or ``to="rmsnorm", exact=True``. Nothing is written when
     a LayerNorm that ``to`` asked for cannot be made RMSNorm exactly (:class:`CheckFailedError`, the
     report says why) or when the verification finds a block outside the exact tolerance. Memory: the
     largest edit group plus the meta model and its graph; the verification holds one model's
     embeddings, head and block. A BatchNorm fold is verified group by group instead (each folded
     layer's function against the BN and layer it replaces: :func:`check_folds`), which needs no list
-    of blocks: the convolutional models that hold BatchNorms have none of one class."""
+    of blocks: the convolutional models that hold BatchNorms have none of one class; a layer given or
+    relieved of weight norm is verified layer by layer the same way."""
     say = on_step or (lambda _: None)
     from normswap.passes.tensor_edits import streamable
 
-    why = streamable(fold_norm_affine, to, exact, [], fold_bn=fold_bn)
+    adding = add_weight_norm is not None
+    why = streamable(
+        fold_norm_affine,
+        to,
+        exact,
+        [],
+        fold_bn=fold_bn,
+        add_weight_norm=adding,
+        remove_weight_norm=remove_weight_norm,
+    )
     if why is not None:
         raise BadInputError(f"cannot stream this conversion: {why}")
     output = Path(output)
@@ -300,7 +317,9 @@ def convert_checkpoint(
     headers = _headers(checkpoint)
     say("analyzing the model built on the meta device (no weights read)")
     model = build_on_meta(checkpoint)
-    args, kwargs = example_inputs(model, checkpoint.config)
+    weight_norm = _weight_norm_pass(add_weight_norm, weight_norm_dim, remove_weight_norm)
+    # a weight-norm pass reads parameters only: no graph, so no inputs (an audio model's are not made)
+    args, kwargs = ((), {}) if weight_norm is not None else example_inputs(model, checkpoint.config)
     stored = set(checkpoint.weight_map)
     plan = plan_edits(
         model,
@@ -310,7 +329,8 @@ def convert_checkpoint(
         fold_norm_affine=fold_norm_affine,
         recenter=to is not None,
         fold_bn=fold_bn,
-        read=_reader(checkpoint),
+        read=reader(checkpoint),
+        weight_norm=weight_norm,
     )
     assert plan.report is not None
     # as in memory: under --exact a LayerNorm that --to rmsnorm asked for and cannot get exactly fails the
@@ -332,12 +352,12 @@ def convert_checkpoint(
         written = read_checkpoint_directory(temp)
         verification: list[BlockwiseReport] = []
         fold_checks: list[TensorComparison] = []
-        if plan.folds:
-            say(f"verifying {len(plan.folds)} folded layers against their BatchNorms")
-            fold_checks = _check_folds(checkpoint, written, plan)
+        if plan.folds or plan.layers:
+            say(f"verifying {len(plan.folds) + len(plan.layers)} rewritten layers against the originals")
+            fold_checks = check_rewritten_layers(checkpoint, written, plan)
         else:
             say("verifying block by block against the original")
-            verification = _verify_blocks(checkpoint, written, model, to, say)
+            verification = verify_blocks(checkpoint, written, model, to, say)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
         if output.exists() or output.is_symlink():
             raise BadInputError(
@@ -347,6 +367,9 @@ def convert_checkpoint(
     except OSError as exc:
         shutil.rmtree(temp, ignore_errors=True)
         raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None
+    except WeightNormValueError as exc:  # a layer's values, found when its group was read
+        shutil.rmtree(temp, ignore_errors=True)
+        raise CheckFailedError(f"--add-weight-norm: {exc}; nothing written") from None
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -366,55 +389,12 @@ def convert_checkpoint(
     )
 
 
-def _verify_blocks(
-    checkpoint: CheckpointDirectory,
-    written: CheckpointDirectory,
-    model: torch.nn.Module,
-    to: str | None,
-    say: Callable[[str], None],
-) -> list[BlockwiseReport]:
-    relate = centered if to is not None else identity
-    inputs = [
-        example_inputs(model, checkpoint.config, batch=batch, length=length, device="cpu")
-        for batch, length in VERIFY_SHAPES
-    ]
-    verification = verify_blockwise(checkpoint, written, inputs, relate, on_block=say)
-    for report, (batch, length) in zip(verification, VERIFY_SHAPES, strict=True):
-        if not report.ok:
-            raise CheckFailedError(
-                f"verification: {report.first_divergent} of the written model is outside the exact "
-                f"tolerance on inputs {batch}x{length} (max {report.worst_rel:.3g} x max|ref|); nothing written"
-            )
-    return verification
+def _weight_norm_pass(add: str | Sequence[str] | None, dim: int | str | None, remove: bool) -> Any:
+    if remove:
+        from normswap.passes import RemoveWeightNorm
 
-
-def _reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
-    """Reads one stored tensor of ``directory`` by name (each shard's header read once)."""
-    headers: dict[str, dict[str, TensorEntry]] = {}
-
-    def read(name: str) -> torch.Tensor:
-        shard = directory.weight_map[name]
-        if shard not in headers:
-            headers[shard] = read_header(directory.path / shard)[0]
-        return read_tensor(directory.path / shard, headers[shard][name])
-
-    return read
-
-
-def _check_folds(
-    checkpoint: CheckpointDirectory, written: CheckpointDirectory, plan: EditPlan
-) -> list[TensorComparison]:
-    """Each folded layer as written against the BatchNorm and layer of the input it replaces."""
-    from normswap.passes.tensor_edits_batchnorm import check_folds
-
-    checks = check_folds(plan.folds, _reader(checkpoint), _reader(written))
-    for check in checks:
-        if not check.within_tolerance:
-            raise CheckFailedError(
-                f"verification: {check.name} as written is outside the exact tolerance ({check.max_rel:.3g} x "
-                f"max|ref|, tolerance {check.tolerance:g}); nothing written"
-            )
-    return checks
+        return RemoveWeightNorm()
+    return None if add is None else ConvertConfig(add_weight_norm=add, weight_norm_dim=dim).weight_norm_pass()
 
 
 def _available_memory() -> int | None:
@@ -441,8 +421,6 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
         for flag, on in (
             ("--fuse-add", config.fuse_add),
             ("--fuse-inline", config.fuse_inline),
-            ("--add-weight-norm", config.add_weight_norm is not None),
-            ("--remove-weight-norm", config.remove_weight_norm),
             ("--calibrate", config.calibration_data is not None),
             ("--from", config.from_kinds is not None),
             ("--allow-lossy", config.allow_lossy),
@@ -452,7 +430,15 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
     ]
     from normswap.passes.tensor_edits import STREAMED, streamable
 
-    why = streamable(config.fold_norm_affine, config.to, config.exact, other, fold_bn=config.fold_bn)
+    why = streamable(
+        config.fold_norm_affine,
+        config.to,
+        config.exact,
+        other,
+        fold_bn=config.fold_bn,
+        add_weight_norm=config.add_weight_norm is not None,
+        remove_weight_norm=config.remove_weight_norm,
+    )
     if why is None:
         return None
     checkpoint = read_checkpoint_directory(source)

@@ -108,11 +108,6 @@ class ConvertConfig:
                     f"{flag} makes the model an exported torch.fx GraphModule, which a model directory cannot "
                     f"hold: save {output} as .pt2 or .onnx"
                 )
-            if self.add_weight_norm is not None:
-                raise BadInputError(
-                    f"--add-weight-norm makes parametrized modules, which a model directory cannot record: "
-                    f"save {output} as .pt2 or .onnx"
-                )
             return
         if output.suffix not in SAVE_FORMATS:
             raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
@@ -163,7 +158,8 @@ class ConvertConfig:
         if self.fuse_inline and to != "fused":
             raise BadInputError("--fuse-inline fuses norms inside other forwards: give --to fused")
 
-    def _weight_norm_pass(self) -> Pass:
+    def weight_norm_pass(self) -> Pass:
+        """The AddWeightNorm pass ``add_weight_norm`` and ``weight_norm_dim`` ask for."""
         from normswap.passes import AddWeightNorm
 
         targets = self.add_weight_norm
@@ -213,7 +209,7 @@ class ConvertConfig:
         if self.fold_norm_affine:
             passes.append(FoldNormAffine())
         if self.add_weight_norm is not None:
-            passes.append(self._weight_norm_pass())
+            passes.append(self.weight_norm_pass())
         # Graph rewrites come last: every module edit must be done on the user's module first. Norms are
         # fused before adds are fused into them.
         if self.fuse_inline:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -422,7 +423,7 @@ def example_inputs(
 ) -> tuple[tuple, dict[str, Any]]:
     """Inputs that a model of this directory takes, made from its config: ``batch`` x ``length`` token ids
     (any vocab id) for a text model, ``batch`` images of the configured size for a vision model (224 for a
-    convolutional one whose config fixes no size), on
+    convolutional one whose config fixes no size), raw audio for ``length`` frames for a speech encoder, on
     ``device`` (default: the model's). BadInputError otherwise."""
     if device is None:
         device = next((t.device for t in model.parameters()), torch.device("cpu"))
@@ -445,6 +446,12 @@ def example_inputs(
             device, dtype
         )
         return (), {"pixel_values": pixels}
+    if name == "input_values" and isinstance(config.get("conv_stride"), list):
+        # raw audio (wav2vec2, HuBERT): enough samples for ``length`` frames after the conv feature encoder
+        samples = (length + 1) * math.prod(config["conv_stride"]) + sum(config.get("conv_kernel") or [])
+        dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
+        audio = torch.randn(batch, samples, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        return (), {"input_values": audio}
     raise BadInputError(
         f"cannot make example inputs for a model whose main input is {name!r} from its config: give --inputs "
         "or --input-shape"

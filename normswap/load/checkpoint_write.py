@@ -156,6 +156,21 @@ class DirectoryPlan:
     neutral: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def _same_class(stock: nn.Module, module: nn.Module) -> bool:
+    """The same class, or the same class parametrized alike: torch gives every parametrized module a class
+    of its own (``ParametrizedConv1d``), so two weight-normed convs never share one."""
+    from torch.nn.utils import parametrize
+
+    from normswap.modules.recipes import module_recipe
+
+    if type(stock) is type(module):
+        return True
+    if not (parametrize.is_parametrized(stock) and parametrize.is_parametrized(module)):
+        return False
+    recipe = module_recipe(module)
+    return recipe is not None and recipe == module_recipe(stock)
+
+
 def plan_directory(model: nn.Module) -> DirectoryPlan:
     """Compare the converted model with what its config builds, module by module (class and own tensor
     names), and say how each difference is written. BadInputError when one cannot be: a class without
@@ -170,7 +185,7 @@ def plan_directory(model: nn.Module) -> DirectoryPlan:
         if any(name.startswith(parent + ".") for parent in plan.recorded):
             continue  # inside a recorded module: built with it
         original = stock.get(name)
-        same_class = original is not None and type(original) is type(module)
+        same_class = original is not None and _same_class(original, module)
         if same_class and set(_own_tensors(original)) == set(_own_tensors(module)):
             continue
         if original is not None and name:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _WeightNorm, weight_norm
 
 from normswap.kernels.reference import CASTING_MODES
 from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm, FusedLayerNorm, FusedRMSNorm
@@ -40,40 +42,37 @@ RECIPE_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 
+def _weight_norm_dim(module: nn.Module) -> int | None:
+    """The dim of a weight norm that is a module's only parametrization (of its ``weight``), else None."""
+    parametrizations = getattr(module, "parametrizations", None)
+    if parametrizations is None or set(parametrizations) != {"weight"}:
+        return None
+    stack = list(parametrizations["weight"])
+    if len(stack) != 1 or not isinstance(stack[0], _WeightNorm):
+        return None
+    return int(stack[0].dim)
+
+
 def module_recipe(module: nn.Module) -> dict[str, Any] | None:
     """``{"class": NAME, "kwargs": {...}}`` that :func:`build_from_recipe` turns back into a module like
-    ``module`` (its tensors aside), or None when its class has no recipe."""
+    ``module`` (its tensors aside), or None when its class has no recipe. A Conv or Linear whose weight
+    is weight-normed (``parametrizations.weight_norm``, nothing else stacked) adds
+    ``"weight_norm": {"dim": DIM}``."""
+    if parametrize.is_parametrized(module):
+        dim = _weight_norm_dim(module)
+        base = type(module).__bases__[0]  # torch subclasses the module's class to parametrize it
+        if dim is None or base not in _LAYERS:
+            return None
+        plain = _layer_recipe(base, module)
+        return {**plain, "weight_norm": {"dim": dim}}
     cls = type(module)
     name = cls.__name__
     if RECIPE_CLASSES.get(name) is not cls:
         return None
     if cls is nn.Identity:
         return {"class": name, "kwargs": {}}
-    if cls is nn.Linear:
-        return {
-            "class": name,
-            "kwargs": {
-                "in_features": module.in_features,
-                "out_features": module.out_features,
-                "bias": module.bias is not None,
-            },
-        }
     if cls in _LAYERS:
-        padding = module.padding if isinstance(module.padding, str) else list(module.padding)
-        return {
-            "class": name,
-            "kwargs": {
-                "in_channels": module.in_channels,
-                "out_channels": module.out_channels,
-                "kernel_size": list(module.kernel_size),
-                "stride": list(module.stride),
-                "padding": padding,
-                "dilation": list(module.dilation),
-                "groups": module.groups,
-                "bias": module.bias is not None,
-                "padding_mode": module.padding_mode,
-            },
-        }
+        return _layer_recipe(cls, module)
     if (getattr(module, "_weight_key", "weight"), getattr(module, "_bias_key", "bias")) != ("weight", "bias"):
         return None  # a fused norm keeping a hand-written norm's own names ("gain"): not a plain class
     kwargs: dict[str, Any] = {
@@ -87,6 +86,33 @@ def module_recipe(module: nn.Module) -> dict[str, Any] | None:
     if isinstance(module, _CHANNEL_NORMS):
         kwargs["channel_dim"] = module.channel_dim
     return {"class": name, "kwargs": kwargs}
+
+
+def _layer_recipe(cls: type[nn.Module], module: nn.Module) -> dict[str, Any]:
+    if cls is nn.Linear:
+        return {
+            "class": cls.__name__,
+            "kwargs": {
+                "in_features": module.in_features,
+                "out_features": module.out_features,
+                "bias": module.bias is not None,
+            },
+        }
+    padding = module.padding if isinstance(module.padding, str) else list(module.padding)
+    return {
+        "class": cls.__name__,
+        "kwargs": {
+            "in_channels": module.in_channels,
+            "out_channels": module.out_channels,
+            "kernel_size": list(module.kernel_size),
+            "stride": list(module.stride),
+            "padding": padding,
+            "dilation": list(module.dilation),
+            "groups": module.groups,
+            "bias": module.bias is not None,
+            "padding_mode": module.padding_mode,
+        },
+    }
 
 
 def _check_shape(value: Any) -> list[int]:
@@ -183,14 +209,29 @@ def _layer_kwargs(cls: type[nn.Module], kwargs: Mapping[str, Any]) -> dict[str, 
     }
 
 
+def _weight_norm_recipe_dim(value: Any, ndim: int) -> int:
+    if not isinstance(value, Mapping) or set(value) != {"dim"}:
+        raise ValueError(f"weight_norm must be {{'dim': DIM}}, got {value!r:.80}")
+    dim = value["dim"]
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -1 <= dim < ndim:
+        raise ValueError(f"weight_norm dim must be an int in [-1, {ndim}), got {dim!r:.80}")
+    return dim
+
+
 def build_from_recipe(
     recipe: Any, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> nn.Module:
     """The module a recipe describes, with fresh tensors of ``dtype`` on ``device``; ValueError, with
     the reason, for anything but a recipe :func:`module_recipe` could have written."""
-    if not isinstance(recipe, Mapping) or set(recipe) != {"class", "kwargs"}:
+    if not isinstance(recipe, Mapping) or set(recipe) - {"weight_norm"} != {"class", "kwargs"}:
         raise ValueError(f"a module recipe is {{'class': NAME, 'kwargs': {{...}}}}, got {recipe!r:.200}")
     name, kwargs = recipe["class"], recipe["kwargs"]
+    if "weight_norm" in recipe:
+        module = build_from_recipe({"class": name, "kwargs": kwargs}, device=device, dtype=dtype)
+        if type(module) not in _LAYERS:
+            raise ValueError(f"weight_norm is for {', '.join(c.__name__ for c in _LAYERS)}, not {name!r:.80}")
+        dim = _weight_norm_recipe_dim(recipe["weight_norm"], module.weight.ndim)
+        return weight_norm(module, "weight", dim=dim)
     cls = RECIPE_CLASSES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"unknown module class {name!r:.80} (known: {', '.join(sorted(RECIPE_CLASSES))})")

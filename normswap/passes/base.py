@@ -271,16 +271,7 @@ class Pass(ABC, Generic[SiteT, PlanT, StateT]):
         recorded as a skip of the whole model) when an exported graph cannot be had."""
         if self.needs is Needs.PARAMETERS:
             target = model if inplace else copy_model(model)
-            nothing = CapturedGraph(graph=None, method=None)
-            return PassContext(
-                target,
-                NormInventory([], nothing),
-                nothing,
-                None,
-                dict(target.named_modules()),
-                example_args,
-                example_kwargs,
-            )
+            return parameters_context(target, example_args, example_kwargs)
         if self.needs is Needs.GRAPH:
             target = model if inplace else copy_model(model)
             ctx = build_context(
@@ -341,6 +332,22 @@ def capture_refusal(ctx: PassContext, unknown: str) -> Refusal:
     errors = f" ({ctx.captured.reason})" if ctx.captured.reason else ""
     advice = f": {ctx.captured.advice}" if ctx.captured.advice else ""
     return Refusal(f"{how}{errors}, so {unknown} is unknown{advice}", SkipCause.CAPTURE)
+
+
+def parameters_context(
+    model: nn.Module, example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None
+) -> PassContext:
+    """The context of a ``parameters`` pass: the model's modules, no graph and no norm inventory."""
+    nothing = CapturedGraph(graph=None, method=None)
+    return PassContext(
+        model,
+        NormInventory([], nothing),
+        nothing,
+        None,
+        dict(model.named_modules()),
+        example_args,
+        example_kwargs,
+    )
 
 
 def build_context(

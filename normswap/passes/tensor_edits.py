@@ -22,6 +22,8 @@ Groups, per rewrite:
 - ``--fold-bn`` (:class:`~normswap.passes.fold_batchnorm.FoldBatchNorm`): one BatchNorm with the Conv or
   Linear it folds into (:mod:`normswap.passes.tensor_edits_batchnorm`); the BN's tensors leave the
   output and both modules are recorded as recipes.
+- ``--add-weight-norm`` / ``--remove-weight-norm``: one layer's weight, as ``g`` and ``v`` or back
+  (:mod:`normswap.passes.tensor_edits_weight_norm`); the layer is recorded as a recipe.
 
 Other rewrites do not stream: :func:`streamable` says why.
 """
@@ -41,6 +43,8 @@ from normswap.passes.fold_norm_affine import AffinePlan, FoldNormAffine, fold_af
 from normswap.passes.recenter_layernorm import RecenterLayerNorm, center_along
 from normswap.passes.swap_norm import build_norm
 from normswap.passes.tensor_edits_batchnorm import FoldedGroup, plan_batchnorm_folds
+from normswap.passes.tensor_edits_weight_norm import WeightNormGroup, plan_weight_norm
+from normswap.passes.weight_norm import AddWeightNorm, RemoveWeightNorm
 
 Tensors = dict[str, torch.Tensor]
 
@@ -77,6 +81,8 @@ class EditPlan:
     report: PassReport | None = None
     # --fold-bn: each group's function, checked on the written output (tensor_edits_batchnorm.check_folds)
     folds: list[FoldedGroup] = field(default_factory=list)
+    # weight norm added or removed: each layer, checked on the written output (check_layers)
+    layers: list[WeightNormGroup] = field(default_factory=list)
 
     @property
     def writes(self) -> set[str]:
@@ -94,14 +100,22 @@ class EditPlan:
         return {new: source for edit in self.edits for new, source in edit.copies.items()}
 
 
-STREAMED = "--fold-norm-affine, --fold-bn or --to rmsnorm --exact"
+STREAMED = "--fold-norm-affine, --fold-bn, --add-weight-norm, --remove-weight-norm or --to rmsnorm --exact"
 
 
 def streamable(
-    fold_norm_affine: bool, to: str | None, exact: bool, other: list[str], *, fold_bn: bool = False
+    fold_norm_affine: bool,
+    to: str | None,
+    exact: bool,
+    other: list[str],
+    *,
+    fold_bn: bool = False,
+    add_weight_norm: bool = False,
+    remove_weight_norm: bool = False,
 ) -> str | None:
     """Why a conversion cannot stream (None when it can): exactly one of ``--fold-norm-affine``,
-    ``--fold-bn`` and ``--to rmsnorm --exact``, nothing else."""
+    ``--fold-bn``, ``--add-weight-norm``, ``--remove-weight-norm`` and ``--to rmsnorm --exact``, nothing
+    else."""
     if other:
         return f"{', '.join(other)} does not stream yet"
     asked = [
@@ -109,6 +123,8 @@ def streamable(
         for n, on in (
             ("--fold-norm-affine", fold_norm_affine),
             ("--fold-bn", fold_bn),
+            ("--add-weight-norm", add_weight_norm),
+            ("--remove-weight-norm", remove_weight_norm),
             ("--to rmsnorm", to is not None),
         )
         if on
@@ -320,12 +336,16 @@ def plan_edits(
     recenter: bool = False,
     fold_bn: bool = False,
     read: Callable[[str], torch.Tensor] | None = None,
+    weight_norm: AddWeightNorm | RemoveWeightNorm | None = None,
 ) -> EditPlan:
     """The edit groups of one exact rewrite of ``model`` (on the meta device), whose checkpoint stores the
     tensors named in ``stored``. The pass's own checks decide every site, on the captured graph; ``read``
     gives a stored tensor by name, for the checks that need values (BatchNorm statistics)."""
-    if [fold_norm_affine, recenter, fold_bn].count(True) != 1:
-        raise ValueError("plan one rewrite: fold_norm_affine, recenter or fold_bn")
+    if [fold_norm_affine, recenter, fold_bn, weight_norm is not None].count(True) != 1:
+        raise ValueError("plan one rewrite: fold_norm_affine, recenter, fold_bn or weight_norm")
+    if weight_norm is not None:  # a parameters pass: no graph
+        edits, layers, recorded, report = plan_weight_norm(model, weight_norm, stored, _make_edit)
+        return EditPlan(edits=edits, recorded=recorded, report=report, layers=layers)
     ctx = build_context(model, example_args, example_kwargs)
     if fold_norm_affine:
         return _plan_fold(model, ctx, stored)
@@ -336,18 +356,19 @@ def plan_edits(
     return _plan_recenter(model, ctx, stored)
 
 
+def _make_edit(
+    label: str,
+    reads: tuple[str, ...],
+    compute: Callable[[Tensors], Tensors],
+    writes: tuple[str, ...],
+    creates: dict[str, tuple[str, tuple[int, ...]]],
+    drops: tuple[str, ...],
+) -> TensorEdit:
+    return TensorEdit(label, reads, compute, writes, creates=creates, drops=drops)
+
+
 def _plan_fold_bn(
     model: nn.Module, ctx: Any, stored: set[str], read: Callable[[str], torch.Tensor]
 ) -> EditPlan:
-    def make_edit(
-        label: str,
-        reads: tuple[str, ...],
-        compute: Callable[[Tensors], Tensors],
-        writes: tuple[str, ...],
-        creates: dict[str, tuple[str, tuple[int, ...]]],
-        drops: tuple[str, ...],
-    ) -> TensorEdit:
-        return TensorEdit(label, reads, compute, writes, creates=creates, drops=drops)
-
-    edits, groups, recorded, report = plan_batchnorm_folds(model, ctx, stored, make_edit, read)
+    edits, groups, recorded, report = plan_batchnorm_folds(model, ctx, stored, _make_edit, read)
     return EditPlan(edits=edits, recorded=recorded, report=report, folds=groups)

@@ -88,6 +88,24 @@ def weight_from_weight_norm(g: torch.Tensor, v: torch.Tensor, dim: int) -> torch
     return torch._weight_norm(v.detach().double(), g.detach().double(), dim).to(v.dtype)
 
 
+def weight_norm_problem(weight: torch.Tensor, dim: int) -> str | None:
+    """Why weight norm along ``dim`` cannot take over ``weight`` exactly (None when it can): an all-zero
+    slice (``v / ||v||`` divides by zero), or ``g * v / ||v||`` in the weight's dtype missing it."""
+    g = weight_norm_magnitude(weight, dim)
+    zeros = int((g == 0).sum())
+    if zeros:
+        what = (
+            "the whole weight is" if g.numel() == 1 else f"{zeros} of {g.numel()} slices along dim {dim} are"
+        )
+        return f"{what} all zeros: v / ||v|| would divide by zero"
+    # what the parametrization will compute on every forward, in the weight's own dtype
+    rebuilt = torch._weight_norm(weight.detach(), g.to(weight.dtype), dim)
+    rel = _max_rel(rebuilt, weight)
+    if rel > exact_tolerance(weight.dtype):
+        return f"g * v / ||v|| misses the weight by {rel:.3g} x max|w| in {weight.dtype}"
+    return None
+
+
 # --- finding weight norms ---------------------------------------------------------------------------
 
 
@@ -228,21 +246,10 @@ class AddWeightNorm(Pass[LayerSite, AddPlan, None]):
         dim = self._dim(layer)
         if isinstance(dim, str):
             return dim
-        g = weight_norm_magnitude(weight, dim)
-        zeros = int((g == 0).sum())
-        if zeros:
-            what = (
-                "the whole weight is"
-                if g.numel() == 1
-                else f"{zeros} of {g.numel()} slices along dim {dim} are"
-            )
-            return f"{what} all zeros: v / ||v|| would divide by zero"
-        # what the parametrization will compute on every forward, in the weight's own dtype
-        rebuilt = torch._weight_norm(weight.detach(), g.to(weight.dtype), dim)
-        rel = _max_rel(rebuilt, weight)
-        if rel > exact_tolerance(weight.dtype):
-            return f"g * v / ||v|| misses the weight by {rel:.3g} x max|w| in {weight.dtype}"
-        return AddPlan(site, dim)
+        if weight.is_meta:
+            return AddPlan(site, dim)  # a streamed checkpoint: its stream checks the values
+        problem = weight_norm_problem(weight, dim)
+        return problem if problem is not None else AddPlan(site, dim)
 
     def apply(self, plan: AddPlan, ctx: PassContext, state: None) -> Change:
         site, dim = plan.site, plan.dim

@@ -167,7 +167,7 @@ def test_the_cli_streams_a_fold_and_says_how_it_was_checked(tmp_path):
     result = runner.invoke(app, ["convert", str(source), "--fold-bn", "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert "fold_batchnorm (exact, streamed): 12 changed, 0 skipped" in result.output
-    assert "verified 12 folded layers against their BatchNorms" in result.output
+    assert "verified 12 rewritten layers against the originals" in result.output
     assert "converting in memory" not in result.output
     # with another rewrite beside it, it is not one stream: in memory, and said so
     both = runner.invoke(
@@ -175,6 +175,6 @@ def test_the_cli_streams_a_fold_and_says_how_it_was_checked(tmp_path):
     )
     assert both.exit_code == 0, both.output
     assert (
-        "note: a stream runs one rewrite: --fold-norm-affine, --fold-bn or --to rmsnorm --exact: converting in memory"
+        "note: a stream runs one rewrite: --fold-norm-affine, --fold-bn, --add-weight-norm, --remove-weight-norm or --to rmsnorm --exact: converting in memory"
         in " ".join(both.output.split())
     )

@@ -1,0 +1,75 @@
+"""The checks a streamed checkpoint passes before it takes its name: block by block against the original
+(:func:`verify_blocks`), or layer by layer where the rewrite is local to a layer (:func:`check_rewritten_layers`:
+a folded BatchNorm, weight norm added or removed)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from normswap.errors import CheckFailedError
+from normswap.load.checkpoint_dir import CheckpointDirectory, example_inputs
+from normswap.load.safetensors_io import TensorEntry, read_header, read_tensor
+from normswap.passes.tensor_edits import EditPlan
+from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise
+from normswap.validate.metrics import TensorComparison
+
+# The inputs a streamed result is verified on: (batch, length) of token ids, two shapes so that a
+# rewrite right on one sequence length only is caught.
+VERIFY_SHAPES = ((1, 16), (2, 5))
+
+
+def verify_blocks(
+    checkpoint: CheckpointDirectory,
+    written: CheckpointDirectory,
+    model: torch.nn.Module,
+    to: str | None,
+    say: Callable[[str], None],
+) -> list[BlockwiseReport]:
+    relate = centered if to is not None else identity
+    inputs = [
+        example_inputs(model, checkpoint.config, batch=batch, length=length, device="cpu")
+        for batch, length in VERIFY_SHAPES
+    ]
+    verification = verify_blockwise(checkpoint, written, inputs, relate, on_block=say)
+    for report, (batch, length) in zip(verification, VERIFY_SHAPES, strict=True):
+        if not report.ok:
+            raise CheckFailedError(
+                f"verification: {report.first_divergent} of the written model is outside the exact "
+                f"tolerance on inputs {batch}x{length} (max {report.worst_rel:.3g} x max|ref|); nothing written"
+            )
+    return verification
+
+
+def reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
+    """Reads one stored tensor of ``directory`` by name (each shard's header read once)."""
+    headers: dict[str, dict[str, TensorEntry]] = {}
+
+    def read(name: str) -> torch.Tensor:
+        shard = directory.weight_map[name]
+        if shard not in headers:
+            headers[shard] = read_header(directory.path / shard)[0]
+        return read_tensor(directory.path / shard, headers[shard][name])
+
+    return read
+
+
+def check_rewritten_layers(
+    checkpoint: CheckpointDirectory, written: CheckpointDirectory, plan: EditPlan
+) -> list[TensorComparison]:
+    """Each rewritten layer as written against what it replaces in the input (a folded BatchNorm and
+    its layer; a layer before weight norm was added or removed), on random inputs."""
+    from normswap.passes.tensor_edits_batchnorm import check_folds
+    from normswap.passes.tensor_edits_weight_norm import check_layers
+
+    original, output = reader(checkpoint), reader(written)
+    checks = check_folds(plan.folds, original, output)
+    checks += check_layers(plan.layers, original, output, set(checkpoint.weight_map))
+    for check in checks:
+        if not check.within_tolerance:
+            raise CheckFailedError(
+                f"verification: {check.name} as written is outside the exact tolerance ({check.max_rel:.3g} x "
+                f"max|ref|, tolerance {check.tolerance:g}); nothing written"
+            )
+    return checks

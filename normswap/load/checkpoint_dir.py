@@ -369,8 +369,8 @@ def _describe_mismatch(info: dict[str, Any]) -> str:
 def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
     """Build the stock model, put the recorded modules in, and load every tensor from the shards into it:
     each model tensor exactly once from the files (tied tensors through their one stored name), nothing
-    left over, shapes and dtypes as stored."""
-    from safetensors import safe_open
+    left over, shapes as stored."""
+    from normswap.load.safetensors_io import fill_tensor, read_header
 
     model = build_to_load(checkpoint)
     replace_recorded(model, checkpoint, device="cpu")
@@ -387,19 +387,13 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
         raise BadInputError(
             f"{checkpoint.path}: the weights do not match the model: {_describe_mismatch(info)}"
         )
-    with torch.no_grad():
-        for shard in checkpoint.shards:
-            with safe_open(str(checkpoint.path / shard), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
-                    if checkpoint.weight_map.get(name) != shard:
-                        continue
-                    value, target = handle.get_tensor(name), expected[name]
-                    if value.shape != target.shape:
-                        raise BadInputError(
-                            f"{checkpoint.path / shard}: {name} has shape {tuple(value.shape)}, the model "
-                            f"{tuple(target.shape)}"
-                        )
-                    target.copy_(value)
+    # the one way normswap loads a stored tensor into a model's (the verification shells use it too):
+    # read straight into the tensor's memory where its layout allows
+    for shard in checkpoint.shards:
+        entries, _ = read_header(checkpoint.path / shard)
+        for name, entry in entries.items():
+            if checkpoint.weight_map.get(name) == shard:
+                fill_tensor(checkpoint.path / shard, name, entry, expected[name])
     return model.eval()
 
 

@@ -7,6 +7,7 @@ with an index, and a tokenizer file beside them."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -99,3 +100,25 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def token_ids() -> torch.Tensor:
     return torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3))
+
+
+def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors shards, by name."""
+    from safetensors.torch import load_file
+
+    found: dict[str, torch.Tensor] = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        found.update(load_file(shard))
+    return found
+
+
+def convert_in_memory(source: Path, options: dict, output: Path) -> Any:
+    """What the in-memory route does with ``source`` (loaded, converted with ``options``, saved to the
+    directory ``output``), for comparison with a stream: its ConversionResult."""
+    from normswap import ConvertConfig, convert, save
+    from normswap.load import load_model
+
+    loaded = load_model(str(source))
+    result = convert(loaded.model, ConvertConfig(**options), loaded.example_args, loaded.example_kwargs)
+    save(result, output, source=loaded.checkpoint)
+    return result

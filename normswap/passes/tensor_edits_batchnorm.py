@@ -42,7 +42,7 @@ from normswap.validate.metrics import TensorComparison, compare_tensors
 
 Tensors = dict[str, torch.Tensor]
 # The layer classes a recipe rebuilds: a subclass with a forward of its own would lose it.
-_STREAM_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+STREAM_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
 
 
@@ -89,7 +89,7 @@ def _unstreamable(plan: FoldPlan, layer: nn.Module | None) -> str | None:
     if not is_identity(tail):
         kept = " and ".join(name for name, m in tail if not isinstance(m, nn.Identity))
         return f"its {kept} would stay after the fold, in a module a stream does not record"
-    if type(layer) not in _STREAM_LAYERS:
+    if type(layer) not in STREAM_LAYERS:
         return (
             f"{layer_text(fold.layer, layer)} is not torch's own Conv1d/2d/3d or Linear: the recipe that "
             "records its new bias would lose its own forward (convert it in memory)"
@@ -119,7 +119,7 @@ def _group_of(
     if weight not in stored or (layer.bias is not None and bias not in stored):
         return f"{fold.layer}'s tensors are not in the checkpoint's files"
     recipe = module_recipe(layer)
-    assert recipe is not None  # a class of _STREAM_LAYERS has one
+    assert recipe is not None  # a class of STREAM_LAYERS has one
     recipe = {**recipe, "kwargs": {**recipe["kwargs"], "bias": True}}
     return FoldedGroup(
         site.path,
@@ -219,8 +219,9 @@ def _out_features(layer: nn.Module) -> int:
     return int(layer.weight.shape[0])
 
 
-def _probe(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A random input of the layer's width, spatially large enough for its kernel with a border."""
+def layer_probe(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A random input of a Conv or Linear layer's width, spatially large enough for its kernel with a
+    border, for a layer's check before and after a rewrite."""
     generator = torch.Generator().manual_seed(0)
     if isinstance(layer, nn.Linear):
         shape: tuple[int, ...] = (3, layer.in_features)
@@ -262,7 +263,7 @@ def check_fold(group: FoldedGroup, original: Tensors, written: Tensors) -> Tenso
             group.eps,
         )
 
-    x = _probe(group.original, dtype)
+    x = layer_probe(group.original, dtype)
     with torch.no_grad():
         reference = bn(before(x)) if group.direction == "backward" else before(bn(x))
         return compare_tensors(f"{group.bn} -> {group.layer}", reference, after(x))

@@ -34,6 +34,7 @@ from torch.nn.utils import parametrize
 
 from normswap.modules.recipes import build_from_recipe, module_recipe
 from normswap.passes.base import Change, PassReport, Refusal, Skip, parameters_context
+from normswap.passes.tensor_edits_batchnorm import STREAM_LAYERS, Tensors, layer_probe
 from normswap.passes.weight_norm import (
     AddPlan,
     AddWeightNorm,
@@ -44,9 +45,6 @@ from normswap.passes.weight_norm import (
     weight_norm_problem,
 )
 from normswap.validate.metrics import TensorComparison, compare_tensors
-
-Tensors = dict[str, torch.Tensor]
-_STREAM_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 class WeightNormValueError(ValueError):
@@ -74,7 +72,7 @@ def _base_class(module: nn.Module) -> type[nn.Module]:
 def _group(plan: AddPlan | RemovePlan, adding: bool, stored: set[str]) -> WeightNormGroup | str:
     site = plan.site
     module, path = site.module, site.module_path
-    if _base_class(module) not in _STREAM_LAYERS:
+    if _base_class(module) not in STREAM_LAYERS:
         return (
             f"{type(module).__name__} is not torch's own Conv1d/2d/3d or Linear: a recorded recipe would lose "
             "its class (convert it in memory)"
@@ -97,7 +95,7 @@ def _group(plan: AddPlan | RemovePlan, adding: bool, stored: set[str]) -> Weight
     missing = [name for name in before if name not in stored]
     if missing:
         return f"{missing[0]} is not in the checkpoint's files"
-    assert recipe is not None  # a class of _STREAM_LAYERS has one
+    assert recipe is not None  # a class of STREAM_LAYERS has one
     return WeightNormGroup(path, adding, dim, before, after, module, recipe)
 
 
@@ -185,19 +183,6 @@ def plan_weight_norm(
     return edits, groups, recorded, report
 
 
-def _probe(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(0)
-    if isinstance(layer, nn.Linear):
-        shape: tuple[int, ...] = (3, layer.in_features)
-    else:
-        spatial = [
-            (k - 1) * d + 2 * s + 5
-            for k, d, s in zip(layer.kernel_size, layer.dilation, layer.stride, strict=True)
-        ]
-        shape = (2, layer.in_channels, *spatial)
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
-
-
 def _filled(module: nn.Module, tensors: Tensors, prefix: str, dtype: torch.dtype) -> nn.Module:
     built = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
     with torch.no_grad():
@@ -226,7 +211,7 @@ def check_layers(
         dtype = original[group.before[-1]].dtype
         before = _filled(group.original, original, group.path, dtype)
         after = _filled(build_from_recipe(group.recipe, device="meta"), written, group.path, dtype)
-        x = _probe(before, dtype)
+        x = layer_probe(before, dtype)
         with torch.no_grad():
             results.append(compare_tensors(group.path, before(x), after(x)))
     return results

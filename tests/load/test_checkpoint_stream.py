@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers")
 
-from hf_dirs import logits, make_directory, rel, token_ids  # noqa: E402
+from hf_dirs import convert_in_memory, logits, make_directory, rel, token_ids  # noqa: E402
+from hf_dirs import stored_tensors as _tensors  # noqa: E402
 
-from normswap import ConvertConfig, convert, save  # noqa: E402
 from normswap.api.checkpoint import convert_checkpoint  # noqa: E402
 from normswap.errors import BadInputError, CheckFailedError  # noqa: E402
 from normswap.load import load_model  # noqa: E402
@@ -38,15 +38,6 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made = {name: make_directory(root, name) for name in ("gpt2", "llama", "opt", "phi", "gemma")}
     made["llama-bf16"] = make_directory(root, "llama", torch.bfloat16)
     return made
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    found: dict[str, torch.Tensor] = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        found.update(load_file(shard))
-    return found
 
 
 def _bytes(path: Path) -> dict[str, bytes]:
@@ -76,9 +67,8 @@ def _bytes(path: Path) -> dict[str, bytes]:
 def test_the_stream_writes_what_the_in_memory_route_writes(dirs, tmp_path, name, options):
     source = dirs[name]
     streamed = convert_checkpoint(source, tmp_path / "streamed", **options)
+    result = convert_in_memory(source, options, tmp_path / "memory")
     loaded = load_model(str(source))
-    result = convert(loaded.model, ConvertConfig(**options), loaded.example_args, loaded.example_kwargs)
-    save(result, tmp_path / "memory", source=loaded.checkpoint)
     ours, theirs = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), [

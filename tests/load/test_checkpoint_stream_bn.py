@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from hf_dirs import convert_in_memory
+from hf_dirs import stored_tensors as _tensors
 from normswap_cli.app import app
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from normswap.api import ConvertConfig, convert, save
+from normswap.api import ConvertConfig, convert
 from normswap.api.checkpoint import convert_checkpoint
 from normswap.errors import CheckFailedError
 from normswap.load import load_model
@@ -73,27 +74,19 @@ def _directory(
     return tmp_path / name, model
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        found.update(load_file(shard))
-    return found
-
-
 @pytest.mark.parametrize("name", ["resnet", "resnet-bf16", "regnet", "mobilenet_v2"])
 def test_the_streamed_fold_writes_what_the_in_memory_route_writes(tmp_path, name):
     source, model = _directory(tmp_path, name)
     assert len(list(source.glob("*.safetensors"))) > 1
     streamed = convert_checkpoint(source, tmp_path / "streamed", fold_bn=True)
-    loaded = load_model(str(source))
-    result = convert(loaded.model, ConvertConfig(fold_bn=True), loaded.example_args, loaded.example_kwargs)
-    save(result, tmp_path / "memory", source=loaded.checkpoint)
+    result = convert_in_memory(source, {"fold_bn": True}, tmp_path / "memory")
 
     ours, theirs = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
     batchnorms = [p for p, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert sorted(c.site for c in streamed.report.changes) == sorted(batchnorms) and not streamed.report.skips
+    assert sorted(c.site for c in result.report.passes[0].changes) == sorted(batchnorms)
     assert not any(k.startswith(tuple(f"{bn}." for bn in batchnorms)) for k in ours)
     # every folded layer was checked against its BatchNorm, in the stored dtype's exact tolerance
     assert len(streamed.fold_checks) == len(batchnorms)

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from hf_dirs import convert_in_memory
+from hf_dirs import stored_tensors as _tensors
 from normswap_cli.app import app
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from normswap.api import ConvertConfig, convert, save
+from normswap.api import ConvertConfig, convert
 from normswap.api.checkpoint import convert_checkpoint
 from normswap.errors import CheckFailedError
 from normswap.load import load_model
@@ -45,13 +46,6 @@ def _wav2vec2(tmp_path: Path, zero_row: str | None = None) -> tuple[Path, torch.
     return tmp_path / "w2v", model
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        found.update(load_file(shard))
-    return found
-
-
 def _logits(model: torch.nn.Module) -> torch.Tensor:
     audio = torch.randn(2, 800, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -74,9 +68,7 @@ def test_the_streamed_weight_norm_writes_what_the_in_memory_route_writes(tmp_pat
     source, model = _wav2vec2(tmp_path)
     assert len(list(source.glob("*.safetensors"))) > 1
     streamed = convert_checkpoint(source, tmp_path / "streamed", **options)
-    loaded = load_model(str(source))
-    result = convert(loaded.model, ConvertConfig(**options), loaded.example_args, loaded.example_kwargs)
-    save(result, tmp_path / "memory", source=loaded.checkpoint)
+    result = convert_in_memory(source, options, tmp_path / "memory")
 
     ours, theirs = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
     assert ours.keys() == theirs.keys()

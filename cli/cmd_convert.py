@@ -28,7 +28,7 @@ ToOpt = Annotated[
     typer.Option(
         "--to",
         help="Swap norms to this kind: rmsnorm (exact where the residual stream can be recentered, "
-        "architectural elsewhere), layernorm, batchnorm, groupnorm, instancenorm, dyt, identity "
+        "architectural elsewhere), layernorm, batchnorm, groupnorm, instancenorm, dyt, derf, identity "
         "(architectural), or fused (the same norms on normswap's fused kernels; exact).",
     ),
 ]

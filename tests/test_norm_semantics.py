@@ -271,6 +271,7 @@ def test_one_vocabulary_of_kinds():
         "groupnorm",
         "instancenorm",
         "dyt",
+        "derf",
         "identity",
     ]
     assert CONVERT_TARGETS[-1] == "fused"

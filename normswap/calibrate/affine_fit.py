@@ -9,7 +9,8 @@ produce what the original norm produced on the same batch, ``y``. With the new n
 
 over every element of that feature in every batch, and the norm's weight and bias become ``a`` and
 ``b``. A BatchNorm target first takes its running statistics from the same inputs (population mean and
-variance over the batches); a DyT target also picks its ``alpha`` from a grid by the residual of the fit.
+variance over the batches); a DyT or Derf target also fits its scalars (``alpha``; and Derf's ``shift``) to
+the residual of that fit: the best of a grid, refined by L-BFGS with the affine solved in closed form.
 Everything is fp64 inside and cast back to the parameter dtype.
 """
 
@@ -41,7 +42,8 @@ class SiteFit:
     sqnr_before_db: float
     sqnr_after_db: float
     statistics: bool = False  # running statistics re-estimated (BatchNorm targets)
-    alpha: float | None = None  # DyT only
+    alpha: float | None = None  # DyT, Derf
+    shift: float | None = None  # Derf
     note: str = ""
 
 
@@ -173,6 +175,56 @@ def _fit(
     return a, b, residual
 
 
+def _projected_residual(n: torch.Tensor, y: torch.Tensor, with_bias: bool) -> torch.Tensor:
+    """The residual of :func:`_fit`'s closed form on ``n``, differentiable in ``n`` (a tensor)."""
+    if with_bias:
+        n = n - n.mean(1, keepdim=True)
+        y = y - y.mean(1, keepdim=True)
+    energy = (n * n).sum(1).clamp_min(1e-20)
+    a = (n * y).sum(1) / energy
+    return ((a[:, None] * n - y) ** 2).sum()
+
+
+def _fit_scalars(module: nn.Module, x: torch.Tensor, y: torch.Tensor, with_bias: bool) -> dict[str, float]:
+    """The scalars of an S-curve norm (DyT's ``alpha``; Derf's ``alpha`` and ``shift``) that minimize the
+    residual of the per-feature affine fit: the best of a grid, then refined by L-BFGS on the residual
+    with the affine solved in closed form for every value (variable projection), kept only where it
+    lowers the residual. ``x``: the norm's (C, N) inputs in fp64; ``y``: the targets."""
+    names: tuple[str, ...] = module.scalars  # type: ignore[assignment]
+    shifts = (-1.0, -0.5, 0.0, 0.5, 1.0) if "shift" in names else (0.0,)
+    current = {name: float(getattr(module, name).detach()) for name in names}
+    candidates = [
+        {"alpha": alpha, **({"shift": shift} if "shift" in names else {})}
+        for alpha in DYT_ALPHAS
+        for shift in shifts
+    ] + [current]
+
+    def residual(values: dict[str, Any]) -> torch.Tensor:
+        as_tensors = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in values.items()}
+        return _projected_residual(module.curve(x, **as_tensors), y, with_bias)  # type: ignore[operator]
+
+    with torch.no_grad():
+        best = min(candidates, key=lambda c: float(residual(c)))
+    start = float(residual(best))
+    params = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in best.items()}
+    optimizer = torch.optim.LBFGS(list(params.values()), max_iter=50, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = residual(params)
+        loss.backward()
+        return loss
+
+    try:
+        optimizer.step(closure)
+    except RuntimeError:  # a line search that fails leaves the grid's best
+        return best
+    refined = {k: float(v.detach()) for k, v in params.items()}
+    with torch.no_grad():
+        end = float(residual(refined))
+    return refined if math.isfinite(end) and end < start else best
+
+
 def _normalized(module: nn.Module, inputs: list[torch.Tensor], dim: int) -> torch.Tensor:
     with _identity_affine(module), torch.no_grad():
         return torch.cat([_per_feature(module(x), dim) for x in inputs], dim=1)
@@ -192,21 +244,15 @@ def _fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch
     statistics = isinstance(module, _BatchNorm) and module.running_mean is not None
     if statistics:
         _set_statistics(module, inputs, dim)  # type: ignore[arg-type]
-    alpha = None
-    if hasattr(module, "alpha"):
-        best = None
-        for candidate in (*DYT_ALPHAS, float(module.alpha.detach())):
-            with torch.no_grad():
-                module.alpha.fill_(candidate)
-            a, b, residual = _fit(_normalized(module, inputs, dim), y, has_bias)
-            if best is None or residual < best[0]:
-                best = (residual, candidate, a, b)
-        assert best is not None
-        _, alpha, a, b = best
+    scalars: dict[str, float] = {}
+    if getattr(module, "scalars", None):
+        scalars = _fit_scalars(module, torch.cat([_per_feature(x, dim) for x in inputs], dim=1), y, has_bias)
         with torch.no_grad():
-            module.alpha.fill_(alpha)
-    else:
-        a, b, _ = _fit(_normalized(module, inputs, dim), y, has_bias)
+            for name, value in scalars.items():
+                getattr(module, name).fill_(value)
+        # reported as stored (the parameter's dtype rounds the fit)
+        scalars = {name: float(getattr(module, name).detach()) for name in scalars}
+    a, b, _ = _fit(_normalized(module, inputs, dim), y, has_bias)
     offset = float(getattr(module, "weight_offset", 0.0))
     with torch.no_grad():
         weight.copy_((a - offset).reshape(weight.shape).to(weight.dtype))
@@ -219,7 +265,8 @@ def _fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch
         sqnr_before_db=sqnr_db(y, before),
         sqnr_after_db=sqnr_db(y, after),
         statistics=statistics,
-        alpha=alpha,
+        alpha=scalars.get("alpha"),
+        shift=scalars.get("shift"),
     )
 
 

@@ -181,8 +181,44 @@ class DyT(_PerFeature):
         super().__init__(num_features, dim, True, device, dtype)
         self.alpha = nn.Parameter(torch.full((), float(alpha), device=device, dtype=dtype))
 
+    # the scalars the calibration fits, and the S-curve they shape (normswap.calibrate.affine_fit)
+    scalars = ("alpha",)
+
+    @staticmethod
+    def curve(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(alpha * x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._affine(torch.tanh(self.alpha * x))
+        return self._affine(self.curve(x, self.alpha))
+
+
+class Derf(_PerFeature):
+    """Dynamic erf: ``erf(alpha * x + shift) * weight + bias`` with learnable scalars ``alpha`` and
+    ``shift`` (Chen et al. 2025, "Stronger Normalization-Free Transformers", the successor of DyT). erf
+    saturates faster than tanh; the shift lets the S-curve sit off-centre, as a LayerNorm's input mean
+    would have it."""
+
+    def __init__(
+        self,
+        num_features: int,
+        alpha: float = 0.5,
+        shift: float = 0.0,
+        dim: int = -1,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(num_features, dim, True, device, dtype)
+        self.alpha = nn.Parameter(torch.full((), float(alpha), device=device, dtype=dtype))
+        self.shift = nn.Parameter(torch.full((), float(shift), device=device, dtype=dtype))
+
+    scalars = ("alpha", "shift")
+
+    @staticmethod
+    def curve(x: torch.Tensor, alpha: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return torch.erf(alpha * x + shift)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._affine(self.curve(x, self.alpha, self.shift))
 
 
 class FeatureAffine(_PerFeature):

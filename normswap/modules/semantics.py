@@ -66,14 +66,16 @@ class NormKind(str, Enum):
 
 NORM_KINDS: tuple[str, ...] = tuple(k.value for k in NormKind)
 
-# What ``--to``/``SwapNorm`` may build: a norm of another kind, or a norm-free layer (DyT, a plain affine).
-DYT, IDENTITY = "dyt", "identity"
+# What ``--to``/``SwapNorm`` may build: a norm of another kind, or a norm-free layer (DyT, Derf, a plain
+# affine).
+DYT, DERF, IDENTITY = "dyt", "derf", "identity"
 SWAP_TARGETS: dict[str, str] = {
     **{
         k.long_name: k
         for k in (NormKind.RMS, NormKind.LAYER, NormKind.BATCH, NormKind.GROUP, NormKind.INSTANCE)
     },
     DYT: DYT,
+    DERF: DERF,
     IDENTITY: IDENTITY,
 }
 # ``--to fused``: every norm for its fused twin, same semantics (normswap.passes.FuseNorm).
@@ -290,6 +292,7 @@ def declared_semantics(module: nn.Module, dtype: torch.dtype | None = None) -> N
 
 __all__ = [
     "CONVERT_TARGETS",
+    "DERF",
     "DYT",
     "FUSED",
     "IDENTITY",

@@ -1,6 +1,6 @@
 """Replace norms by another kind of norm (architectural: the function changes on purpose).
 
-Targets: rmsnorm, layernorm, batchnorm, groupnorm (``groups``), instancenorm, dyt, identity. Each swap
+Targets: rmsnorm, layernorm, batchnorm, groupnorm (``groups``), instancenorm, dyt, derf, identity. Each swap
 keeps acting on the same features, whatever the layout (see :mod:`normswap.modules.layout`):
 
 ============== ============================================ =============================================
@@ -14,6 +14,7 @@ groupnorm      GroupNorm (group channels x positions)       groups of hidden fea
 instancenorm   InstanceNorm (each channel over positions)   each hidden feature over the tokens of a
                                                             sample (refused for 2-D inputs: no tokens)
 dyt            tanh(alpha x) w + b per channel              tanh(alpha x) w + b per feature
+derf           erf(alpha x + s) w + b per channel           erf(alpha x + s) w + b per feature
 identity       the norm removed, x w + b kept               the norm removed, x w + b kept
 ============== ============================================ =============================================
 
@@ -39,6 +40,7 @@ from torch import nn
 
 from normswap.discover import NormSite
 from normswap.modules.layout import (
+    Derf,
     DyT,
     FeatureAffine,
     FeatureBatchNorm,
@@ -151,6 +153,8 @@ def build_layout_norm(
         )
     elif target == "dyt":
         new = DyT(features, dim=dim)
+    elif target == "derf":
+        new = Derf(features, dim=dim)
     else:
         new = FeatureAffine(features, dim=dim)
     weight, bias = _effective_affine(site, like)

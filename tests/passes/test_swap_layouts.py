@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from normswap.modules.layout import (
+    Derf,
     DyT,
     FeatureAffine,
     FeatureBatchNorm,
@@ -90,6 +91,7 @@ def test_dyt_and_affine():
         ("groupnorm", FeatureGroupNorm),
         ("instancenorm", nn.InstanceNorm2d),
         ("dyt", DyT),
+        ("derf", Derf),
         ("identity", FeatureAffine),
     ],
 )

@@ -176,7 +176,9 @@ def _capture(
     fx_first: bool,
 ) -> CapturedGraph:
     errors: list[str] = []
-    fx_declined = ""  # why the fx graph was not taken, said only when export fails too
+    # why the faithful fx graph was not taken: said when export fails and the shape-less trace below
+    # serves instead (it explains the missing shapes); when that trace fails too, its own error says it
+    fx_declined = ""
     if (
         fx_first
         and (example_args is not None or example_kwargs)
@@ -200,13 +202,12 @@ def _capture(
             return CapturedGraph(exported.graph, "export", errors, param_names, notes)
         except Exception as exc:  # export failures come in many types; we only report them
             errors.append(f"torch.export failed: {_short_error(exc)}")
-            if fx_declined:
-                errors.append(fx_declined)
     else:
         errors.append("torch.export skipped: no example inputs")
 
     try:
-        return CapturedGraph(trace_graph(model, leaf_modules), "fx", errors, notes=notes)
+        graph = trace_graph(model, leaf_modules)
+        return CapturedGraph(graph, "fx", [*errors, *([fx_declined] if fx_declined else [])], notes=notes)
     except Exception as exc:
         errors.append(f"fx tracing failed: {_short_error(exc)}")
     return CapturedGraph(None, None, errors, notes=notes)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, CheckFailedError, shorten
+from normswap.export.onnx_opset import EXPORTER_OPSET, convert_down
 from normswap.load.paths import same_path
 from normswap.load.save import atomic_write
 from normswap.util.modes import modes_restored
@@ -178,6 +179,9 @@ def export_onnx(
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
     result = OnnxExport(path=str(path), opset=0, dynamic_batch=dynamic_batch)
 
+    # below the exporter's own opset: exported at it, converted down and repaired (export/onnx_opset.py)
+    below = opset is not None and opset < EXPORTER_OPSET
+
     def write(temp: Path) -> None:
         try:
             program = torch.onnx.export(
@@ -185,7 +189,7 @@ def export_onnx(
                 args,
                 kwargs=kwargs or None,
                 dynamo=True,
-                opset_version=opset,
+                opset_version=EXPORTER_OPSET if below else opset,
                 custom_translation_table=table,
                 dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic_batch else None,
                 verbose=False,
@@ -199,6 +203,11 @@ def export_onnx(
         if temp.with_name(temp.name + ".data").exists():
             temp.with_name(temp.name + ".data").unlink()
             raise BadInputError("the model's weights exceed the 2 GB limit of a single .onnx file")
+        if below:
+            assert opset is not None
+            repaired = convert_down(temp, opset)
+            if repaired:
+                result.note = f"converted down from opset {EXPORTER_OPSET}; {repaired} Split nodes given their sizes as inputs"
         result.opset, result.op_counts = _read_back(temp)
         if opset is not None and result.opset != opset:
             # torch.onnx falls back to the opset it built when converting down fails, with only a warning

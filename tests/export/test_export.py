@@ -89,12 +89,39 @@ def test_onnxruntime_disagreement_fails_the_check_and_writes_nothing(tmp_path, m
     assert result.exit_code == 2 and "an ONNX export is written to a .onnx file" in result.output
 
 
-def test_an_opset_the_exporter_cannot_reach_is_refused_not_silently_raised(tmp_path):
-    # torch.onnx cannot convert GPT-2's graph down to opset 17 (its Split) and would quietly keep 18
+def test_gpt2_is_written_at_opset_17_with_its_splits_given_sizes(tmp_path):
+    """torch.onnx builds opset 18; asked for 17, its conversion of GPT-2's qkv Split keeps opset 18's
+    num_outputs (an invalid file) and onnx's converter has no Split adapter. normswap gives each Split its
+    sizes and converts the rest: a valid file, checked in onnxruntime on two batch sizes."""
+    import onnx
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = {"input_ids": torch.randint(0, 128, (2, 8))}
+    out = tmp_path / "g17.onnx"
+    result = export_onnx(model, out, (), ids, opset=17, dynamic_batch=True)
+    assert result.opset == 17 and result.within_tolerance and result.checked_batch_sizes == [2, 4]
+    assert result.note == "converted down from opset 18; 2 Split nodes given their sizes as inputs"
+    proto = onnx.load(str(out))
+    onnx.checker.check_model(proto, full_check=True)
+    splits = [n for n in proto.graph.node if n.op_type == "Split"]
+    sizes = {i.name: onnx.numpy_helper.to_array(i).tolist() for i in proto.graph.initializer}
+    assert len(splits) == 2 and all(not [a for a in n.attribute if a.name == "num_outputs"] for n in splits)
+    assert all(sizes[n.input[1]] == [64, 64, 64] for n in splits)
+    assert all(o.domain != "normswap.parked" for o in proto.opset_import)
+
+
+def test_an_opset_onnx_cannot_convert_to_is_refused_with_the_op(tmp_path):
+    # LayerNormalization exists from opset 17: a GPT-2 at 14 cannot be converted down, and says why
     out = tmp_path / "g.onnx"
-    result = _run("convert", f"{ZOO}:gpt2_factory", "--to", "rmsnorm", "-o", str(out), "--opset", "17")
+    result = _run("export", f"{ZOO}:gpt2_factory", "-o", str(out), "--opset", "14")
     assert result.exit_code == 2
-    assert "the exporter could not write opset 17 (it produced opset 18); choose --opset 18" in result.output
+    assert (
+        "onnx cannot convert the export down to opset 14 (No Previous Version of LayerNormalization exists)"
+        in (" ".join(result.output.split()))
+    )
     assert not out.exists()
 
 

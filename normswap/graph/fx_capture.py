@@ -105,7 +105,15 @@ class _ShapeRecorder(fx.Interpreter):
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Bitwise the same outputs: one structure, equal tensors (NaNs where they were), equal values."""
+    """Bitwise the same outputs: one structure, equal tensors (NaNs where they were), equal values. Any
+    comparison that cannot be made (a leaf whose ``!=`` is no bool) counts as different."""
+    try:
+        return _same_leaves(a, b)
+    except Exception:  # e.g. an array-valued comparison: not judged, so not trusted
+        return False
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
     flat_a, spec_a = pytree.tree_flatten(a)
     flat_b, spec_b = pytree.tree_flatten(b)
     if spec_a != spec_b or len(flat_a) != len(flat_b):
@@ -116,11 +124,16 @@ def _same(a: Any, b: Any) -> bool:
         if isinstance(x, torch.Tensor):
             if x.is_meta or y.is_meta:
                 return False  # a model on the meta device computes no values to compare: export's graph
-            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.nan_to_num(), y.nan_to_num()):
+            if x.shape != y.shape or x.dtype != y.dtype:
                 return False
-            if x.is_floating_point() and not torch.equal(x.isnan(), y.isnan()):
+            if not x.is_floating_point():
+                if not torch.equal(x, y):
+                    return False
+            elif not (
+                torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0))
+            ):
                 return False
-        elif x != y:
+        elif bool(x != y):
             return False
     return True
 

@@ -162,3 +162,27 @@ def test_a_buffer_computed_on_in_the_forward_stays_in_the_graph():
             return self.conv(x) * torch.rsqrt(self.running_var + 1e-5).view(1, -1, 1, 1)
 
     assert capture_graph(WrittenOut().eval(), (torch.randn(1, 3, 4, 4),), fx_first=True).method == "export"
+
+
+class _MaskAndNaN(nn.Module):
+    """Outputs a trace must match exactly: NaNs, a bool mask, integers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = self.bn(self.conv(x))
+        return y / (y - y), y > 0, (y > 0).to(torch.int64)
+
+
+def test_a_trace_is_judged_on_nan_bool_and_integer_outputs_too():
+    model = _random_statistics(_MaskAndNaN())
+    x = torch.randn(2, 3, 4, 4)
+    captured = capture_graph(model, (x,), fx_first=True)
+    assert captured.method == "fx" and captured.ran
+    folded, report = FoldBatchNorm()(model, (x,))
+    assert [c.site for c in report.changes] == ["bn"] and report.graph_method == "fx"
+    with torch.no_grad():
+        assert torch.equal(folded(x)[1], model(x)[1])

@@ -289,10 +289,10 @@ def convert_checkpoint(
     a LayerNorm that ``to`` asked for cannot be made RMSNorm exactly (:class:`CheckFailedError`, the
     report says why) or when the verification finds a block outside the exact tolerance. Memory: the
     largest edit group plus the meta model and its graph; the verification holds one model's
-    embeddings, head and block. A BatchNorm fold is verified group by group instead (each folded
-    layer's function against the BN and layer it replaces: :func:`check_folds`), which needs no list
-    of blocks: the convolutional models that hold BatchNorms have none of one class; a layer given or
-    relieved of weight norm is verified layer by layer the same way."""
+    embeddings, head and block. A BatchNorm fold, and weight norm added or removed, are verified layer
+    by layer instead (each rewritten layer's function against what it replaces:
+    :func:`~normswap.api.checkpoint_checks.check_rewritten_layers`), which needs no list of blocks: the
+    convolutional and speech models that hold them have none of one class."""
     say = on_step or (lambda _: None)
     from normswap.passes.tensor_edits import streamable
 

@@ -122,3 +122,19 @@ def convert_in_memory(source: Path, options: dict, output: Path) -> Any:
     result = convert(loaded.model, ConvertConfig(**options), loaded.example_args, loaded.example_kwargs)
     save(result, output, source=loaded.checkpoint)
     return result
+
+
+def wav2vec2_config(**changes: Any) -> transformers.Wav2Vec2Config:
+    """A tiny wav2vec2 config (2 layers, hidden 32, a grouped weight-normed positional conv)."""
+    small: dict[str, Any] = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "conv_dim": (16, 16),
+        "conv_stride": (5, 2),
+        "conv_kernel": (10, 3),
+        "num_conv_pos_embeddings": 16,
+        "num_conv_pos_embedding_groups": 4,
+    }
+    return transformers.Wav2Vec2Config(**{**small, **changes})

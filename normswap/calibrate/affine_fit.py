@@ -154,40 +154,37 @@ def _identity_affine(module: nn.Module) -> Iterator[None]:
                     t.copy_(s)
 
 
-def _fit(
-    n: torch.Tensor, y: torch.Tensor, with_bias: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Per-feature least squares ``y ~ a n + b`` on (C, N) fp64 tensors; returns a, b and the residual.
+def _solve(
+    n: torch.Tensor, y: torch.Tensor, with_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-feature least squares ``y ~ a n + b`` on (C, N) fp64 tensors: a, b and the residual as tensors,
+    differentiable in ``n`` (the S-curve scalars are fitted through it).
 
     Without a bias (a norm that has none, e.g. a LayerNorm swapped in for an RMSNorm), ``y ~ a n``.
     """
     if not with_bias:
         energy = (n * n).sum(1)
         a = torch.where(energy > 1e-20, (n * y).sum(1) / energy.clamp_min(1e-20), torch.ones_like(energy))
-        b = torch.zeros_like(a)
-        return a, b, float(((a[:, None] * n - y) ** 2).sum())
+        return a, torch.zeros_like(a), ((a[:, None] * n - y) ** 2).sum()
     mn, my = n.mean(1, keepdim=True), y.mean(1, keepdim=True)
     dn, dy = n - mn, y - my
     var = (dn * dn).mean(1)
     a = torch.where(var > 1e-20, (dn * dy).mean(1) / var.clamp_min(1e-20), torch.ones_like(var))
     b = my.squeeze(1) - a * mn.squeeze(1)
-    residual = float(((a[:, None] * n + b[:, None] - y) ** 2).sum())
-    return a, b, residual
+    return a, b, ((a[:, None] * n + b[:, None] - y) ** 2).sum()
 
 
-def _projected_residual(n: torch.Tensor, y: torch.Tensor, with_bias: bool) -> torch.Tensor:
-    """The residual of :func:`_fit`'s closed form on ``n``, differentiable in ``n`` (a tensor)."""
-    if with_bias:
-        n = n - n.mean(1, keepdim=True)
-        y = y - y.mean(1, keepdim=True)
-    energy = (n * n).sum(1).clamp_min(1e-20)
-    a = (n * y).sum(1) / energy
-    return ((a[:, None] * n - y) ** 2).sum()
+def _fit(
+    n: torch.Tensor, y: torch.Tensor, with_bias: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """:func:`_solve` with the residual as a float."""
+    a, b, residual = _solve(n, y, with_bias)
+    return a, b, float(residual)
 
 
 def _fit_scalars(module: nn.Module, x: torch.Tensor, y: torch.Tensor, with_bias: bool) -> dict[str, float]:
     """The scalars of an S-curve norm (DyT's ``alpha``; Derf's ``alpha`` and ``shift``) that minimize the
-    residual of the per-feature affine fit: the best of a grid, then refined by L-BFGS on the residual
+    residual of the per-feature affine fit (:func:`_solve`): the best of a grid, then refined by L-BFGS on the residual
     with the affine solved in closed form for every value (variable projection), kept only where it
     lowers the residual. ``x``: the norm's (C, N) inputs in fp64; ``y``: the targets."""
     names: tuple[str, ...] = module.scalars  # type: ignore[assignment]
@@ -201,7 +198,7 @@ def _fit_scalars(module: nn.Module, x: torch.Tensor, y: torch.Tensor, with_bias:
 
     def residual(values: dict[str, Any]) -> torch.Tensor:
         as_tensors = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in values.items()}
-        return _projected_residual(module.curve(x, **as_tensors), y, with_bias)  # type: ignore[operator]
+        return _solve(module.curve(x, **as_tensors), y, with_bias)[2]  # type: ignore[operator]
 
     with torch.no_grad():
         best = min(candidates, key=lambda c: float(residual(c)))

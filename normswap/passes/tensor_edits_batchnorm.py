@@ -234,12 +234,15 @@ def layer_probe(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
 
-def _layer_with(module: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    built = copy.deepcopy(module).to_empty(device="cpu").to(weight.dtype)
+def layer_filled(module: nn.Module, tensors: Tensors, prefix: str, dtype: torch.dtype) -> nn.Module:
+    """A CPU copy of ``module`` (on the meta device, or a fresh recipe build) in ``dtype``, its tensors
+    taken from ``tensors`` by their full names (``prefix.name``), for a layer's check."""
+    built = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
     with torch.no_grad():
-        built.weight.copy_(weight)
-        if bias is not None:
-            built.bias.copy_(bias)
+        for name, tensor in built.state_dict(keep_vars=True).items():
+            key = f"{prefix}.{name}"
+            if key in tensors:
+                tensor.copy_(tensors[key])
     return built.eval()
 
 
@@ -247,8 +250,8 @@ def check_fold(group: FoldedGroup, original: Tensors, written: Tensors) -> Tenso
     """The group's function before (``original``: its stored input tensors) and after (``written``: the
     layer's weight and bias as written), on a random input, in the stored dtype."""
     dtype = original[group.weight].dtype
-    before = _layer_with(group.original, original[group.weight], original.get(group.bias))
-    after = _layer_with(build_from_recipe(group.recipe), written[group.weight], written[group.bias])
+    before = layer_filled(group.original, original, group.layer, dtype)
+    after = layer_filled(build_from_recipe(group.recipe), written, group.layer, dtype)
     stats = {key: (original[name] if name is not None else None) for key, name in group.stats.items()}
 
     def bn(y: torch.Tensor) -> torch.Tensor:

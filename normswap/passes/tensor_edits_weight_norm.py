@@ -23,7 +23,6 @@ tensors) and as written, on a random input, within the exact tolerance of the st
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from torch.nn.utils import parametrize
 
 from normswap.modules.recipes import build_from_recipe, module_recipe
 from normswap.passes.base import Change, PassReport, Refusal, Skip, parameters_context
-from normswap.passes.tensor_edits_batchnorm import STREAM_LAYERS, Tensors, layer_probe
+from normswap.passes.tensor_edits_batchnorm import STREAM_LAYERS, Tensors, layer_filled, layer_probe
 from normswap.passes.weight_norm import (
     AddPlan,
     AddWeightNorm,
@@ -82,10 +81,9 @@ def _group(plan: AddPlan | RemovePlan, adding: bool, stored: set[str]) -> Weight
     if adding:
         assert isinstance(plan, AddPlan)
         dim, before, after = plan.dim, (weight,), (g, v)
-        built = nn.utils.parametrizations.weight_norm(
-            copy.deepcopy(module), "weight", dim=None if dim == -1 else dim
-        )
-        recipe = module_recipe(built)
+        plain = module_recipe(module)
+        recipe = None if plain is None else {**plain, "weight_norm": {"dim": dim}}
+
     else:
         if site.name != "weight" or not parametrize.is_parametrized(module, "weight"):
             return "the hook form of weight norm (weight_g, weight_v) does not stream (convert it in memory)"
@@ -183,16 +181,6 @@ def plan_weight_norm(
     return edits, groups, recorded, report
 
 
-def _filled(module: nn.Module, tensors: Tensors, prefix: str, dtype: torch.dtype) -> nn.Module:
-    built = copy.deepcopy(module).to_empty(device="cpu").to(dtype)
-    with torch.no_grad():
-        for name, tensor in built.state_dict(keep_vars=True).items():
-            key = f"{prefix}.{name}"
-            if key in tensors:
-                tensor.copy_(tensors[key])
-    return built.eval()
-
-
 def check_layers(
     groups: list[WeightNormGroup],
     read_original: Callable[[str], torch.Tensor],
@@ -205,12 +193,12 @@ def check_layers(
         own = sorted(
             n for n in stored if n.startswith(group.path + ".") and "." not in n[len(group.path) + 1 :]
         )
-        original = {name: read_original(name) for name in (*group.before, *own)}
+        original = {name: read_original(name) for name in dict.fromkeys((*group.before, *own))}
         written = {name: read_written(name) for name in group.after}
         written.update({n: original[n] for n in own if n not in group.before})  # the bias, as it was
         dtype = original[group.before[-1]].dtype
-        before = _filled(group.original, original, group.path, dtype)
-        after = _filled(build_from_recipe(group.recipe, device="meta"), written, group.path, dtype)
+        before = layer_filled(group.original, original, group.path, dtype)
+        after = layer_filled(build_from_recipe(group.recipe, device="meta"), written, group.path, dtype)
         x = layer_probe(before, dtype)
         with torch.no_grad():
             results.append(compare_tensors(group.path, before(x), after(x)))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_dirs import convert_in_memory
+from hf_dirs import convert_in_memory, wav2vec2_config
 from hf_dirs import stored_tensors as _tensors
 from normswap_cli.app import app
 from typer.testing import CliRunner
@@ -25,18 +25,7 @@ POS_CONV = "wav2vec2.encoder.pos_conv_embed.conv"
 
 
 def _wav2vec2(tmp_path: Path, zero_row: str | None = None) -> tuple[Path, torch.nn.Module]:
-    config = transformers.Wav2Vec2Config(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4,
-        vocab_size=20,
-    )
+    config = wav2vec2_config(vocab_size=20)
     torch.manual_seed(0)
     model = transformers.Wav2Vec2ForCTC(config).eval()
     if zero_row is not None:

@@ -330,20 +330,11 @@ def test_copy_model_copies_the_deprecated_hook_form():
 
 
 def test_hf_wav2vec2_positional_conv_removes_exactly():
-    from transformers import Wav2Vec2Config, Wav2Vec2Model
+    from hf_dirs import wav2vec2_config
+    from transformers import Wav2Vec2Model
 
     torch.manual_seed(0)
-    config = Wav2Vec2Config(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        conv_dim=(16, 16),
-        conv_stride=(5, 2),
-        conv_kernel=(10, 3),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4,
-    )
+    config = wav2vec2_config(num_hidden_layers=1)
     model = Wav2Vec2Model(config).eval()
     args = (torch.randn(1, 400),)
     plain, report = RemoveWeightNorm()(model, args)

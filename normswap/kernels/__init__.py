@@ -13,7 +13,9 @@ Three tiers, as in Liger-Kernel:
 :mod:`.onnx_translation` translates the ops to standard ONNX ops for the exporter; it imports onnxscript
 and is imported only where ONNX is written.
 
-Importing this package registers the ops (our own namespace only) and never imports triton.
+Importing this package registers the ops (our own namespace only). Where triton is installed they are
+``torch.library.triton_op``s, so that import imports triton (torch.compile then sees their kernels);
+without it they are custom ops and nothing needs triton.
 """
 
 from normswap.kernels._launch import interpreter_enabled, triton_available

@@ -42,15 +42,16 @@ def _add(a, b):
 
 # The interpreter reduces with numpy when the combine function is triton's own sum combiner (it checks
 # identity) and makes one Python call per element otherwise, far too slow for tests; a compiled kernel
-# needs a combiner built in compiled mode, i.e. ours.
-_SUM_COMBINE = _add
+# needs a combiner built in compiled mode, i.e. ours. The name ``_add`` is rebound rather than aliased:
+# torch.compile copies these kernels' source into its own code by the names they use, so a kernel may
+# only refer to functions under their own names.
 if isinstance(_add, InterpretedFunction):
-    _SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add)
+    _add = getattr(tl.standard, "_sum_combine", _add)
 
 
 @triton.jit
 def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _SUM_COMBINE)
+    return tl.reduce(x, axis, _add)
 
 
 @triton.jit

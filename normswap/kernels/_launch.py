@@ -11,35 +11,24 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import sys
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from normswap.kernels._tiling import (
+    TileConfig,
+    _bwd_programs,
+    _cdiv,
+    _next_pow2,
+    bwd_config,
+    fwd_config,
+    interpreter_enabled,
+)
 from normswap.kernels.reference import CASTING_MODES, KernelNormKind
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
-
-# Largest row, in elements, one program normalizes from registers; longer rows take the chunked kernels.
-# Set so that ptxas (sm_90, Triton 3.8) reports no register spills for the heaviest variant (LayerNorm
-# with residual, weight and bias; the backward with dh and llama casting), given the warp counts below;
-# longer rows spilled. Not timed on a GPU yet: benchmarks/bench_norms.py is where to revisit them.
-_FWD_TILE_LIMIT = 16384
-_BWD_TILE_LIMIT = 8192
-# Elements per thread: the backward keeps about twice as many fp32 arrays live as the forward.
-_FWD_ELEMS_PER_THREAD = 16
-_BWD_ELEMS_PER_THREAD = 8
-# Chunk length of the chunked kernels.
-_FWD_CHUNK = 4096
-_BWD_CHUNK = 1024
-# Elements a program handles in the tile kernels: small rows are batched BLOCK_M at a time so a
-# program still moves enough bytes to hide its launch and reduction latency.
-_TILE_ELEMS = 4096
-# The interpreter pays per operation, not per element: bigger tiles make the CPU tests several times
-# faster while still leaving several tiles (and the persistent loop) on the test shapes.
-_INTERPRETER_TILE_ELEMS = 16384
 
 
 @functools.cache
@@ -50,11 +39,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def interpreter_enabled() -> bool:
-    """Whether Triton kernels launched now run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 _KERNEL_MODULES: dict[bool, ModuleType] = {}
@@ -93,80 +77,6 @@ def kernel_module(interpret: bool | None = None) -> ModuleType:
     return _kernels
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _num_warps(elems: int, elems_per_thread: int) -> int:
-    return max(1, min(32, _next_pow2(max(1, elems // (32 * elems_per_thread)))))
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _bwd_programs(device: torch.device, num_warps: int) -> int:
-    """How many programs the backward wants in flight (before capping by the work there is)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return _num_sms(index) * max(1, 16 // num_warps)
-    # Interpreter on CPU: a few programs, so tests see both several partial-sum rows and programs that
-    # loop over more than one tile.
-    return 3
-
-
-@dataclass(frozen=True)
-class TileConfig:
-    """How a launch covers an [M, N] problem."""
-
-    chunked: bool
-    block_m: int
-    block_n: int
-    num_warps: int
-
-
-@functools.lru_cache(maxsize=4096)  # host time per launch counts at a few rows; shapes repeat
-def _tile_config(
-    m: int,
-    n: int,
-    tile_limit: int,
-    chunk: int,
-    elems_per_thread: int,
-    chunk_tiles_2d: bool,
-    interpret: bool,
-) -> TileConfig:
-    tile_elems = _INTERPRETER_TILE_ELEMS if interpret else _TILE_ELEMS
-    if n > tile_limit:
-        block_n = min(chunk, _next_pow2(tile_limit))
-        # The chunked forward walks one row per program; the chunked backward tiles rows x columns.
-        block_m = max(1, min(tile_elems // block_n, _next_pow2(m))) if chunk_tiles_2d else 1
-        return TileConfig(True, block_m, block_n, _num_warps(block_m * block_n, elems_per_thread))
-    block_n = _next_pow2(n)
-    block_m = max(1, min(tile_elems // block_n, _next_pow2(m)))
-    return TileConfig(False, block_m, block_n, _num_warps(block_m * block_n, elems_per_thread))
-
-
-def fwd_config(m: int, n: int, max_block_n: int | None = None, interpret: bool | None = None) -> TileConfig:
-    """Forward tiling; ``max_block_n`` lowers the whole-row limit (tests use it to reach the chunked path)."""
-    interpret = interpreter_enabled() if interpret is None else interpret
-    return _tile_config(
-        m, n, max_block_n or _FWD_TILE_LIMIT, _FWD_CHUNK, _FWD_ELEMS_PER_THREAD, False, interpret
-    )
-
-
-def bwd_config(m: int, n: int, max_block_n: int | None = None, interpret: bool | None = None) -> TileConfig:
-    """Backward tiling, as :func:`fwd_config`."""
-    interpret = interpreter_enabled() if interpret is None else interpret
-    return _tile_config(
-        m, n, max_block_n or _BWD_TILE_LIMIT, _BWD_CHUNK, _BWD_ELEMS_PER_THREAD, True, interpret
-    )
-
-
 def output_dtype(
     x_dtype: torch.dtype, weight: torch.Tensor | None, bias: torch.Tensor | None, casting: str
 ) -> torch.dtype:
@@ -184,6 +94,35 @@ def _tl_dtype(dtype: torch.dtype):  # -> tl.dtype
     import triton.language as tl
 
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+# Rows assumed for the tiling when torch.compile traces with a symbolic row count: any count at least
+# this large gets the same configuration, and masks make it correct for fewer rows.
+_SYMBOLIC_ROWS = 1 << 16
+
+
+def _concrete_rows(m: int | torch.SymInt) -> int:
+    return m if isinstance(m, int) else _SYMBOLIC_ROWS
+
+
+def _launcher(kernel, interpret: bool, *tensors: torch.Tensor):
+    """``kernel`` as the launch site calls it: through ``torch.library.wrap_triton`` while torch traces.
+
+    Under torch.compile the ops are decomposed (they are ``triton_op``s) and traced with functional or
+    fake tensors; ``wrap_triton`` records each launch as a node Inductor compiles into its own code.
+    Plain tensors outside any dispatch mode launch directly: the wrapper would cost a dispatch round
+    trip per launch, and eager host time counts at a few rows.
+    """
+    if interpret:
+        return kernel
+    if _get_current_dispatch_mode() is None and all(type(t) in _PLAIN for t in tensors if t is not None):
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -267,7 +206,7 @@ def norm_fwd(
         ker = kernel_module(interpret)
         llama = casting == "llama"
         prod = torch.promote_types(x.dtype, weight.dtype) if weight is not None else x.dtype
-        cfg = fwd_config(m, n, max_block_n, interpret)
+        cfg = fwd_config(_concrete_rows(m), n, max_block_n, interpret)
         args = (
             x2,
             r2 if r2 is not None else x2,
@@ -292,7 +231,7 @@ def norm_fwd(
         }
         # eps and the offset go in as Python floats: triton passes them as fp32 kernel arguments.
         if cfg.chunked:
-            ker.norm_fwd_chunked_kernel[(m,)](
+            _launcher(ker.norm_fwd_chunked_kernel, interpret, x2)[(m,)](
                 *args,
                 n,
                 float(eps),
@@ -303,7 +242,7 @@ def norm_fwd(
             )
         else:
             grid = (_cdiv(m, cfg.block_m),)
-            ker.norm_fwd_tile_kernel[grid](
+            _launcher(ker.norm_fwd_tile_kernel, interpret, x2)[grid](
                 *args,
                 m,
                 n,
@@ -358,11 +297,11 @@ def norm_bwd(
     mean1 = mean.reshape(m).float().contiguous() if mean is not None else rstd1
 
     interpret = interpreter_enabled()
-    cfg = bwd_config(m, n, max_block_n, interpret)
+    cfg = bwd_config(_concrete_rows(m), n, max_block_n, interpret, kind)
     num_col_blocks = _cdiv(n, cfg.block_n) if cfg.chunked else 1
     num_tiles = _cdiv(m, cfg.block_m)
-    target_programs = _bwd_programs(device, cfg.num_warps)
-    grid_m = max(1, min(num_tiles, target_programs // num_col_blocks))
+    target_programs = _bwd_programs(device, cfg)
+    grid_m = torch.sym_max(1, torch.sym_min(num_tiles, target_programs // num_col_blocks))
     # [grid_m, N] fp32 partial sums, one row per program: no atomics, deterministic dw/db.
     dw_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if weight is not None else None
     db_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if bias is not None else None
@@ -384,7 +323,7 @@ def norm_bwd(
             c2 = torch.empty((m,), dtype=torch.float32, device=device) if kind == "layer" else c1
             # Only row sums here, so a longer chunk than the tile kernel's is cheap in registers.
             dots_block = min(_next_pow2(n), 4 * cfg.block_n)
-            ker.norm_bwd_row_dots_kernel[(m,)](
+            _launcher(ker.norm_bwd_row_dots_kernel, interpret, x2)[(m,)](
                 dy2,
                 x2,
                 w_arg,
@@ -398,9 +337,9 @@ def norm_bwd(
                 float(weight_offset),
                 **flags,
                 BLOCK_N=dots_block,
-                num_warps=_num_warps(dots_block, _FWD_ELEMS_PER_THREAD),
+                num_warps=max(1, min(16, dots_block // 512)),
             )
-        ker.norm_bwd_tile_kernel[(grid_m, num_col_blocks)](
+        _launcher(ker.norm_bwd_tile_kernel, interpret, x2)[(grid_m, num_col_blocks)](
             dy2,
             dh2 if dh2 is not None else dy2,
             x2,

@@ -44,6 +44,7 @@ from normswap.kernels._launch import (
     triton_available,
     triton_supports,
 )
+from normswap.kernels._registration import register_op
 from normswap.kernels.reference import REFERENCES, KernelNormKind, reference_bwd, reference_fwd
 
 _force_triton_on_cpu = 0
@@ -242,14 +243,10 @@ def _define(family: _OpFamily) -> None:
         db = bias.new_empty(bias.shape) if bias is not None else _empty_grad(x)
         return x.new_empty(x.shape), dw, db
 
-    fwd_op = torch.library.custom_op(
-        f"normswap::{family.name}_fwd", fwd, mutates_args=(), schema=family.fwd_schema()
-    )
-    bwd_op = torch.library.custom_op(
-        f"normswap::{family.name}_bwd", bwd, mutates_args=(), schema=family.bwd_schema()
-    )
-    fwd_op.register_fake(fake_fwd)
-    bwd_op.register_fake(fake_bwd)
+    # The fakes below replace the traced implementation triton_op registers as the fake: they need
+    # no GPU to answer shapes (export of a CUDA model's graph on a CPU-only machine, for one).
+    fwd_op = register_op(f"normswap::{family.name}_fwd", fwd, family.fwd_schema(), fake_fwd)
+    bwd_op = register_op(f"normswap::{family.name}_bwd", bwd, family.bwd_schema(), fake_bwd)
 
     def setup_context(ctx, inputs, output) -> None:
         _x, _residual, weight, bias, _eps, casting, weight_offset = family.split_fwd_args(inputs)
@@ -262,10 +259,19 @@ def _define(family: _OpFamily) -> None:
         ctx.summands = (inputs[0], _residual) if family.with_residual else None
         ctx.casting, ctx.weight_offset, ctx.eps = casting, weight_offset, _eps
         ctx.mark_non_differentiable(*stats)
+        # No zero tensors for the statistics' gradients (never used): autograd would build and fill
+        # one per statistic on every backward, a kernel launch each where host time counts.
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, dy, *other_grads):
         normalized, weight, bias, *stats = ctx.saved_tensors
         dh = (other_grads[0],) if family.with_residual else ()
+        if dy is None:  # y unused (only h reached the loss), or nothing reached this op at all
+            if not dh or dh[0] is None:
+                return (None,) * (len(ctx.needs_input_grad))
+            dy = normalized.new_zeros(
+                normalized.shape, dtype=output_dtype(normalized.dtype, weight, bias, ctx.casting)
+            )
         if torch.is_grad_enabled():
             # create_graph=True (a double backward is coming): the backward op has no derivative, so
             # differentiate the reference math instead, which autograd can differentiate again

@@ -2,9 +2,10 @@
 
 The interpreter runs the kernels' Python, not Triton's compiler, so a kernel can pass every CPU test and
 still not compile (a loop-carried value that changes type, a constexpr misuse). Triton compiles to a cubin
-on a machine without a GPU given an explicit target. The spill check guards the whole-row limits in
-``_launch`` (rows above them take the chunked kernels): a config that spills registers to local memory
-loses the bandwidth the kernels exist for.
+on a machine without a GPU given an explicit target. The spill check guards the launch rules of
+``_tiling`` (rows above the whole-row limits take the chunked kernels): a config that spills much more
+than the timed ones did may lose the bandwidth the kernels exist for. And the kernels must compile from
+the source torch.compile writes for them (the ops are triton_ops).
 """
 
 from __future__ import annotations
@@ -106,33 +107,35 @@ def _bwd_consts(kind: str, dots_given: bool, block_m: int, block_n: int) -> dict
     }
 
 
-# The heaviest variants (every optional input, llama rounding) at the largest whole-row sizes.
-@pytest.mark.parametrize("n", [768, 16384])
-def test_forward_tile_kernel(compiled_kernels, n):
+# Register spills the launch rules accept, in bytes of spill stores + loads for the heaviest variant
+# (every optional input, llama rounding): none where registers are ample; at the larger whole-row tiles
+# the H100 sweep (benchmarks/tune_norms.py) timed configurations that spill up to about 1.1 KB at
+# 97-100% of copy bandwidth (forward) and 89-96% (backward), ahead of the chunked kernels, so a small
+# spill is allowed there. A rule change that spills more than this was not measured: time it first.
+def _spill_budget(n: int) -> int:
+    return 0 if n <= 2048 else 1536
+
+
+@pytest.mark.parametrize("n", [768, 2048, 4096, 8192, 16384, 32768, 65536])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_forward_kernels_spill_within_budget(compiled_kernels, kind, n):
     cfg = fwd_config(4096, n)
-    assert not cfg.chunked
-    ck = _compile(
-        compiled_kernels.norm_fwd_tile_kernel, _fwd_consts("layer", cfg.block_m, cfg.block_n), cfg.num_warps
+    assert cfg.chunked == (n > 32768)
+    kernel = (
+        compiled_kernels.norm_fwd_chunked_kernel if cfg.chunked else compiled_kernels.norm_fwd_tile_kernel
     )
-    assert _spill_bytes(ck.asm["ptx"]) == 0
+    consts = _fwd_consts(kind, None if cfg.chunked else cfg.block_m, cfg.block_n)
+    assert _spill_bytes(_compile(kernel, consts, cfg.num_warps).asm["ptx"]) <= _spill_budget(n)
 
 
-def test_forward_chunked_kernel(compiled_kernels):
-    cfg = fwd_config(4096, 65536)
-    assert cfg.chunked
-    ck = _compile(
-        compiled_kernels.norm_fwd_chunked_kernel, _fwd_consts("layer", None, cfg.block_n), cfg.num_warps
-    )
-    assert _spill_bytes(ck.asm["ptx"]) == 0
-
-
-@pytest.mark.parametrize("n", [768, 8192, 65536])
-def test_backward_kernels(compiled_kernels, n):
-    cfg = bwd_config(4096, n)
-    assert cfg.chunked == (n > 8192)
-    consts = _bwd_consts("layer", cfg.chunked, cfg.block_m, cfg.block_n)
+@pytest.mark.parametrize("n", [768, 2048, 4096, 8192, 16384, 65536])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_backward_kernels_spill_within_budget(compiled_kernels, kind, n):
+    cfg = bwd_config(4096, n, kind=kind)
+    assert cfg.chunked == (n > (16384 if kind == "rms" else 8192))
+    consts = _bwd_consts(kind, cfg.chunked, cfg.block_m, cfg.block_n)
     ck = _compile(compiled_kernels.norm_bwd_tile_kernel, consts, cfg.num_warps)
-    assert _spill_bytes(ck.asm["ptx"]) == 0
+    assert _spill_bytes(ck.asm["ptx"]) <= _spill_budget(n)
     if cfg.chunked:
         dots = {k: consts[k] for k in ("IS_RMS", "HAS_W", "LLAMA", "HAS_OFFSET", "RNE_BF16")}
         ck = _compile(compiled_kernels.norm_bwd_row_dots_kernel, {**dots, "BLOCK_N": 4096}, 8)
@@ -152,3 +155,36 @@ def test_eps_is_an_fp32_argument():
     from triton.runtime.jit import mangle_type
 
     assert mangle_type(1e-6) == "fp32"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["norm_fwd_tile_kernel", "norm_fwd_chunked_kernel", "norm_bwd_row_dots_kernel", "norm_bwd_tile_kernel"],
+)
+def test_kernels_compile_from_the_source_inductor_writes(compiled_kernels, tmp_path, name):
+    # torch.compile decomposes the triton_ops and writes each kernel, with every jit function it calls,
+    # into its own Python file by the names the kernel uses; a kernel reaching a function through an
+    # alias compiled here and failed there (an undefined name). Compile what Inductor would write.
+    import importlib.util
+    import sys
+
+    closure = pytest.importorskip("torch._inductor.codegen.wrapper")
+    src = closure.user_defined_triton_kernel_transitive_closure_source_code(getattr(compiled_kernels, name))
+    path = tmp_path / f"inductor_{name}.py"
+    path.write_text("import triton\nimport triton.language as tl\n" + src + "\n")
+    spec = importlib.util.spec_from_file_location(f"inductor_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # triton reads the source through the module
+    try:
+        spec.loader.exec_module(module)
+        kernel = triton.jit(getattr(module, name))  # Inductor adds its own decorator to the kernel
+    finally:
+        del sys.modules[spec.name]
+    if name == "norm_bwd_row_dots_kernel":
+        consts = {"IS_RMS": False, "HAS_W": True, "LLAMA": True, "HAS_OFFSET": True, "RNE_BF16": False}
+        consts["BLOCK_N"] = 4096
+    elif name.startswith("norm_bwd"):
+        consts = _bwd_consts("layer", False, 2, 1024)
+    else:
+        consts = _fwd_consts("layer", None if "chunked" in name else 2, 1024)
+    assert _compile(kernel, consts, 8).asm["cubin"]

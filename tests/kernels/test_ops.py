@@ -178,14 +178,14 @@ def test_compile_sees_through_the_ops():
 
 
 def test_triton_is_optional():
-    """Importing never imports triton, and without triton the CPU path still runs (one subprocess)."""
+    """Without triton the ops are plain custom ops and the CPU path runs (one subprocess)."""
     code = """
 import sys
-import torch
-from normswap.kernels import rms_norm, triton_available
-from normswap.modules.fused import FusedLayerNorm
-assert "triton" not in sys.modules, "imported triton"
 sys.modules["triton"] = None  # from here `import triton` raises ImportError
+import torch
+from normswap.kernels import _registration, rms_norm, triton_available
+from normswap.modules.fused import FusedLayerNorm
+assert _registration._REGISTER is torch.library.custom_op
 assert not triton_available()
 x = torch.randn(3, 8, requires_grad=True)
 rms_norm(x, torch.ones(8)).sum().backward()
@@ -260,3 +260,52 @@ def test_torch_func_transforms_and_forward_ad_give_the_reference_derivatives():
         with fwAD.dual_level():
             got = fwAD.unpack_dual(fused(fwAD.make_dual(x, tangent))).tangent
         torch.testing.assert_close(got, torch.einsum("ijkl,kl->ij", want, tangent), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [add_rms_norm, add_layer_norm])
+def test_backward_when_only_the_sum_is_used(fn):
+    # The statistics' gradients are not materialized, so the backward also sees dy = None when only
+    # h = x + residual reaches the loss: the gradient is then dh alone, and the weight's is zero.
+    x, r = torch.randn(5, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    _, h = fn(x, r, w)
+    dh = torch.randn(5, 8)
+    h.backward(dh)
+    torch.testing.assert_close(x.grad, dh)
+    torch.testing.assert_close(r.grad, dh)
+    assert w.grad is None or torch.count_nonzero(w.grad) == 0
+
+
+def test_ops_are_triton_ops_where_triton_is_installed():
+    # torch.compile decomposes a triton_op into its kernels; a custom_op would stay an opaque call.
+    pytest.importorskip("triton")
+    from torch._library.triton import triton_ops_to_kernels
+
+    from normswap.kernels._registration import _with_signature
+    from normswap.kernels.ops import _FAMILIES
+
+    for family in _FAMILIES:
+        for suffix, schema in (("fwd", family.fwd_schema()), ("bwd", family.bwd_schema())):
+            assert f"normswap::{family.name}_{suffix}" in triton_ops_to_kernels
+            # torch 2.11's triton_op reads the schema off the signature: the two must agree
+            assert (
+                torch.library.infer_schema(_with_signature(lambda *a: a, schema), mutates_args=()) == schema
+            )
+
+
+def test_a_torch_whose_triton_op_refuses_gets_custom_ops():
+    code = """
+import torch
+def refuse(*args, **kwargs):
+    raise ValueError("infer_schema(func): We do not support varargs")
+torch.library.triton_op = refuse
+from normswap.kernels import _registration, rms_norm
+assert _registration._REGISTER is refuse
+x = torch.randn(3, 8, requires_grad=True)
+rms_norm(x, torch.ones(8)).sum().backward()
+y = torch.ops.normswap.rms_norm_fwd(x.detach(), None, None, 1e-6, "none", 0.0)[0]
+assert torch.equal(y, rms_norm(x.detach()))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

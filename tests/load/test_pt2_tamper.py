@@ -14,6 +14,7 @@ import builtins
 import contextlib
 import io
 import json
+import logging
 import pickle
 import re
 import zipfile
@@ -24,10 +25,15 @@ import pytest
 import torch
 from normswap_cli.app import app
 from torch import nn
+from torch.export.pt2_archive import constants as pt2_constants
 from typer.testing import CliRunner
 
 from normswap.load import load_model
 from normswap.load.archive import UnsafeArchiveError
+
+# torch 2.11 (the GPU machine's) predates opaque objects in archives, and its deserializer refuses a
+# graph target such as torch.os.system before normswap's own check of the loaded graph could name it.
+_TORCH_NAMES_BAD_TARGETS = hasattr(pt2_constants, "OPAQUE_OBJ_FILENAME_PREFIX")
 
 runner = CliRunner()
 
@@ -233,6 +239,8 @@ def test_tampered_archive_is_refused_before_anything_runs(
 def test_payloads_are_live_under_trust_pickle(tmp_path: Path, clean_archive: Path, build: Callable) -> None:
     """The control: with --trust-pickle torch's own loader reaches the payload, so the refusals above
     are what kept it from running (and --trust-pickle means what it says)."""
+    if build is _opaque_object and not hasattr(pt2_constants, "OPAQUE_OBJ_FILENAME_PREFIX"):
+        pytest.skip(f"torch {torch.__version__} has no opaque objects in its archives: nothing to control")
     marker = tmp_path / "payload-ran"
     tampered = build(clean_archive, tmp_path / "tampered.pt2", marker)
     # some payloads return values the rest of the archive does not fit; they ran regardless
@@ -260,6 +268,23 @@ def test_torchbind_object_is_refused(tmp_path: Path, clean_archive: Path) -> Non
         load_model(str(tampered))
 
 
+def test_constant_of_an_unknown_kind_is_refused(tmp_path: Path, clean_archive: Path) -> None:
+    # A name no torch version gives a tensor constant: whatever this torch does with it, a scan that
+    # only knows tensors does not let it through.
+    marker = tmp_path / "payload-ran"
+    tampered = _rewrite(
+        clean_archive,
+        tmp_path / "tampered.pt2",
+        {"data/constants/model_constants_config.json": _add_constant_entry("obj", "future_obj_0")},
+        add={"data/constants/future_obj_0": pickle.dumps(_Payload(marker, "None"))},
+    )
+    with pytest.raises(
+        UnsafeArchiveError, match="future_obj_0 is a constant of a kind normswap does not know"
+    ):
+        load_model(str(tampered))
+    assert not marker.exists()
+
+
 def test_aoti_native_code_is_refused_even_under_trust_pickle(tmp_path: Path, clean_archive: Path) -> None:
     tampered = _rewrite(
         clean_archive, tmp_path / "tampered.pt2", add={"data/aotinductor/model/model.so": b"\x7fELF"}
@@ -282,7 +307,11 @@ def test_graph_calling_a_python_function_is_refused(tmp_path: Path, clean_archiv
     out = tmp_path / "out.pt2"
     result = runner.invoke(app, ["convert", str(tampered), "--fold-bn", "-o", str(out)])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert "system" in result.output
+    if _TORCH_NAMES_BAD_TARGETS:
+        assert "system" in result.output  # normswap's check of the loaded graph names the call
+    else:
+        # torch 2.11's deserializer refuses such a target itself, with a message that does not name it
+        assert "error when deserializing" in result.output, result.output
     assert not marker.exists() and not out.exists()
 
 
@@ -423,8 +452,20 @@ def test_torch_fallback_warning_reaches_the_user_under_trust_pickle(
     """normswap listens to torch.export's log while it loads; what torch warns about a load that worked
     (here: its fallback to the full unpickler) is passed on, one line, not swallowed."""
     tampered = _sample_inputs(clean_archive, tmp_path / "tampered.pt2", tmp_path / "payload-ran")
-    load_model(str(tampered), trust_pickle=True)
+    # Where the record is printed depends on torch's logging setup (its own stderr handler, or the
+    # root logger: pytest's capture under torch 2.11); what normswap controls is that the record
+    # reaches torch's logger once, as one line.
+    passed_on: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = passed_on.append  # type: ignore[method-assign]
+    logger = logging.getLogger("torch._export.serde.serialize")
+    logger.addHandler(handler)
+    try:
+        load_model(str(tampered), trust_pickle=True)
+    finally:
+        logger.removeHandler(handler)
     err = capfd.readouterr().err
-    fallback = [line for line in err.splitlines() if "Fallback to weights_only=False succeeded" in line]
-    assert len(fallback) == 1, err
+    fallback = [r for r in passed_on if "Fallback to weights_only=False succeeded" in r.getMessage()]
+    assert len(fallback) == 1, [r.getMessage() for r in passed_on]
+    assert "\n" not in fallback[0].getMessage() and fallback[0].exc_info is None
     assert "Traceback" not in err

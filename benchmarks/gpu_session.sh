@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# What the GPU figures in benchmarks/results/ were produced with, one step per argument, in order:
+#   bash benchmarks/gpu_session.sh setup gputests tune suite
+# setup installs normswap (editable, no dependencies: the machine has them) and any wheels in .whl/
+# (Liger-Kernel); every other step writes its log and results under $OUT (default ./gpu_out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=python3
+
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case "$step" in
+    setup)
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        export PYTHONPATH=/tmp/site
+      fi
+      $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -3
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+      $PY -c "import liger_kernel, transformers, timm; print('liger ok; transformers', transformers.__version__, 'timm', timm.__version__)"
+      ;;
+    gputests)
+      timeout 300 $PY -m pytest -q -m gpu -n "${GPU_WORKERS:-1}" -p no:cacheprovider -rfE --tb=short tests 2>&1 | tee "$OUT/gputests.log" | tail -40
+      ;;
+    suite)
+      # One thread per worker: 14 workers of 16 threads each oversubscribe the cores many times over.
+      OMP_NUM_THREADS=1 timeout "${SUITE_TIMEOUT:-300}" $PY -m pytest -v -n 14 -p no:cacheprovider -rfE --tb=short \
+        --durations=15 tests >"$OUT/suite.log" 2>&1
+      echo "suite rc $?"
+      grep -E "^(FAILED|ERROR)| (FAILED|ERROR) " "$OUT/suite.log" | cut -c1-300 | head -80
+      tail -3 "$OUT/suite.log"
+      ;;
+    tune)
+      timeout "${TUNE_TIMEOUT:-300}" $PY benchmarks/tune_norms.py --out "$OUT/tune_norms.jsonl" ${TUNE_ARGS:-} 2>&1 | tail -25
+      ;;
+    bench)
+      timeout "${BENCH_TIMEOUT:-560}" $PY benchmarks/bench_norms.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+      ;;
+    llama)
+      timeout "${LLAMA_TIMEOUT:-300}" $PY benchmarks/bench_llama_fused.py --out "$OUT" ${LLAMA_ARGS:-} 2>&1 | tail -30
+      ;;
+    failing)
+      # Tests that failed in an earlier run, with their tracebacks.
+      timeout "${FAILING_TIMEOUT:-120}" $PY -m pytest -q -n 4 -p no:cacheprovider --tb=short ${FAILING_TESTS:-} \
+        >"$OUT/failing.log" 2>&1
+      grep -E "^E |^FAILED|passed|failed" "$OUT/failing.log" | cut -c1-240 | head -40
+      ;;
+    diag)
+      # The backward through autograd against the launcher alone, and where the time goes.
+      timeout 60 $PY - <<'PYEOF' 2>&1 | tail -40
+import torch
+from triton.testing import do_bench
+from normswap.kernels import rms_norm
+from normswap.kernels._launch import norm_bwd, norm_fwd
+m, n = 16384, 8192
+x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+y = rms_norm(x, w, None, 1e-6)
+_, _, _, rstd = norm_fwd("rms", x.detach(), None, w.detach(), None, 1e-6, "none", 0.0)
+direct = lambda: norm_bwd("rms", dy, None, x.detach(), w.detach(), None, None, rstd, "none", 0.0)
+through = lambda: torch.autograd.grad((y,), (x, w), (dy,), retain_graph=True)
+for name, fn in (("launcher", direct), ("autograd", through)):
+    fn()
+    print(name, f"{do_bench(fn, rep=200, return_mode='median') * 1e3:.0f} us")
+from torch.profiler import ProfilerActivity, profile
+with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    for _ in range(5):
+        through()
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+PYEOF
+      ;;
+    *)
+      echo "unknown step $step"
+      exit 2
+      ;;
+  esac
+done

@@ -1,0 +1,70 @@
+"""How the fused-norm ops are registered with torch.library: ``triton_op`` where triton is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules["triton"] is None (blocked)
+        return False
+
+
+# triton_op where triton is installed: torch.compile decomposes a triton_op into its torch ops and
+# Triton launches (the launcher wraps them in wrap_triton while tracing), so Inductor compiles the
+# kernels into its own code and plans memory around them, where a custom_op is an opaque call;
+# torch.export keeps either as one node. Registering a triton_op imports triton. Without triton (CPU
+# builds of torch) a custom_op, which needs nothing, so those users see no "Triton not available".
+_REGISTER = torch.library.triton_op if _triton_installed() else torch.library.custom_op
+
+_SCHEMA_TYPES = {"Tensor": torch.Tensor, "Tensor?": torch.Tensor | None, "float": float, "str": str}
+
+
+def _with_signature(fn, schema: str):
+    """``fn(*args)`` given the signature ``schema`` spells (what some torch versions read instead of it).
+
+    torch 2.11's triton_op infers the schema from the function's signature and ignores ``schema=``, and
+    the ops' implementations take ``*args`` (one implementation per family serves several schemas).
+    """
+    params_text, returns_text = schema.split(" -> ")
+    params = []
+    for item in params_text.strip("()").split(", "):
+        type_name, name = item.rsplit(" ", 1)
+        params.append(
+            inspect.Parameter(
+                name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_SCHEMA_TYPES[type_name]
+            )
+        )
+    n_out = len(returns_text.strip("()").split(", "))
+    returns = tuple[(torch.Tensor,) * n_out] if n_out > 1 else torch.Tensor
+
+    signature = inspect.Signature(params, return_annotation=returns)
+
+    def impl(*args, **kwargs):
+        if kwargs:
+            args = signature.bind(*args, **kwargs).args
+        return fn(*args)
+
+    impl.__signature__ = signature  # type: ignore[attr-defined]
+    impl.__name__ = fn.__name__
+    return impl
+
+
+def register_op(name: str, fn: Callable, schema: str, fake: Callable) -> Any:
+    """Define the op ``name`` with implementation ``fn`` and fake ``fake``: a triton_op where possible."""
+    try:
+        op = _REGISTER(name, _with_signature(fn, schema), mutates_args=(), schema=schema)
+        op.register_fake(fake)
+    except Exception:  # a torch whose triton_op cannot take this op: the opaque custom op still works
+        if _REGISTER is torch.library.custom_op:
+            raise
+        op = torch.library.custom_op(name, fn, mutates_args=(), schema=schema)
+        op.register_fake(fake)
+    return op

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -263,11 +264,14 @@ def run(
     timer: Timer = _median_ms,
     *,
     copy_numel: int = 1 << 29,
+    on_progress: Callable[[dict], None] | None = None,
 ) -> dict:
     """Measure every (dtype, norm, op, M, N, provider) of ``args``; returns {"meta", "records"}.
 
     ``device`` and ``timer`` (``(fn, rep, grad_to_none=None) -> ms``) are what the tests replace to
     run it on the CPU; the copy is measured with them too, on ``copy_numel`` bf16 elements.
+    ``on_progress`` gets the result so far (``meta["complete"]`` False) after every shape, so a run
+    stopped by a time limit still leaves what it measured.
     """
     import torch
 
@@ -276,6 +280,7 @@ def run(
         torch._dynamo.config.cache_size_limit = 1024
     copy_gbps = measure_copy_gbps(args.rep, device, timer, copy_numel)
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s")
+    meta = _meta(device, on_cuda, copy_gbps, timer)
     records: list[Record] = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, DTYPES[dtype_name])
@@ -316,6 +321,16 @@ def run(
                                 f"{rec.gbps:7.0f} GB/s ({rec.frac_of_copy:4.0%})" if rec.gbps else rec.note
                             )
                             print(f"{norm:5} {op:7} {dtype_name:4} M={m:<6} N={n:<6} {provider:9} {shown}")
+                        if on_progress is not None:
+                            on_progress(
+                                {"meta": {**meta, "complete": False}, "records": [asdict(r) for r in records]}
+                            )
+    return {"meta": {**meta, "complete": True}, "records": [asdict(r) for r in records]}
+
+
+def _meta(device: str, on_cuda: bool, copy_gbps: float, timer: Timer) -> dict:
+    import torch
+
     try:
         import triton
 
@@ -323,22 +338,27 @@ def run(
     except ImportError:
         triton_version = None
     return {
-        "meta": {
-            "device": torch.cuda.get_device_name(device) if on_cuda else f"{device} ({platform.machine()})",
-            "torch": torch.__version__,
-            "triton": triton_version,
-            "python": platform.python_version(),
-            "copy_gbps": copy_gbps,
-            "bytes": ", ".join(f"{op} {k}*M*N*s" for op, k in BYTES_PER_ELEMENT_MOVED.items()),
-            "timing": (
-                "triton.testing.do_bench median, L2 flushed before each repeat"
-                if timer is _median_ms
-                else getattr(timer, "__name__", type(timer).__name__)
-            ),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        },
-        "records": [asdict(r) for r in records],
+        "device": torch.cuda.get_device_name(device) if on_cuda else f"{device} ({platform.machine()})",
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "copy_gbps": copy_gbps,
+        "bytes": ", ".join(f"{op} {k}*M*N*s" for op, k in BYTES_PER_ELEMENT_MOVED.items()),
+        "timing": (
+            "triton.testing.do_bench median, L2 flushed before each repeat"
+            if timer is _median_ms
+            else getattr(timer, "__name__", type(timer).__name__)
+        ),
+        "command": " ".join(sys.argv),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def write_json(result: dict, path: Path) -> None:
+    """Write ``result`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -475,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("bench_norms needs triton (for the kernels and for do_bench)", file=sys.stderr)
         return 2
-    result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "bench_norms" + (f"_{args.tag}" if args.tag else "")
-    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    result = run(args, on_progress=lambda partial: write_json(partial, args.out / f"{stem}.json"))
+    write_json(result, args.out / f"{stem}.json")
     print(summarize(result))
     print(f"wrote {args.out / (stem + '.json')}")
     if plot(result, args.out / f"{stem}.png"):

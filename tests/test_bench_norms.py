@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -250,3 +251,34 @@ def test_main_refuses_without_cuda(bench, tmp_path, capsys) -> None:
     assert bench.main(["--quick", "--out", str(tmp_path)]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_progress_leaves_every_measured_shape_on_disk(bench, tmp_path) -> None:
+    # A run stopped by a time limit (as the first H100 run was) must still leave what it measured.
+    path = tmp_path / "bench.json"
+    seen: list[int] = []
+
+    def progress(partial: dict) -> None:
+        assert partial["meta"]["complete"] is False
+        seen.append(len(partial["records"]))
+        bench.write_json(partial, path)
+
+    args = _args(bench, norms=["rms"], ops=["fwd"], dtypes=["fp32"], m=[8], n=[16, 48])
+    result = bench.run(args, device="cpu", timer=FakeTimer(), copy_numel=1 << 12, on_progress=progress)
+    assert seen == [2, 4]  # after each shape, both providers of it
+    assert result["meta"]["complete"] is True
+    on_disk = json.loads(path.read_text())
+    assert on_disk["records"] == result["records"] and not list(tmp_path.glob("*.tmp"))
+
+
+def test_compile_is_measured_only_where_asked(bench) -> None:
+    args = _args(bench, providers=["compile"], norms=["rms"], ops=["fwd"])
+    args.compile_m, args.compile_n, args.compile_dtypes = [8], [48], ["bf16"]
+    assert bench._compile_measured(args, "bf16", 8, 48)
+    for other in (("fp32", 8, 48), ("bf16", 1, 48), ("bf16", 8, 16)):
+        assert not bench._compile_measured(args, *other)
+    # A grid none of whose shapes is asked for compiles nothing and says so on every record.
+    args.compile_n = [999]
+    result = bench.run(args, device="cpu", timer=FakeTimer(), copy_numel=1 << 12)
+    assert result["records"] and all("not measured here" in r["note"] for r in result["records"])
+    assert all(r["ms"] is None for r in result["records"])

@@ -14,7 +14,7 @@ The conversion is normswap's own pipeline (``FuseNorm`` then ``FuseAddNorm``), c
 example inputs; the converted model is an exported ``GraphModule`` with dynamic batch and sequence
 dims. Before timing, both models' outputs are compared on the timed input.
 
-    python benchmarks/bench_llama_fused.py --out benchmarks/results
+    python benchmarks/bench_llama_fused.py --tag h100
     python benchmarks/bench_llama_fused.py --only block --seq 2048
 """
 
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4, help="model: batch size")
     p.add_argument("--model-seq", type=int, default=2048, help="model: sequence length")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--tag", default="gpu", help="output file llama_fused_TAG.json")
     args = p.parse_args(argv)
     import torch
 
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         result["model"] = bench_model(args.batch, args.model_seq)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "llama_fused_gpu.json"
+    path = args.out / f"llama_fused_{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     return 0

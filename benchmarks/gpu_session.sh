@@ -22,6 +22,8 @@ for step in "$@"; do
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
       $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
       $PY -c "import liger_kernel, transformers, timm; print('liger ok; transformers', transformers.__version__, 'timm', timm.__version__)"
+      # Which route the ops took: triton_op (torch.compile sees the kernels) or the custom-op fallback.
+      $PY -c "import torch; from torch._library.triton import triton_ops_to_kernels as t; import normswap.kernels; n = sorted(k for k in t if k.startswith('normswap')); print(len(n), 'normswap ops are triton_ops' if n else 'normswap ops are custom ops (opaque to Inductor)')"
       ;;
     gputests)
       timeout 300 $PY -m pytest -q -m gpu -n "${GPU_WORKERS:-1}" -p no:cacheprovider -rfE --tb=short tests 2>&1 | tee "$OUT/gputests.log" | tail -40

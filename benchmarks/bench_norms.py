@@ -349,7 +349,6 @@ def _meta(device: str, on_cuda: bool, copy_gbps: float, timer: Timer) -> dict:
             if timer is _median_ms
             else getattr(timer, "__name__", type(timer).__name__)
         ),
-        "command": " ".join(sys.argv),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
@@ -497,8 +496,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "bench_norms" + (f"_{args.tag}" if args.tag else "")
-    result = run(args, on_progress=lambda partial: write_json(partial, args.out / f"{stem}.json"))
+    # What is measured so far goes to a file of its own (a run stopped by a time limit leaves it), never
+    # over the results of an earlier complete run.
+    partial_path = args.out / f"{stem}.partial.json"
+    command = " ".join(["python benchmarks/bench_norms.py", *(sys.argv[1:] if argv is None else argv)])
+
+    def save_partial(partial: dict) -> None:
+        partial["meta"]["command"] = command
+        write_json(partial, partial_path)
+
+    result = run(args, on_progress=save_partial)
+    result["meta"]["command"] = command
     write_json(result, args.out / f"{stem}.json")
+    partial_path.unlink(missing_ok=True)
     print(summarize(result))
     print(f"wrote {args.out / (stem + '.json')}")
     if plot(result, args.out / f"{stem}.png"):

@@ -105,6 +105,12 @@ def _concrete_rows(m: int | torch.SymInt) -> int:
     return m if isinstance(m, int) else _SYMBOLIC_ROWS
 
 
+def _row_length(x: torch.Tensor) -> int:
+    """The normalized dim's size as an int: the tiling is chosen per row length, so a symbolic one
+    (torch.compile with ``dynamic=True``) is specialized, with a guard, rather than traced."""
+    return int(x.shape[-1])
+
+
 def _launcher(kernel, interpret: bool, *tensors: torch.Tensor):
     """``kernel`` as the launch site calls it: through ``torch.library.wrap_triton`` while torch traces.
 
@@ -186,7 +192,7 @@ def norm_fwd(
     check_args(x, residual, weight, bias, casting)
     if not triton_supports(x, weight, bias):
         raise TypeError(f"the Triton norm kernels take fp32/fp16/bf16 tensors, got {x.dtype}")
-    n = x.shape[-1]
+    n = _row_length(x)
     if n == 0:
         raise ValueError("cannot normalize over an empty last dimension")
     lead = x.shape[:-1]
@@ -285,7 +291,7 @@ def norm_bwd(
         raise ValueError("the LayerNorm backward needs the saved mean")
     if not triton_supports(dy, dh, x, weight, bias):
         raise TypeError("the Triton norm kernels take fp32/fp16/bf16 tensors")
-    n = x.shape[-1]
+    n = _row_length(x)
     x2 = _rows(x, n)
     m = x2.shape[0]
     weight = _contiguous(weight)

@@ -57,11 +57,34 @@ def _with_signature(fn, schema: str):
     return impl
 
 
+def _name_kernels(name: str) -> None:
+    """Tell torch which Triton kernels the triton_op ``name`` launches.
+
+    torch finds them by reading the implementation's source, which here is a wrapper that names none;
+    torch.compile's autograd cache keys on their source, so without this a warm cache would go on
+    running kernels from before a change to ``_kernels.py``. (The launch rules of ``_tiling`` are not
+    part of any key: after changing those, clear the Inductor cache to time the new ones.)
+    """
+    from torch._library import triton as library_triton
+
+    from normswap.kernels._launch import kernel_module
+
+    kernels = kernel_module(interpret=False)
+    library_triton.triton_ops_to_kernels[name] = [
+        kernels.norm_fwd_tile_kernel,
+        kernels.norm_fwd_chunked_kernel,
+        kernels.norm_bwd_row_dots_kernel,
+        kernels.norm_bwd_tile_kernel,
+    ]
+
+
 def register_op(name: str, fn: Callable, schema: str, fake: Callable) -> Any:
     """Define the op ``name`` with implementation ``fn`` and fake ``fake``: a triton_op where possible."""
     try:
         op = _REGISTER(name, _with_signature(fn, schema), mutates_args=(), schema=schema)
         op.register_fake(fake)
+        if _REGISTER is not torch.library.custom_op:
+            _name_kernels(name)
     except Exception:  # a torch whose triton_op cannot take this op: the opaque custom op still works
         if _REGISTER is torch.library.custom_op:
             raise

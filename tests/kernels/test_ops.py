@@ -286,7 +286,14 @@ def test_ops_are_triton_ops_where_triton_is_installed():
 
     for family in _FAMILIES:
         for suffix, schema in (("fwd", family.fwd_schema()), ("bwd", family.bwd_schema())):
-            assert f"normswap::{family.name}_{suffix}" in triton_ops_to_kernels
+            # the kernels torch.compile's cache keys on (the implementation itself names none)
+            kernels = triton_ops_to_kernels[f"normswap::{family.name}_{suffix}"]
+            assert {k.__name__ for k in kernels} == {
+                "norm_fwd_tile_kernel",
+                "norm_fwd_chunked_kernel",
+                "norm_bwd_row_dots_kernel",
+                "norm_bwd_tile_kernel",
+            }
             # torch 2.11's triton_op reads the schema off the signature: the two must agree
             assert (
                 torch.library.infer_schema(_with_signature(lambda *a: a, schema), mutates_args=()) == schema
@@ -309,3 +316,21 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_tiling_takes_symbolic_shapes():
+    # torch.compile(dynamic=True) traces the launcher with symbolic sizes: the row count takes the
+    # many-rows tiling, the row length is specialized (a SymInt cannot key the rules' cache).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from normswap.kernels._launch import _concrete_rows, _row_length
+    from normswap.kernels._tiling import bwd_config, fwd_config
+
+    def tiling(x):
+        fwd = fwd_config(_concrete_rows(x.shape[0]), _row_length(x), interpret=False)
+        bwd = bwd_config(_concrete_rows(x.shape[0]), _row_length(x), interpret=False, kind="rms")
+        return x * (fwd.block_n + bwd.block_n)
+
+    x = torch.randn(8, 3000)
+    gm = make_fx(tiling, tracing_mode="symbolic")(x)
+    torch.testing.assert_close(gm(x), x * (4096 + 4096))

@@ -28,6 +28,14 @@ def export(
     dynamic_batch: Annotated[
         bool, flag("--dynamic-batch", help="Make dim 0 of every input a dynamic batch dim.")
     ] = False,
+    target: Annotated[
+        str,
+        typer.Option(
+            "--target",
+            help="standard: ONNX's own ops; onnxruntime: RMSNorm, LayerNorm and residual add + norm as "
+            "ONNX Runtime's fused ops (SimplifiedLayerNormalization, Skip[Simplified]LayerNormalization).",
+        ),
+    ] = "standard",
     weights: WeightsOpt = None,
     trust_pickle: TrustPickleOpt = False,
     inputs: InputsOpt = None,
@@ -44,6 +52,8 @@ def export(
     )
     if output.suffix.lower() != ".onnx":
         raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
+    if target not in ("standard", "onnxruntime"):
+        raise BadInputError(f"--target must be standard or onnxruntime, got {target!r}")
     loaded = load(model, weights, trust_pickle)
     check_writable(loaded.model, output, None)  # the ONNX packages, before the model is run
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
@@ -61,6 +71,7 @@ def export(
             opset=opset,
             dynamic_batch=dynamic_batch,
             refuse_path=existing(model),
+            target=target,
         )
     render.print_saved(saved)
     if report is not None:

@@ -160,6 +160,12 @@ def print_saved(saved: Any) -> None:
         result = saved.onnx
         ops = ", ".join(f"{name} {count}" for name, count in result.op_counts.items())
         out.print(f"ONNX opset {result.opset}: {sum(result.op_counts.values())} nodes ({ops})")
+        if result.target == "onnxruntime":
+            fused = result.onnxruntime_fusion.get("fused", {})
+            done = ", ".join(f"{name} {count}" for name, count in fused.items()) or "none"
+            out.print(f"onnxruntime's fused norm ops: {done}")
+            for reason in result.onnxruntime_fusion.get("left", []):
+                out.print(f"  left in standard ops: {reason}")
         worst = max(result.outputs, key=lambda o: o.max_rel)
         sizes = " and ".join(str(b) for b in result.checked_batch_sizes)
         out.print(

@@ -51,6 +51,7 @@ def save(
     dynamic_batch: bool = False,
     refuse_path: str | Path | None = None,
     source: CheckpointDirectory | None = None,
+    target: str = "standard",
 ) -> SavedOutput:
     """Save a conversion's model (or any model) to ``path``, atomically, in the format its suffix names.
 
@@ -84,7 +85,9 @@ def save(
     if is_directory_output(path):
         saved = _write_directory(model, Path(path), example_args, example_kwargs, refuse_path, source)
     else:
-        saved = _write(model, Path(path), example_args, example_kwargs, opset, dynamic_batch, refuse_path)
+        saved = _write(
+            model, Path(path), example_args, example_kwargs, opset, dynamic_batch, refuse_path, target
+        )
     if conversion is not None:
         conversion.saved = saved
     return saved
@@ -98,6 +101,7 @@ def _write(
     opset: int | None,
     dynamic_batch: bool,
     refuse_path: str | Path | None,
+    target: str = "standard",
 ) -> SavedOutput:
     from normswap.graph.capture import capture_friendly, capture_notes
     from normswap.load import SAVE_FORMATS, save_model
@@ -113,7 +117,14 @@ def _write(
         # the ONNX exporter captures with torch.export, and PyTorch's side of the check runs the same way
         with capture_friendly(model, args, kwargs) as notes:
             checked = export_onnx(
-                model, path, args, kwargs, opset=opset, dynamic_batch=dynamic_batch, refuse_path=refuse
+                model,
+                path,
+                args,
+                kwargs,
+                opset=opset,
+                dynamic_batch=dynamic_batch,
+                refuse_path=refuse,
+                target=target,
             )
         return SavedOutput(path=path, format="onnx", onnx=checked, notes=list(notes))
     label = save_model(model, path, args, kwargs, refuse_path=refuse)

@@ -21,11 +21,15 @@ from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, CheckFailedError, shorten
 from normswap.export.onnx_opset import EXPORTER_OPSET, convert_down
+from normswap.export.onnx_ort import fuse_for_onnxruntime
 from normswap.load.paths import same_path
 from normswap.load.save import atomic_write
 from normswap.util.modes import modes_restored
 from normswap.util.tolerance import onnx_tolerance
 from normswap.validate.metrics import TensorComparison, compare_tensors
+
+# "standard": ONNX's own ops only; "onnxruntime": norms as ONNX Runtime's fused ops where it has them
+TARGETS = ("standard", "onnxruntime")
 
 
 @dataclass
@@ -37,6 +41,9 @@ class OnnxExport:
     dynamic_batch: bool = False
     checked_batch_sizes: list[int] = field(default_factory=list)
     note: str = ""
+    target: str = "standard"
+    # --target onnxruntime: {"fused": {op type: count}, "left": [why a norm site kept standard ops]}
+    onnxruntime_fusion: dict[str, Any] = field(default_factory=dict)
 
     @property
     def within_tolerance(self) -> bool:
@@ -160,11 +167,13 @@ def export_onnx(
     opset: int | None = None,
     dynamic_batch: bool = False,
     refuse_path: Path | None = None,
+    target: str = "standard",
 ) -> OnnxExport:
     """Export ``model`` to ``path`` and check the file in onnxruntime; nothing is written if either fails.
 
     Raises :class:`BadInputError` when the export fails (naming the failing op when the exporter does)
     and :class:`CheckFailedError` when onnxruntime's outputs leave their tolerance (:func:`onnx_tolerance`).
+    ``target="onnxruntime"`` writes the norms as ONNX Runtime's fused ops (:mod:`.onnx_ort`).
     """
     from normswap.kernels.onnx_translation import LAYER_NORMALIZATION_OPSET, translation_table
 
@@ -175,9 +184,11 @@ def export_onnx(
         raise BadInputError(
             f"refusing to overwrite the input model {refuse_path}: choose another output path"
         )
+    if target not in TARGETS:
+        raise BadInputError(f"--target must be one of {', '.join(TARGETS)}, got {target!r}")
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
-    result = OnnxExport(path=str(path), opset=0, dynamic_batch=dynamic_batch)
+    result = OnnxExport(path=str(path), opset=0, dynamic_batch=dynamic_batch, target=target)
 
     # below the exporter's own opset: exported at it, converted down and repaired (export/onnx_opset.py)
     below = opset is not None and opset < EXPORTER_OPSET
@@ -208,6 +219,8 @@ def export_onnx(
             repaired = convert_down(temp, opset)
             if repaired:
                 result.note = f"converted down from opset {EXPORTER_OPSET}; {repaired} Split nodes given their sizes as inputs"
+        if target == "onnxruntime":  # after any conversion: onnx's converter knows no contrib op
+            result.onnxruntime_fusion = asdict(fuse_for_onnxruntime(temp))
         result.opset, result.op_counts = _read_back(temp)
         if opset is not None and result.opset != opset:
             # torch.onnx falls back to the opset it built when converting down fails, with only a warning

@@ -108,6 +108,14 @@ def convert(
             help="Fold each norm's weight and bias into the Linear layers that read it (exact).",
         ),
     ] = False,
+    defer_rms: Annotated[
+        bool,
+        flag(
+            "--defer-rms",
+            help="Fold norm weights into their Linear readers, then apply each RMSNorm's scale after "
+            "those matmuls (FlashNorm; exact; the result is a GraphModule: save as .pt2 or .onnx).",
+        ),
+    ] = False,
     add_weight_norm: AddWeightNormOpt = None,
     weight_norm_dim: Annotated[
         str,
@@ -143,6 +151,7 @@ def convert(
         groups=groups,
         fold_bn=fold_bn,
         fold_norm_affine=fold_norm_affine,
+        defer_rms=defer_rms,
         fuse_add=fuse_add,
         fuse_inline=fuse_inline,
         add_weight_norm=add_weight_norm,

@@ -421,6 +421,7 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
         for flag, on in (
             ("--fuse-add", config.fuse_add),
             ("--fuse-inline", config.fuse_inline),
+            ("--defer-rms", config.defer_rms),
             ("--calibrate", config.calibration_data is not None),
             ("--from", config.from_kinds is not None),
             ("--allow-lossy", config.allow_lossy),

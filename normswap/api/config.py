@@ -28,6 +28,8 @@ class ConvertConfig:
     - ``groups``: the groups of ``to="groupnorm"``.
     - ``fold_bn``, ``fold_norm_affine``, ``remove_weight_norm``: the exact folds.
     - ``fuse_add``, ``fuse_inline``: with ``to="fused"``, also fuse residual adds / norms written inline.
+    - ``defer_rms``: fold the norms' affine, then apply each weightless RMSNorm's scale after the linear
+      layers that read it (FlashNorm; a graph rewrite, so the result is a GraphModule).
     - ``add_weight_norm``: ``"all"``, module paths (a sequence, or one comma-separated string).
     - ``weight_norm_dim``: ``"output"``, an int, or ``None`` / ``"none"`` (one magnitude per tensor).
     - ``exact``: the exact-only policy: no architectural pass may run, and a norm that ``to`` asked for
@@ -47,6 +49,7 @@ class ConvertConfig:
     groups: int | None = None
     fold_bn: bool = False
     fold_norm_affine: bool = False
+    defer_rms: bool = False
     fuse_add: bool = False
     fuse_inline: bool = False
     add_weight_norm: str | Sequence[str] | None = None
@@ -94,6 +97,10 @@ class ConvertConfig:
         self._check_output()
         return passes
 
+    def _graph_flag(self) -> str:
+        """The first flag asking for a graph rewrite (whose result is a GraphModule)."""
+        return "--fuse-inline" if self.fuse_inline else "--fuse-add" if self.fuse_add else "--defer-rms"
+
     def _check_output(self) -> None:
         from normswap.load import SAVE_FORMATS
         from normswap.load.checkpoint_write import is_directory_output
@@ -102,8 +109,8 @@ class ConvertConfig:
         if output is None:
             return
         if is_directory_output(output):
-            if self.fuse_inline or self.fuse_add:
-                flag = "--fuse-inline" if self.fuse_inline else "--fuse-add"
+            if self.fuse_inline or self.fuse_add or self.defer_rms:
+                flag = self._graph_flag()
                 raise BadInputError(
                     f"{flag} makes the model an exported torch.fx GraphModule, which a model directory cannot "
                     f"hold: save {output} as .pt2 or .onnx"
@@ -113,9 +120,9 @@ class ConvertConfig:
             raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
         if SAVE_FORMATS[output.suffix] != "pickle":
             return
-        if self.fuse_inline or self.fuse_add:
+        if self.fuse_inline or self.fuse_add or self.defer_rms:
             # said before the run, not after it: an exported program's module does not pickle
-            flag = "--fuse-inline" if self.fuse_inline else "--fuse-add"
+            flag = self._graph_flag()
             raise BadInputError(
                 f"{flag} makes the model an exported torch.fx GraphModule, which cannot be pickled to "
                 f"{output}: save as .pt2 or .onnx"
@@ -206,8 +213,8 @@ class ConvertConfig:
             passes.append(FuseNorm())
         elif to is not None:
             passes.append(SwapNorm(to, kinds, groups=self.groups))
-        if self.fold_norm_affine:
-            passes.append(FoldNormAffine())
+        if self.fold_norm_affine or self.defer_rms:
+            passes.append(FoldNormAffine())  # --defer-rms scales weightless norms: fold the weights first
         if self.add_weight_norm is not None:
             passes.append(self.weight_norm_pass())
         # Graph rewrites come last: every module edit must be done on the user's module first. Norms are
@@ -220,9 +227,13 @@ class ConvertConfig:
             from normswap.passes.fuse_add_norm import FuseAddNorm
 
             passes.append(FuseAddNorm())
+        if self.defer_rms:
+            from normswap.passes.defer_rms import DeferRMS
+
+            passes.append(DeferRMS())
         if not passes:
             raise BadInputError(
-                "nothing to do: give --to KIND, --fold-bn, --fold-norm-affine, --add-weight-norm or "
-                "--remove-weight-norm"
+                "nothing to do: give --to KIND, --fold-bn, --fold-norm-affine, --defer-rms, --add-weight-norm "
+                "or --remove-weight-norm"
             )
         return passes

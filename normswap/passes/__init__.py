@@ -14,6 +14,7 @@ from normswap.passes.base import (
     SkipCause,
     build_context,
 )
+from normswap.passes.defer_rms import DeferRMS, defer_rms
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
 from normswap.passes.fold_norm_affine import FoldNormAffine, fold_norm_affine
 from normswap.passes.fuse_add_norm import FuseAddNorm, fuse_add_norm
@@ -28,6 +29,7 @@ __all__ = [
     "SWAP_TARGETS",
     "AddWeightNorm",
     "Change",
+    "DeferRMS",
     "ExactOnlyError",
     "FoldBatchNorm",
     "FoldNormAffine",
@@ -49,6 +51,7 @@ __all__ = [
     "SwapNorm",
     "add_weight_norm",
     "build_context",
+    "defer_rms",
     "fold_batchnorm",
     "fold_norm_affine",
     "fuse_add_norm",

@@ -35,6 +35,7 @@ def test_every_pass_is_the_protocol_and_has_one_driver():
     classes = _pass_classes()
     assert {cls.name for cls in classes} == {
         "add_weight_norm",
+        "defer_rms",
         "fold_batchnorm",
         "fold_norm_affine",
         "fuse_add_norm",
@@ -48,7 +49,7 @@ def test_every_pass_is_the_protocol_and_has_one_driver():
         assert cls.__call__ is Pass.__call__, f"{cls.__name__} has a driver of its own"
     needs = {cls.name: cls.needs for cls in classes}
     assert needs["add_weight_norm"] is needs["remove_weight_norm"] is Needs.PARAMETERS
-    assert needs["fuse_add_norm"] is needs["fuse_graph_norm"] is Needs.EXPORTED_GRAPH
+    assert needs["fuse_add_norm"] is needs["fuse_graph_norm"] is needs["defer_rms"] is Needs.EXPORTED_GRAPH
     assert sum(n is Needs.GRAPH for n in needs.values()) == 5
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import model_zoo
 import pytest
 import torch
 import transformers
@@ -18,22 +19,8 @@ RMS_OPS = {"Pow", "ReduceMean", "Sqrt", "Reciprocal"}
 
 
 def _llama() -> tuple[nn.Module, dict]:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # the default weights are ones, which would hide a lost weight multiply
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-    return model, {"input_ids": torch.randint(0, 128, (2, 8)), "use_cache": False}
+    model, (ids,), kwargs = model_zoo.llama()  # HF Llama from a config, norm weights drawn around 1
+    return model, {"input_ids": ids, **kwargs}
 
 
 def _unoptimized(path: Path, kwargs: dict) -> torch.Tensor:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import model_zoo
 import pytest
 import torch
-import transformers
 from normswap_cli.app import app
 from torch import nn
 from typer.testing import CliRunner
@@ -19,22 +19,8 @@ ZOO = str(Path(__file__).resolve().parents[1] / "model_zoo.py")
 
 
 def _llama(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, tuple, dict]:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # the default weights are ones: nothing to fold would hide a fold's mistake
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-    return model.to(dtype), (torch.randint(0, 128, (2, 8)),), {"use_cache": False}
+    model, args, kwargs = model_zoo.llama()  # HF Llama from a config, norm weights drawn around 1
+    return model.to(dtype), args, kwargs
 
 
 def test_llama_norms_scale_after_their_projections():

@@ -119,3 +119,22 @@ def test_the_target_is_in_the_report(tmp_path, target):
     )
     assert result.to_dict()["target"] == target
     assert ("SkipLayerNormalization" in result.op_counts) == (target == "onnxruntime")
+
+
+def test_the_other_written_form_fuses_too(tmp_path):
+    # normswap's own fused RMSNorm exports as Mul(x, x) ... Div(x, sqrt), where HF's LlamaRMSNorm gives
+    # Pow(x, 2) ... Reciprocal + Mul: both become the same fused ops
+    from normswap.passes import FuseNorm, Pipeline
+
+    model, kwargs = _llama()
+    fused_model, _ = Pipeline([FuseNorm()])(model, (), kwargs)
+    result = export_onnx(fused_model, tmp_path / "f.onnx", (), kwargs, target="onnxruntime")
+    assert result.onnxruntime_fusion["fused"] == {
+        "SimplifiedLayerNormalization": 1,
+        "SkipSimplifiedLayerNormalization": 4,
+    }
+    standard = export_onnx(fused_model, tmp_path / "s.onnx", (), kwargs)
+    assert standard.op_counts.get("Div", 0) - result.op_counts.get("Div", 0) == 5  # one per norm
+    torch.testing.assert_close(
+        _unoptimized(tmp_path / "f.onnx", kwargs), model(**kwargs).logits.detach(), atol=1e-5, rtol=1e-4
+    )

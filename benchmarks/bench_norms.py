@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -354,10 +353,10 @@ def _meta(device: str, on_cuda: bool, copy_gbps: float, timer: Timer) -> dict:
 
 
 def write_json(result: dict, path: Path) -> None:
-    """Write ``result`` to ``path`` whole or not at all (a temporary file renamed over it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
+    """Write ``result`` to ``path`` whole or not at all (normswap's own atomic write)."""
+    from normswap.load.save import atomic_write
+
+    atomic_write(path, lambda temp: temp.write_text(json.dumps(result, indent=1)))
 
 
 # ---------------------------------------------------------------------------------------------------

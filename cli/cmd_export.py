@@ -45,6 +45,7 @@ def export(
     """Export MODEL to ONNX and check the file in onnxruntime against PyTorch before writing it."""
     from normswap.api import save
     from normswap.errors import BadInputError
+    from normswap.export.onnx import check_target
     from normswap.load import check_writable, require_inputs
 
     check_paths(
@@ -52,8 +53,7 @@ def export(
     )
     if output.suffix.lower() != ".onnx":
         raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
-    if target not in ("standard", "onnxruntime"):
-        raise BadInputError(f"--target must be standard or onnxruntime, got {target!r}")
+    check_target(target)  # before the model is loaded
     loaded = load(model, weights, trust_pickle)
     check_writable(loaded.model, output, None)  # the ONNX packages, before the model is run
     args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)

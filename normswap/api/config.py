@@ -97,9 +97,14 @@ class ConvertConfig:
         self._check_output()
         return passes
 
-    def _graph_flag(self) -> str:
-        """The first flag asking for a graph rewrite (whose result is a GraphModule)."""
-        return "--fuse-inline" if self.fuse_inline else "--fuse-add" if self.fuse_add else "--defer-rms"
+    def _graph_flag(self) -> str | None:
+        """The first flag asking for a graph rewrite (whose result is a GraphModule), if any."""
+        flags = (
+            ("--fuse-inline", self.fuse_inline),
+            ("--fuse-add", self.fuse_add),
+            ("--defer-rms", self.defer_rms),
+        )
+        return next((flag for flag, on in flags if on), None)
 
     def _check_output(self) -> None:
         from normswap.load import SAVE_FORMATS
@@ -109,8 +114,7 @@ class ConvertConfig:
         if output is None:
             return
         if is_directory_output(output):
-            if self.fuse_inline or self.fuse_add or self.defer_rms:
-                flag = self._graph_flag()
+            if (flag := self._graph_flag()) is not None:
                 raise BadInputError(
                     f"{flag} makes the model an exported torch.fx GraphModule, which a model directory cannot "
                     f"hold: save {output} as .pt2 or .onnx"
@@ -120,9 +124,8 @@ class ConvertConfig:
             raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
         if SAVE_FORMATS[output.suffix] != "pickle":
             return
-        if self.fuse_inline or self.fuse_add or self.defer_rms:
+        if (flag := self._graph_flag()) is not None:
             # said before the run, not after it: an exported program's module does not pickle
-            flag = self._graph_flag()
             raise BadInputError(
                 f"{flag} makes the model an exported torch.fx GraphModule, which cannot be pickled to "
                 f"{output}: save as .pt2 or .onnx"

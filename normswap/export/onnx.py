@@ -32,6 +32,11 @@ from normswap.validate.metrics import TensorComparison, compare_tensors
 TARGETS = ("standard", "onnxruntime")
 
 
+def check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise BadInputError(f"--target must be {' or '.join(TARGETS)}, got {target!r}")
+
+
 @dataclass
 class OnnxExport:
     path: str
@@ -184,8 +189,7 @@ def export_onnx(
         raise BadInputError(
             f"refusing to overwrite the input model {refuse_path}: choose another output path"
         )
-    if target not in TARGETS:
-        raise BadInputError(f"--target must be one of {', '.join(TARGETS)}, got {target!r}")
+    check_target(target)
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
     result = OnnxExport(path=str(path), opset=0, dynamic_batch=dynamic_batch, target=target)

@@ -45,7 +45,6 @@ class _Graph:
     def __init__(self, graph: Any) -> None:
         from onnx import numpy_helper
 
-        self.graph = graph
         self.producer = {out: node for node in graph.node for out in node.output if out}
         self.consumers: dict[str, list[Any]] = {}
         for node in graph.node:

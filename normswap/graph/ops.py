@@ -64,6 +64,8 @@ _ATEN_ALIASES = {
 _METHOD_ALIASES = {"float": "to", "half": "to", "bfloat16": "to", "type_as": "to", "type": "to"}
 
 CAST_OPS = frozenset({"to", "clone", "contiguous", "alias"})
+# Ops that hand their input on unchanged (up to aliasing), whatever its dtype.
+PASS_THROUGH_OPS = frozenset({"alias", "clone", "contiguous", "detach", "lift_fresh_copy"})
 # Ops whose only purpose is checking; they read a value without being a real consumer of it.
 CHECK_OPS = frozenset({"_assert_tensor_metadata", "sym_constrain_range_for_size", "_assert_scalar"})
 

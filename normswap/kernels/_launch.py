@@ -111,24 +111,21 @@ def _row_length(x: torch.Tensor) -> int:
     return int(x.shape[-1])
 
 
-def _launcher(kernel, interpret: bool, *tensors: torch.Tensor):
+def _launcher(kernel, interpret: bool, x: torch.Tensor):
     """``kernel`` as the launch site calls it: through ``torch.library.wrap_triton`` while torch traces.
 
     Under torch.compile the ops are decomposed (they are ``triton_op``s) and traced with functional or
     fake tensors; ``wrap_triton`` records each launch as a node Inductor compiles into its own code.
-    Plain tensors outside any dispatch mode launch directly: the wrapper would cost a dispatch round
+    A plain tensor ``x`` outside any dispatch mode launches directly: the wrapper would cost a dispatch round
     trip per launch, and eager host time counts at a few rows.
     """
     if interpret:
         return kernel
-    if _get_current_dispatch_mode() is None and all(type(t) in _PLAIN for t in tensors if t is not None):
+    if _get_current_dispatch_mode() is None and type(x) in (torch.Tensor, torch.nn.Parameter):
         return kernel
     from torch.library import wrap_triton
 
     return wrap_triton(kernel)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:

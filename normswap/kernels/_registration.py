@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -47,20 +48,25 @@ def _with_signature(fn, schema: str):
 
     signature = inspect.Signature(params, return_annotation=returns)
 
-    def impl(*args, **kwargs):
+    def call(*args, **kwargs):
         if kwargs:
             args = signature.bind(*args, **kwargs).args
         return fn(*args)
 
+    # A partial, not a def: torch's triton_op reads the implementation's source to find its kernels,
+    # and that reading imports Inductor (about a second at every `import normswap`). A partial has no
+    # source, so it finds none; _name_kernels names them instead.
+    impl = functools.partial(call)
     impl.__signature__ = signature  # type: ignore[attr-defined]
-    impl.__name__ = fn.__name__
+    impl.__name__ = fn.__name__  # type: ignore[attr-defined]
+    impl.__globals__ = call.__globals__  # type: ignore[attr-defined]  # infer_schema resolves names there
     return impl
 
 
 def _name_kernels(name: str) -> None:
     """Tell torch which Triton kernels the triton_op ``name`` launches.
 
-    torch finds them by reading the implementation's source, which here is a wrapper that names none;
+    torch finds them by reading the implementation's source, which here it cannot (see _with_signature);
     torch.compile's autograd cache keys on their source, so without this a warm cache would go on
     running kernels from before a change to ``_kernels.py``. (The launch rules of ``_tiling`` are not
     part of any key: after changing those, clear the Inductor cache to time the new ones.)

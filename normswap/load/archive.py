@@ -61,6 +61,9 @@ from torch.export.pt2_archive import constants as pt2
 
 from normswap.errors import BadInputError
 
+# torch 2.11's archives have no opaque objects yet (no such constant): the prefix is matched all the same
+_OPAQUE_OBJ_PREFIX = getattr(pt2, "OPAQUE_OBJ_FILENAME_PREFIX", "opaque_obj_")
+
 # What to do, said once in every refusal of a pickled member.
 _TRUST_HINT = (
     "loading it would run code named by the file; re-export the model with torch.export.save from "
@@ -273,9 +276,6 @@ def _scan_payloads(path: Path, reader: Any, records: set[str], model: str, trust
                 else:
                     kind = "a constant of a kind normswap does not know"
                 raise _refusal(path, member, f"is {kind}, which only the full unpickler reads; {_TRUST_HINT}")
-
-
-_OPAQUE_OBJ_PREFIX = getattr(pt2, "OPAQUE_OBJ_FILENAME_PREFIX", "opaque_obj_")
 
 
 def _record(path: Path, reader: Any, member: str) -> bytes:

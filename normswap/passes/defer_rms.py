@@ -29,17 +29,15 @@ import torch
 from torch import fx, nn
 
 from normswap.graph.analysis import module_path
-from normswap.graph.ops import op_name, real_users
+from normswap.graph.ops import PASS_THROUGH_OPS, op_name, real_users
 from normswap.passes.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
 from normswap.passes.graph_rewrite import GRAPH_MODULE
-
-_PASS_THROUGH = frozenset({"alias", "clone", "contiguous", "detach"})
 
 
 @dataclass(frozen=True)
 class DeferSite:
     path: str
-    rsqrt: fx.Node
+    statistic: fx.Node  # the aten.rsqrt of a written-out norm, or an aten.rms_norm call
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ def _val(node: object) -> torch.Tensor | None:
 def _identity(node: fx.Node) -> bool:
     """Whether ``node`` hands its input on unchanged: an alias, or a cast to the dtype it already has."""
     name = op_name(node)
-    if name in _PASS_THROUGH:
+    if name in PASS_THROUGH_OPS:
         return True
     if name in ("to", "_to_copy") and isinstance(node.args[0], fx.Node):
         before, after = _val(node.args[0]), _val(node)
@@ -127,17 +125,17 @@ class DeferRMS(Pass[DeferSite, DeferPlan, None]):
         return [DeferSite(module_path(n) or n.name, n) for n in nodes]
 
     def check(self, site: DeferSite, ctx: PassContext, state: None) -> DeferPlan | str:
-        if op_name(site.rsqrt) == "rms_norm":
+        if op_name(site.statistic) == "rms_norm":
             return _check_rms_norm_call(site)
-        found = _statistic_input(site.rsqrt)
+        found = _statistic_input(site.statistic)
         if isinstance(found, str):
             return found
         x, _eps = found
-        users = real_users(site.rsqrt)
+        users = real_users(site.statistic)
         if len(users) != 1 or op_name(users[0]) != "mul":
             return "its rsqrt is read by more than the scaling of x"
         scaled = users[0]
-        raw = next((a for a in scaled.args if a is not site.rsqrt), None)
+        raw = next((a for a in scaled.args if a is not site.statistic), None)
         if raw is not x:
             return "the scaled value is not the x the statistic was taken of"
         x_val, out_val = _val(x), _val(scaled)
@@ -150,7 +148,7 @@ class DeferRMS(Pass[DeferSite, DeferPlan, None]):
 
     def apply(self, plan: DeferPlan, ctx: PassContext, state: None) -> Change:
         graph = plan.scaled.graph
-        rsqrt = plan.site.rsqrt
+        rsqrt = plan.site.statistic
         if op_name(rsqrt) == "rms_norm":  # write the statistic out, once, where the norm was
             aten = torch.ops.aten
             with graph.inserting_before(plan.scaled):
@@ -185,7 +183,7 @@ class DeferRMS(Pass[DeferSite, DeferPlan, None]):
 
 def _check_rms_norm_call(site: DeferSite) -> DeferPlan | str:
     """An ``aten.rms_norm(x, [N], weight, eps)`` over the last dim, without weight, read by linears."""
-    node = site.rsqrt
+    node = site.statistic
     x = node.args[0]
     shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
     weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")

@@ -49,15 +49,22 @@ from torch.nn.utils import parametrize
 
 from normswap.discover import NormSite
 from normswap.graph.analysis import GraphView, ModuleCall
-from normswap.graph.ops import CAST_OPS, CHECK_OPS, arg, op_name, rank, real_users, tensor_meta
+from normswap.graph.ops import (
+    CAST_OPS,
+    CHECK_OPS,
+    PASS_THROUGH_OPS,
+    arg,
+    op_name,
+    rank,
+    real_users,
+    tensor_meta,
+)
 from normswap.graph.patterns import NormMatch, find_norm_patterns
 from normswap.modules.norms import LayerNorm as RefLayerNorm
 from normswap.modules.norms import RMSNorm as RefRMSNorm
 from normswap.passes.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
 
 _TORCH_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
-# Ops that hand a value on unchanged (up to aliasing) inside a norm module or between a norm and a reader.
-_IDENTITY_OPS = frozenset({"alias", "clone", "contiguous", "detach", "lift_fresh_copy"})
 _VIEW_OPS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand"})
 _NORM_OPS = frozenset({"layer_norm", "rms_norm"})
 
@@ -147,7 +154,7 @@ def _last_dim_preserved(view: GraphView, user: fx.Node, value: fx.Node) -> bool 
     name = op_name(user)
     if not user.args or user.args[0] is not value:
         return False
-    if name in _IDENTITY_OPS:
+    if name in PASS_THROUGH_OPS:
         return True
     if name == "dropout":
         p, train = arg(user, 1, "p"), arg(user, 2, "train")
@@ -320,7 +327,7 @@ def _only_the_norm(ctx: PassContext, call: ModuleCall) -> bool:
         name = op_name(n)
         if n.op in ("get_attr", "placeholder") or ctx.view.is_param(n):
             continue
-        if name in _NORM_OPS or name in CAST_OPS or name in CHECK_OPS or name in _IDENTITY_OPS:
+        if name in _NORM_OPS or name in CAST_OPS or name in CHECK_OPS or name in PASS_THROUGH_OPS:
             continue
         if name == "getitem":  # native_layer_norm's (out, mean, rstd)
             continue

@@ -110,7 +110,7 @@ def find_blocks(model: nn.Module) -> tuple[str, int]:
     return best[1], best[2]
 
 
-class _Shell:
+class BlockShell:
     """One model directory's model with one block, whose block takes any block's weights."""
 
     def __init__(self, checkpoint: CheckpointDirectory, blocks: str) -> None:
@@ -186,14 +186,14 @@ class _Resident:
         return self.model.get_submodule(f"{self.blocks}.{index}")
 
 
-Shell = _Shell | _Resident
+Shell = BlockShell | _Resident
 
 
 class _Stop(Exception):
     pass
 
 
-def _block_inputs(shell: Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def block_inputs(shell: Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """What the model hands its first block: recorded by a hook that stops the forward there."""
     seen: dict[str, Any] = {}
 
@@ -215,23 +215,23 @@ def _block_inputs(shell: Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tu
     return seen["args"], seen["kwargs"]
 
 
-def _hidden(block_args: tuple, block_kwargs: dict[str, Any]) -> torch.Tensor:
+def block_hidden(block_args: tuple, block_kwargs: dict[str, Any]) -> torch.Tensor:
     if block_args:
         return block_args[0]
     return block_kwargs["hidden_states"]
 
 
-def _with_hidden(block_args: tuple, block_kwargs: dict[str, Any], hidden: torch.Tensor) -> tuple[tuple, dict]:
+def with_hidden(block_args: tuple, block_kwargs: dict[str, Any], hidden: torch.Tensor) -> tuple[tuple, dict]:
     if block_args:
         return (hidden, *block_args[1:]), block_kwargs
     return block_args, {**block_kwargs, "hidden_states": hidden}
 
 
-def _first(output: Any) -> torch.Tensor:
+def first_output(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output[0]
 
 
-def _head(shell: Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
+def head_output(shell: Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
     """The model's output when its last block's output is ``hidden``: the shell's block is made to return
     it (same structure as the block's own output)."""
 
@@ -251,7 +251,7 @@ def _head(shell: Shell, args: tuple, kwargs: dict[str, Any], hidden: torch.Tenso
     if logits is None:
         logits = getattr(out, "last_hidden_state", None)
     if logits is None:
-        logits = _first(out)
+        logits = first_output(out)
     return logits
 
 
@@ -262,19 +262,19 @@ def _run_original(
     shell.take_block(0)
     runs = []
     for args, kwargs in inputs:
-        block_args, block_kwargs = _block_inputs(shell, args, kwargs)
+        block_args, block_kwargs = block_inputs(shell, args, kwargs)
         runs.append(
-            {"args": block_args, "kwargs": block_kwargs, "hidden": [_hidden(block_args, block_kwargs)]}
+            {"args": block_args, "kwargs": block_kwargs, "hidden": [block_hidden(block_args, block_kwargs)]}
         )
     for index in range(count):
         say(f"verifying: original block {index + 1}/{count}")
         block = shell.take_block(index)
         for run in runs:
-            in_args, in_kwargs = _with_hidden(run["args"], run["kwargs"], run["hidden"][-1])
+            in_args, in_kwargs = with_hidden(run["args"], run["kwargs"], run["hidden"][-1])
             with torch.no_grad():
-                run["hidden"].append(_first(block(*in_args, **in_kwargs)))
+                run["hidden"].append(first_output(block(*in_args, **in_kwargs)))
     for run, (args, kwargs) in zip(runs, inputs, strict=True):
-        run["output"] = _head(shell, args, kwargs, run["hidden"][-1])
+        run["output"] = head_output(shell, args, kwargs, run["hidden"][-1])
     return runs
 
 
@@ -295,7 +295,12 @@ def verify_blockwise(
     blocks, count = find_blocks(meta)
     del meta
     return _compare(
-        lambda: _Shell(original, blocks), lambda: _Shell(converted, blocks), count, inputs, relate, on_block
+        lambda: BlockShell(original, blocks),
+        lambda: BlockShell(converted, blocks),
+        count,
+        inputs,
+        relate,
+        on_block,
     )
 
 
@@ -343,20 +348,20 @@ def _compare(
     reports = []
     for run, (args, kwargs) in zip(runs, inputs, strict=True):
         report = BlockwiseReport(blocks_path=f"{blocks} ({count} blocks)")
-        run["c_args"], run["c_kwargs"] = _block_inputs(shell, args, kwargs)
-        theirs = _hidden(run["c_args"], run["c_kwargs"])
+        run["c_args"], run["c_kwargs"] = block_inputs(shell, args, kwargs)
+        theirs = block_hidden(run["c_args"], run["c_kwargs"])
         report.stages.append(("embeddings", compare_tensors("embeddings", relate(run["hidden"][0]), theirs)))
         reports.append(report)
     for index in range(count):
         say(f"verifying: converted block {index + 1}/{count}")
         block = shell.take_block(index)
         for report, run in zip(reports, runs, strict=True):
-            in_args, in_kwargs = _with_hidden(run["c_args"], run["c_kwargs"], relate(run["hidden"][index]))
+            in_args, in_kwargs = with_hidden(run["c_args"], run["c_kwargs"], relate(run["hidden"][index]))
             with torch.no_grad():
-                out = _first(block(*in_args, **in_kwargs))
+                out = first_output(block(*in_args, **in_kwargs))
             want = relate(run["hidden"][index + 1])
             report.stages.append((f"block {index}", compare_tensors(f"block {index}", want, out)))
     for report, run, (args, kwargs) in zip(reports, runs, inputs, strict=True):
-        logits = _head(shell, args, kwargs, relate(run["hidden"][-1]))
+        logits = head_output(shell, args, kwargs, relate(run["hidden"][-1]))
         report.stages.append(("head", compare_tensors("head", run["output"], logits)))
     return reports

@@ -1,0 +1,405 @@
+"""``normswap convert DIR --to KIND --calibrate DATA -o OUTDIR`` for a model that does not fit in memory:
+the norms swapped and calibrated block by block, each block written as it is done.
+
+The swap is decided once, on a shell of the model with one block (its config with one layer; block 0's
+weights), by the swap pass's own checks, and holds for every block: they are one class built from one
+config. Each block is then swapped and fitted by :func:`normswap.calibrate.sequential.calibrate_blocks`
+and its new norms written into the output shards, whose layout is fixed in advance from the input's
+headers (the same files and order; each swapped norm's tensors where the old norm's were). Every other
+tensor is copied as bytes by the kernel. Memory: one model's embeddings and head, one block, and the
+activations up to their budget (past it they go to disk, in a hidden folder beside the output).
+
+The output is a recorded directory (the new norm classes in ``normswap.json``), written into a hidden
+temporary sibling and renamed once complete; an existing path is never written over.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from normswap.api.checkpoint import _available_memory, _copy_all, _gb, _headers, _write_config, _write_index
+from normswap.api.config import ConvertConfig
+from normswap.errors import BadInputError, CheckFailedError, describe
+from normswap.load.checkpoint_dir import (
+    CheckpointDirectory,
+    build_on_meta,
+    example_inputs,
+    read_checkpoint_directory,
+    transformers_config,
+)
+from normswap.load.checkpoint_write import copy_side_files
+from normswap.load.safetensors_io import NAMES, ShardWriter
+from normswap.load.save import reserve_temp_dir
+from normswap.passes.base import Change, PassReport, Refusal, Skip, build_context
+from normswap.passes.tensor_edits import EditPlan
+
+if TYPE_CHECKING:
+    from normswap.calibrate.sequential import SequentialCalibrationReport
+
+# The activations' memory when none is given: this share of the available memory, at most the cap.
+_ACTIVATION_SHARE, _ACTIVATION_CAP = 0.25, 4 * 1024**3
+
+
+@dataclass
+class SequentialConversion:
+    """What :func:`convert_checkpoint_sequential` did: the swap's report (every block's sites), the
+    calibration's (per block and per site, before and after), and how the output was written."""
+
+    path: Path
+    report: PassReport
+    calibration: SequentialCalibrationReport
+    shards: list[str]
+    copied_tensors: int
+    written_tensors: int
+    recorded_modules: dict[str, Any] = field(default_factory=dict)
+    copied_files: list[str] = field(default_factory=list)
+    not_copied: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "route": "sequential",
+            "report": self.report.to_dict(),
+            "calibration": self.calibration.to_dict(),
+            "shards": self.shards,
+            "copied_tensors": self.copied_tensors,
+            "written_tensors": self.written_tensors,
+            "recorded_modules": sorted(self.recorded_modules),
+            "copied_files": self.copied_files,
+            "not_copied": self.not_copied,
+        }
+
+
+def sequential_problem(config: ConvertConfig, custom_inputs: bool = False) -> str | None:
+    """Why the block-by-block route cannot run this conversion, or None when it can."""
+    if config.calibration_data is None:
+        return "the sequential route calibrates swapped norms block by block: give --calibrate DATA"
+    if config.to in (None, "fused", "rmsnorm"):
+        what = "no --to" if config.to is None else f"--to {config.to}"
+        return (
+            f"{what}: the sequential route swaps norms for an architectural kind (layernorm, batchnorm, "
+            "groupnorm, instancenorm, dyt, derf, identity); --to rmsnorm recenters the residual stream, "
+            "which rewrites the linears around the norms, and is not built block by block"
+        )
+    other = [
+        flag
+        for flag, on in (
+            ("--fold-bn", config.fold_bn),
+            ("--fold-norm-affine", config.fold_norm_affine),
+            ("--defer-rms", config.defer_rms),
+            ("--fuse-add", config.fuse_add),
+            ("--fuse-inline", config.fuse_inline),
+            ("--add-weight-norm", config.add_weight_norm is not None),
+            ("--remove-weight-norm", config.remove_weight_norm),
+            ("--exact", config.exact),
+            ("--allow-lossy", config.allow_lossy),
+            ("--inputs/--input-shape", custom_inputs),
+        )
+        if on
+    ]
+    if other:
+        return f"{', '.join(other)} is not part of the sequential route (the swap and its calibration only)"
+    return None
+
+
+def sequential_route(
+    source: str | Path, config: ConvertConfig, *, asked: bool, custom_inputs: bool = False
+) -> str | None:
+    """How ``convert DIR --calibrate DATA -o OUTDIR`` runs: the note saying why it runs block by block,
+    or None (in memory, or as :func:`normswap.api.checkpoint.directory_route` says). ``asked``: the user
+    asked for it (``--sequential``); then a conversion it cannot run is a BadInputError."""
+    problem = sequential_problem(config, custom_inputs)
+    if asked:
+        if problem is not None:
+            raise BadInputError(f"--sequential: {problem}")
+        return "--sequential: calibrating block by block"
+    if problem is not None:
+        return None
+    checkpoint = read_checkpoint_directory(source)
+    need, available = 3 * checkpoint.total_bytes, _available_memory()
+    if available is None or need <= available:
+        return None
+    return (
+        f"converting in memory needs about {_gb(need)} ({_gb(available)} available): calibrating block by "
+        "block (--sequential)"
+    )
+
+
+def _blocks(checkpoint: CheckpointDirectory, meta: nn.Module) -> tuple[str, int]:
+    from normswap.validate.blockwise import find_blocks
+
+    try:
+        blocks, count = find_blocks(meta)
+    except BadInputError:
+        raise BadInputError(
+            f"{checkpoint.path}: the model has no list of blocks of one class (a ModuleList) to calibrate "
+            "block by block; convert it in memory (without --sequential)"
+        ) from None
+    layers = getattr(transformers_config(checkpoint), "num_hidden_layers", None)
+    if layers != count:
+        raise BadInputError(
+            f"{checkpoint.path}: its blocks ({count} in {blocks}) are not the config's num_hidden_layers "
+            f"({layers}), so no model with one of them can be built to run them in turn; convert it in memory "
+            "(without --sequential)"
+        )
+    return blocks, count
+
+
+@dataclass
+class _Plan:
+    """The swap decided on the shell: site path in the shell -> its NormSite, the new module's tensors
+    (name, dtype name, shape) and recipe; and the skips with their reasons."""
+
+    sites: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, list[tuple[str, str, tuple[int, ...]]]] = field(default_factory=dict)
+    recipes: dict[str, Any] = field(default_factory=dict)
+    skips: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _plan_swap(shell_model: nn.Module, config: ConvertConfig, args: tuple, kwargs: dict) -> tuple[Any, _Plan]:
+    from normswap.modules.recipes import module_recipe
+    from normswap.passes.swap_norm import build_layout_norm
+
+    swap = next(p for p in config.passes() if p.name == "swap_norm")
+    ctx = build_context(shell_model, args, kwargs, fx_first=swap.fx_analysis)
+    state = swap.prepare(ctx)
+    plan = _Plan()
+    for site in swap.candidates(ctx, state):
+        decided = swap.check(site, ctx, state)
+        if isinstance(decided, (str, Refusal)):
+            plan.skips.append((site.path, decided if isinstance(decided, str) else decided.reason))
+            continue
+        prototype = build_layout_norm(swap.target_kind, site, site.module, decided.sample, swap.groups)
+        recipe = module_recipe(prototype)
+        if recipe is None:
+            raise BadInputError(
+                f"{site.path}: its new norm ({type(prototype).__name__}) has no recipe to record in a model "
+                "directory; convert in memory and save as .pt2"
+            )
+        plan.sites[site.path] = site
+        plan.recipes[site.path] = recipe
+        plan.tensors[site.path] = [
+            (name, NAMES[t.dtype], tuple(t.shape)) for name, t in prototype.state_dict().items()
+        ]
+    return swap, plan
+
+
+def _layout(
+    checkpoint: CheckpointDirectory,
+    headers: dict[str, Any],
+    new: dict[str, list[tuple[str, str, tuple[int, ...]]]],
+) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+    """Output shard -> rows in file order: the input's tensors, a swapped norm's new tensors (``new``:
+    module path -> rows) where its first old one was (at the end of the last shard when it had none)."""
+    placed: set[str] = set()
+    layout: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    for shard in checkpoint.shards:
+        rows: list[tuple[str, str, tuple[int, ...]]] = []
+        for name, entry in sorted(headers[shard][0].items(), key=lambda kv: kv[1].start):
+            if checkpoint.weight_map.get(name) != shard:
+                continue
+            owner = name.rpartition(".")[0]
+            if owner not in new:
+                rows.append((name, entry.dtype, entry.shape))
+            elif owner not in placed:
+                placed.add(owner)
+                rows += [(f"{owner}.{n}", dtype, shape) for n, dtype, shape in new[owner]]
+        layout[shard] = rows
+    last = checkpoint.shards[-1]
+    for owner, rows in new.items():
+        if owner not in placed:
+            layout[last] += [(f"{owner}.{n}", dtype, shape) for n, dtype, shape in rows]
+    return layout
+
+
+def _check_written(written: CheckpointDirectory) -> None:
+    """The written directory's model (built on meta, recorded modules in place) has every tensor the
+    files hold, and the files every tensor it has (tied ones under one name)."""
+    model = build_on_meta(written)
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    stored = set(written.weight_map)
+    missing = [names[0] for names in groups.values() if not stored.intersection(names)]
+    extra = stored - {n for names in groups.values() for n in names}
+    if missing or extra:
+        raise CheckFailedError(
+            f"the written directory does not match its model ({len(missing)} tensors missing, e.g. "
+            f"{missing[:1]}; {len(extra)} unexpected, e.g. {sorted(extra)[:1]}); nothing written"
+        )
+
+
+def convert_checkpoint_sequential(
+    source: str | Path,
+    config: ConvertConfig,
+    *,
+    activation_memory: int | None = None,
+    on_step: Callable[[str], None] | None = None,
+) -> SequentialConversion:
+    """Swap the norms of the model directory ``source`` as ``config`` asks (``to``, ``from_kinds``,
+    ``groups``), calibrate them on ``config.calibration_data`` block by block, and write the result into
+    the new directory ``config.output`` (see the module doc). ``activation_memory``: bytes of activations
+    held in memory before they go to disk (default: a quarter of the available memory, at most 4 GiB).
+
+    The fitted parameters are those of the in-memory ``convert`` with the same calibration data (the same
+    fit, fed the same tensors). BadInputError for a conversion or model the route cannot take (a model
+    with no list of blocks of one class, flags other than the swap), CheckFailedError when nothing
+    could be swapped; nothing is written then, nor on any failure."""
+    from normswap.api.convert import _calibration_batches
+    from normswap.calibrate.activations import ActivationStore
+    from normswap.calibrate.data import ModelInputs, as_model_inputs
+    from normswap.calibrate.sequential import calibrate_blocks
+    from normswap.passes.swap_norm import build_layout_norm
+    from normswap.validate.blockwise import BlockShell
+    from normswap.validate.metrics import sqnr_db
+
+    say = on_step or (lambda _: None)
+    config.validate()
+    problem = sequential_problem(config)
+    if problem is not None:
+        raise BadInputError(problem)
+    output = config.output_path
+    if output is None or output.suffix:
+        raise BadInputError(
+            "the sequential route writes a model directory: give an output path with no suffix"
+        )
+    checkpoint = read_checkpoint_directory(source)
+    if output.exists() or output.is_symlink():
+        raise BadInputError(f"-o {output} exists; normswap never writes over a path: choose a new one")
+    if not output.parent.is_dir():
+        raise BadInputError(f"output directory does not exist: {output.parent}")
+    meta = build_on_meta(checkpoint)
+    blocks, count = _blocks(checkpoint, meta)
+    args, kwargs = example_inputs(meta, checkpoint.config, device="cpu")
+    del meta
+    batches = [as_model_inputs(b) for b in _calibration_batches(config, args, kwargs)]
+    if not batches:
+        raise BadInputError(f"--calibrate {config.calibration_data}: no batches to calibrate on")
+    say("building a model with one block (embeddings and head real)")
+    shell = BlockShell(checkpoint, blocks)
+    shell.take_block(0)
+    say("deciding the swap on the model with one block")
+    swap, plan = _plan_swap(shell.model, config, args, kwargs)
+    if not plan.sites:
+        first = plan.skips[0][1] if plan.skips else "no norm of another kind found"
+        raise CheckFailedError(f"no norm could be swapped ({first}); nothing written")
+    shell_block = f"{blocks}.0."
+    inside = [p[len(shell_block) :] for p in plan.sites if p.startswith(shell_block)]
+    outside = [p for p in plan.sites if not p.startswith(shell_block)]
+
+    def full_paths(path: str) -> list[str]:
+        local = path[len(shell_block) :] if path.startswith(shell_block) else None
+        return [path] if local is None else [f"{blocks}.{i}.{local}" for i in range(count)]
+
+    new_tensors = {full: plan.tensors[p] for p in plan.sites for full in full_paths(p)}
+    recorded = {**checkpoint.replaced_modules}
+    recorded.update({full: plan.recipes[p] for p in plan.sites for full in full_paths(p)})
+    report = PassReport(swap.name, swap.kind, graph_method=None)
+    report.skips = [Skip(swap.name, full, reason) for path, reason in plan.skips for full in full_paths(path)]
+
+    def build(path: str, old: nn.Module, sample: torch.Tensor | None) -> nn.Module:
+        # a block's norm: the shell's site of the same local path (model.layers.7.x -> model.layers.0.x)
+        in_shell = path if path in plan.sites else shell_block + path[len(blocks) + 1 :].split(".", 1)[1]
+        site = plan.sites[in_shell]
+        new = build_layout_norm(swap.target_kind, site, old, sample, swap.groups)
+        details: dict[str, Any] = {"from_class": type(old).__name__, "to_class": type(new).__name__}
+        if sample is not None:
+            with torch.no_grad():
+                details["site_sqnr_db"] = sqnr_db(old(sample), new(sample))
+        report.changes.append(
+            Change(swap.name, path, swap.kind, f"{type(old).__name__} -> {type(new).__name__}", details)
+        )
+        return new
+
+    headers = _headers(checkpoint)
+    layout = _layout(checkpoint, headers, new_tensors)
+    where = {name: shard for shard, rows in layout.items() for name, _, _ in rows}
+    written_names = {f"{owner}.{n}" for owner, rows in new_tensors.items() for n, _, _ in rows}
+    budget = activation_memory
+    if budget is None:
+        available = _available_memory() or 4 * _ACTIVATION_CAP
+        budget = min(_ACTIVATION_CAP, int(_ACTIVATION_SHARE * available))
+    temp = reserve_temp_dir(output)
+    store = ActivationStore(budget, parent=output.parent)
+    writers: dict[str, ShardWriter] = {}
+    try:
+        writers = {
+            shard: ShardWriter(temp / shard, rows, headers[shard][1] or {"format": "pt"})
+            for shard, rows in layout.items()
+        }
+        jobs = [
+            (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
+            for shard, rows in layout.items()
+            for name, _, _ in rows
+            if name not in written_names
+        ]
+
+        def write(prefix: str, module: nn.Module) -> None:
+            for name, tensor in module.state_dict().items():
+                writers[where[f"{prefix}.{name}"]].write(f"{prefix}.{name}", tensor)
+
+        def write_block(index: int, block: nn.Module) -> None:
+            for local in inside:
+                write(f"{blocks}.{index}.{local}", block.get_submodule(local))
+
+        stop = threading.Event()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="normswap-copy") as pool:
+            copying = pool.submit(_copy_all, jobs, stop)
+            try:
+                calibration, outside_news = calibrate_blocks(
+                    shell, count, inside, outside, build, batches, ModelInputs(args, kwargs), store,
+                    write_block, say,
+                )  # fmt: skip
+                for path, module in outside_news.items():
+                    write(path, module)
+                say("waiting for the byte copies of the untouched tensors")
+                copying.result()
+            except BaseException:
+                stop.set()
+                raise
+        for writer in writers.values():
+            writer.close()
+        shards = sorted(layout)
+        _write_index(checkpoint, temp, shards)
+        _write_config(checkpoint, temp, EditPlan(recorded=recorded))
+        say("checking the written directory")
+        _check_written(read_checkpoint_directory(temp))
+        copied_files, not_copied = copy_side_files(checkpoint, temp)
+        if output.exists() or output.is_symlink():
+            raise BadInputError(
+                f"-o {output} appeared while it was written; normswap never writes over a path"
+            )
+        os.rename(temp, output)
+    except OSError as exc:
+        for writer in writers.values():
+            writer.abandon()
+        shutil.rmtree(temp, ignore_errors=True)
+        raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None
+    except BaseException:
+        for writer in writers.values():
+            writer.abandon()
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    finally:
+        store.close()
+    return SequentialConversion(
+        path=output,
+        report=report,
+        calibration=calibration,
+        shards=shards,
+        copied_tensors=len(jobs),
+        written_tensors=len(written_names),
+        recorded_modules=recorded,
+        copied_files=copied_files,
+        not_copied=not_copied,
+    )

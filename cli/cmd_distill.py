@@ -1,8 +1,14 @@
-"""``normswap distill ORIGINAL CONVERTED --data DATA -o OUT``: fine-tune CONVERTED to match ORIGINAL."""
+"""``normswap distill ORIGINAL CONVERTED --data DATA -o OUT``: fine-tune CONVERTED to match ORIGINAL.
+
+Under torchrun (``torchrun --nproc-per-node N --no-python normswap distill ...``) every process runs this
+command: each loads both models, reads the data and takes its rows of each batch; process 0 alone prints,
+writes the report and writes the result (see :mod:`normswap.calibrate.parallel`).
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 from normswap_cli import render
@@ -17,6 +23,7 @@ from normswap_cli.options import (
     ReportOpt,
     TrustPickleOpt,
     WeightsOpt,
+    flag,
 )
 from normswap_cli.shared import (
     check_inputs_fit,
@@ -87,12 +94,38 @@ def distill(
     inputs: InputsOpt = None,
     input_shape: InputShapeOpt = None,
     report: ReportOpt = None,
+    checkpoint_dir: Annotated[
+        Path | None,
+        typer.Option("--checkpoint-dir", help="Folder for checkpoints (student and optimizer state, DCP)."),
+    ] = None,
+    checkpoint_every: Annotated[
+        int | None,
+        typer.Option(
+            "--checkpoint-every", min=1, help="Save a checkpoint every K steps (needs --checkpoint-dir)."
+        ),
+    ] = None,
+    resume: Annotated[
+        bool,
+        flag(
+            "--resume",
+            help="Continue from the newest checkpoint in --checkpoint-dir (same options and data).",
+        ),
+    ] = False,
+    shard_teacher: Annotated[
+        bool | None,
+        typer.Option(
+            "--shard-teacher/--no-shard-teacher",
+            help="Under torchrun: shard the teacher with FSDP2 too [when its parameters exceed 1 GiB].",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o."""
+    """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o (a .dcp
+    output is a sharded torch.distributed.checkpoint folder). Runs data-parallel under torchrun."""
     from normswap.calibrate.distill import check_options
-    from normswap.calibrate.distill import distill as distill_model
-    from normswap.errors import BadInputError, CheckFailedError
-    from normswap.load import resolve_inputs
+    from normswap.calibrate.distill_checkpoint import CheckpointPlan
+    from normswap.calibrate.parallel import DataParallel, launched_by_torchrun
+    from normswap.errors import BadInputError
 
     check_paths(
         {
@@ -104,12 +137,71 @@ def distill(
             "--converted-weights": converted_weights,
             "--inputs": inputs,
         },
-        {"-o": output, "--report": report},
+        {"-o": output, "--report": report, "--checkpoint-dir": checkpoint_dir},
     )
-    check_output_format(output)
+    sharded_output = output.suffix == SHARDED_SUFFIX
+    if not sharded_output:
+        check_output_format(output)
+    elif output.exists():
+        raise BadInputError(f"-o {output} exists: not written over")
     if temperature is not None and loss != "kl":
         raise BadInputError("--temperature applies to --loss kl")
+    if (checkpoint_every is not None or resume) and checkpoint_dir is None:
+        raise BadInputError("--checkpoint-every and --resume need --checkpoint-dir")
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature or 1.0, train=train)
+    plan = CheckpointPlan(checkpoint_dir, checkpoint_every, resume) if checkpoint_dir is not None else None
+    parallel = DataParallel.from_environment() if launched_by_torchrun() else None
+    if parallel is None and shard_teacher is not None:
+        raise BadInputError("--shard-teacher applies under torchrun (several processes)")
+    quiet = report is not None or (parallel is not None and not parallel.is_main)
+    if parallel is not None and not parallel.is_main:
+        render.out.quiet = True
+    try:
+        _distill(
+            original, converted, data, steps, output, lr, loss, temperature, train, holdout, batch_size,
+            normalize, weights, converted_weights, trust_pickle, inputs, input_shape, report,
+            plan, parallel, shard_teacher, quiet,
+        )  # fmt: skip
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+SHARDED_SUFFIX = ".dcp"
+
+
+def _distill(
+    original: str,
+    converted: str,
+    data: str,
+    steps: int,
+    output: Path,
+    lr: float,
+    loss: str,
+    temperature: float | None,
+    train: str,
+    holdout: str | None,
+    batch_size: int | None,
+    normalize: str | None,
+    weights: Path | None,
+    converted_weights: Path | None,
+    trust_pickle: bool,
+    inputs: Path | None,
+    input_shape: list[str] | None,
+    report: Path | None,
+    plan: Any,
+    parallel: Any,
+    shard_teacher: bool | None,
+    quiet: bool,
+) -> None:
+    from normswap.calibrate.distill import distill as distill_model
+    from normswap.calibrate.distill_checkpoint import save_sharded
+    from normswap.calibrate.parallel import full_state_dict
+    from normswap.errors import CheckFailedError
+    from normswap.load import resolve_inputs
+
+    main = parallel is None or parallel.is_main
+    sharded_output = output.suffix == SHARDED_SUFFIX
     teacher = load(original, weights, trust_pickle)
     student = load(converted, converted_weights, trust_pickle)
     resolved = resolve_inputs(teacher, inputs_file=inputs, input_shapes=input_shape) or resolve_inputs(
@@ -120,9 +212,10 @@ def distill(
         # before training: minutes of training must not end in a refusal
         check_inputs_fit(teacher.model, args, kwargs, what="ORIGINAL")
         check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
-    check_output_before_work(student.model, output, args, kwargs, quiet=report is not None)
+    if main and not sharded_output:
+        check_output_before_work(student.model, output, args, kwargs, quiet=quiet)
     batches, held_out = data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
-    with render.progress(disable=report is not None) as progress:
+    with render.progress(disable=quiet) as progress:
         task = progress.add_task("distilling", total=steps)
         distilled, result = distill_model(
             teacher.model,
@@ -140,6 +233,9 @@ def distill(
             ),
             example_args=args,
             example_kwargs=kwargs,
+            parallel=parallel,
+            shard_teacher=shard_teacher,
+            checkpoints=plan,
         )
     notes = batches.notes + result.notes
     render.out.print(batches.description, soft_wrap=True)
@@ -147,9 +243,22 @@ def distill(
 
     written = False
     if result.ok:
-        save_trained(distilled, output, args, kwargs, batches, resolved is not None, converted)
+        if sharded_output:
+            save_sharded(output, distilled, parallel)
+            render.out.print(f"wrote {output} (sharded, torch.distributed.checkpoint)", soft_wrap=True)
+        else:
+            if parallel is not None:
+                # Gathered to process 0, which writes it into a whole copy of CONVERTED as loaded.
+                state = full_state_dict(distilled, parallel)
+                del teacher, distilled
+                if main:
+                    whole = load(converted, converted_weights, trust_pickle).model
+                    whole.load_state_dict(state)
+                    distilled = whole
+            if main:
+                save_trained(distilled, output, args, kwargs, batches, resolved is not None, converted)
         written = True
-    if report is not None:
+    if report is not None and main:
         write_json(
             report,
             {

@@ -41,7 +41,6 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,118 +49,23 @@ from torch import nn
 
 from normswap.calibrate.batchnorm import _device_and_dtype, _Modes, _run, _to_model
 from normswap.calibrate.data import ModelInputs, as_model_inputs
+from normswap.calibrate.distill_checkpoint import (
+    CheckpointPlan,
+    data_fingerprint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from normswap.calibrate.distill_report import DistillReport
+from normswap.calibrate.parallel import TEACHER_SHARD_BYTES, DataParallel, parameter_bytes
 from normswap.errors import BadInputError
-from normswap.passes.base import RewriteKind
 from normswap.validate import ModelComparison, compare_outputs
 from normswap.validate.metrics import flatten_outputs
 
-PASS_NAME = "distill"
 LOSSES = ("mse", "kl")
 TRAIN_SETS = ("all", "norms")
 
 # Called after each step with (steps done, steps in all, that step's training loss).
 StepCallback = Callable[[int, int, float], None]
-
-
-@dataclass
-class DistillReport:
-    """What :func:`distill` did. ``before``/``after`` compare the student to the teacher on the held-out
-    batch; ``losses`` holds each step's training loss, measured before that step's update."""
-
-    steps: int
-    lr: float
-    loss: str
-    temperature: float | None
-    train: str
-    trained_tensors: int = 0
-    trained_elements: int = 0
-    total_elements: int = 0  # floating-point parameter elements of the student
-    trained_modules: list[str] = field(default_factory=list)  # --train norms: the norm modules trained
-    batches: int = 0  # distinct training batches (cycled)
-    samples: int = 0  # samples in those batches
-    loss_outputs: list[str] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    holdout_samples: int = 0
-    holdout_source: str = ""
-    holdout_loss_before: float | None = None
-    holdout_loss_after: float | None = None
-    before: ModelComparison | None = None
-    after: ModelComparison | None = None
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    pass_name: str = PASS_NAME
-    kind: RewriteKind = RewriteKind.DATA_DRIVEN
-
-    @property
-    def loss_first(self) -> float | None:
-        return self.losses[0] if self.losses else None
-
-    @property
-    def loss_last(self) -> float | None:
-        return self.losses[-1] if self.losses else None
-
-    @property
-    def loss_min(self) -> float | None:
-        finite = [v for v in self.losses if math.isfinite(v)]
-        return min(finite) if finite else None
-
-    @property
-    def steps_done(self) -> int:
-        return len(self.losses)
-
-    def _worst_target_sqnr(self, comparison: ModelComparison | None) -> float | None:
-        if comparison is None:
-            return None
-        values = [o.sqnr_db for o in comparison.outputs if o.name in self.loss_outputs]
-        return min(values) if values else None
-
-    @property
-    def sqnr_before_db(self) -> float | None:
-        """Worst held-out SQNR over the loss targets, student vs teacher, before training."""
-        return self._worst_target_sqnr(self.before)
-
-    @property
-    def sqnr_after_db(self) -> float | None:
-        return self._worst_target_sqnr(self.after)
-
-    @property
-    def ok(self) -> bool:
-        """False when a loss or a held-out output is not finite: the model must not be shipped."""
-        losses_finite = all(math.isfinite(v) for v in self.losses) and self.steps_done == self.steps
-        after_finite = self.after is None or all(math.isfinite(o.max_abs) for o in self.after.outputs)
-        return losses_finite and after_finite
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "pass_name": self.pass_name,
-            "kind": self.kind.value,
-            "ok": self.ok,
-            "steps": self.steps,
-            "steps_done": self.steps_done,
-            "lr": self.lr,
-            "loss": self.loss,
-            "temperature": self.temperature,
-            "train": self.train,
-            "trained_tensors": self.trained_tensors,
-            "trained_elements": self.trained_elements,
-            "total_elements": self.total_elements,
-            "trained_modules": list(self.trained_modules),
-            "batches": self.batches,
-            "samples": self.samples,
-            "loss_outputs": list(self.loss_outputs),
-            "loss_curve": {"first": self.loss_first, "last": self.loss_last, "min": self.loss_min},
-            "losses": list(self.losses),
-            "holdout_samples": self.holdout_samples,
-            "holdout_source": self.holdout_source,
-            "holdout_loss_before": self.holdout_loss_before,
-            "holdout_loss_after": self.holdout_loss_after,
-            "sqnr_before_db": self.sqnr_before_db,
-            "sqnr_after_db": self.sqnr_after_db,
-            "before": self.before.to_dict() if self.before is not None else None,
-            "after": self.after.to_dict() if self.after is not None else None,
-            "seconds": self.seconds,
-            "notes": list(self.notes),
-        }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -319,6 +223,9 @@ def distill(
     on_step: StepCallback | None = None,
     example_args: tuple | None = None,
     example_kwargs: dict[str, Any] | None = None,
+    parallel: DataParallel | None = None,
+    shard_teacher: bool | None = None,
+    checkpoints: CheckpointPlan | None = None,
 ) -> tuple[nn.Module, DistillReport]:
     """Fine-tune ``student`` for ``steps`` AdamW steps so its outputs match ``teacher``'s (module doc).
 
@@ -327,13 +234,20 @@ def distill(
     ``train="norms"`` trains only the parameters of the student's norm modules, found on a graph captured
     with ``example_args``/``example_kwargs`` (default: the first training batch). Returns the student (a
     copy unless ``inplace``; with ``inplace`` a failure mid-way leaves it partly trained) and the report.
+
+    ``parallel`` (one process of a torchrun job, :class:`~normswap.calibrate.parallel.DataParallel`):
+    each batch is the global batch, split over the processes; the student is sharded with FSDP2, and so is
+    the teacher when ``shard_teacher`` (default: when it is larger than ``TEACHER_SHARD_BYTES``); both are
+    changed in place, and the returned student is sharded (``parallel.full_state_dict`` gathers it).
+    ``checkpoints`` saves every ``every`` steps and, with ``resume``, continues from the newest checkpoint.
+
     Raises BadInputError on bad options, when there are no training batches, when the two models'
     outputs differ in structure or shape, or when no parameter is selected for training.
     """
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature, train=train)
     if teacher is student:
         raise BadInputError("the original and the converted model are the same object: nothing to distil")
-    target = student if inplace else copy.deepcopy(student)
+    target = student if inplace or parallel is not None else copy.deepcopy(student)
     teacher_ids = {id(p) for p in teacher.parameters()}
     if any(id(p) in teacher_ids for p in target.parameters()):
         raise BadInputError(
@@ -386,64 +300,65 @@ def distill(
             raise BadInputError("the converted model has no floating-point parameters to train")
     report.trained_tensors = len(params)
     report.trained_elements = sum(p.numel() for p in params)
+    # By name: FSDP2 replaces every parameter object when it shards.
+    selected = {id(p) for p in params}
+    trained_names = [name for name, p in target.named_parameters() if id(p) in selected]
+    run = {
+        "loss": loss,
+        "lr": float(lr),
+        "temperature": report.temperature,
+        "train": train,
+        "trained_parameters": trained_names,
+        "training_batches": data_fingerprint(train_batches),
+        "steps": steps,
+    }
+    if parallel is not None:
+        for index, batch in enumerate(train_batches):
+            parallel.local_rows(batch, f"training batch {index}")  # refuses batches too small to split
 
-    grad_flags = [(p, p.requires_grad) for p in target.parameters()]
+    grad_flags = {name: p.requires_grad for name, p in target.named_parameters()}
     student_modes, teacher_modes = _Modes(target), _Modes(teacher)
-    s_device, s_dtype = _device_and_dtype(target)
-    t_device, t_dtype = _device_and_dtype(teacher)
-
-    def teacher_outputs(batch: ModelInputs, what: str) -> Any:
-        with torch.no_grad():
-            return _run(teacher, _to_model(copy.deepcopy(batch), t_device, t_dtype), what)
-
-    def student_outputs(batch: ModelInputs, what: str) -> Any:
-        return _run(target, _to_model(batch, s_device, s_dtype), what)
-
-    def targets_of(output: Any) -> list[tuple[str, torch.Tensor]]:
-        found = loss_targets(output)
-        if loss == "kl":
-            _check_kl_targets(found)
-        return found
-
-    def holdout_figures(reference: Any, check: bool = False) -> tuple[ModelComparison, float]:
-        with torch.no_grad():
-            out = student_outputs(held_out, "held-out batch")  # type: ignore[arg-type]
-            if check:
-                _check_same_structure(reference, out, "the held-out batch")
-            value = distillation_loss(targets_of(out), targets_of(reference), loss, temperature)
-        return compare_outputs(reference, out), float(value)
-
     start = time.perf_counter()
     try:
         teacher_modes.all_eval()
         student_modes.all_eval()
-        for p in target.parameters():
-            p.requires_grad_(False)
-        for p in params:
-            p.requires_grad_(True)
+        for name, p in target.named_parameters():
+            p.requires_grad_(name in trained_names)
+        if parallel is not None:
+            report.processes = parallel.world_size
+            if shard_teacher is None:
+                shard_teacher = parameter_bytes(teacher) > TEACHER_SHARD_BYTES
+            report.placement = (
+                f"student: {parallel.shard(target)}; teacher: {parallel.place(teacher, shard_teacher)}"
+            )
+            params = [p for name, p in target.named_parameters() if name in trained_names]
+            report.notes.append(
+                f"{parallel.world_size} processes, each batch split over them; {report.placement}"
+            )
+        loop = _Loop(teacher, target, loss, temperature, parallel)
 
         reference = None
         if held_out is not None:
             report.holdout_samples = held_out.num_samples
-            reference = teacher_outputs(held_out, "held-out batch")
-            report.before, report.holdout_loss_before = holdout_figures(reference, check=True)
-            report.loss_outputs = [name for name, _ in targets_of(reference)]
+            reference = loop.teacher_outputs(held_out, "held-out batch")
+            report.before, report.holdout_loss_before = loop.holdout_figures(held_out, reference, check=True)
+            report.loss_outputs = [name for name, _ in loop.targets_of(reference)]
 
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        first = 0
+        if checkpoints is not None and checkpoints.resume:
+            first, report.losses, resumed = load_checkpoint(checkpoints, target, optimizer, run, parallel)
+            report.resumed_from_step = first
+            report.notes.append(f"resumed from {resumed} after {first} of {steps} steps")
         # A caller inside torch.no_grad() would otherwise leave no graph to step on.
         with torch.enable_grad():
-            for step in range(steps):
+            for step in range(first, steps):
                 index = step % len(train_batches)
-                batch = train_batches[index]
-                what = f"training batch {index}"
-                wanted = teacher_outputs(batch, what)
-                got = student_outputs(batch, what)
-                if step < len(train_batches):
-                    _check_same_structure(wanted, got, what)
-                value = distillation_loss(targets_of(got), targets_of(wanted), loss, temperature)
+                current, value = loop.step_loss(
+                    train_batches[index], f"training batch {index}", step < len(train_batches)
+                )
                 if not report.loss_outputs:
-                    report.loss_outputs = [name for name, _ in targets_of(got)]
-                current = float(value.detach())
+                    report.loss_outputs = loop.loss_outputs
                 report.losses.append(current)
                 if not math.isfinite(current):
                     report.notes.append(
@@ -457,7 +372,14 @@ def distill(
                     )
                 optimizer.zero_grad(set_to_none=True)
                 value.backward()
+                if parallel is not None:
+                    parallel.average_replicated_gradients()
                 optimizer.step()
+                if checkpoints is not None and checkpoints.due(step + 1, steps):
+                    written = save_checkpoint(
+                        checkpoints, step + 1, target, optimizer, run, report.losses, parallel
+                    )
+                    report.checkpoint = str(written)
                 if on_step is not None:
                     on_step(step + 1, steps, current)
         # the optimizer's state and the last graph are no longer needed; the holdout runs without them
@@ -466,11 +388,73 @@ def distill(
             p.grad = None
 
         if reference is not None:
-            report.after, report.holdout_loss_after = holdout_figures(reference)
+            report.after, report.holdout_loss_after = loop.holdout_figures(held_out, reference)
     finally:
-        for p, flag in grad_flags:
-            p.requires_grad_(flag)
+        for name, p in target.named_parameters():
+            p.requires_grad_(grad_flags.get(name, p.requires_grad))
         student_modes.restore()
         teacher_modes.restore()
     report.seconds = time.perf_counter() - start
     return target, report
+
+
+class _Loop:
+    """One distillation step's computations, on one process or on this process's rows of a global batch."""
+
+    def __init__(
+        self,
+        teacher: nn.Module,
+        student: nn.Module,
+        loss: str,
+        temperature: float,
+        parallel: DataParallel | None,
+    ) -> None:
+        self.teacher, self.student, self.loss, self.temperature = teacher, student, loss, temperature
+        self.parallel = parallel
+        self.t_device, self.t_dtype = _device_and_dtype(teacher)
+        self.s_device, self.s_dtype = _device_and_dtype(student)
+        self.loss_outputs: list[str] = []
+
+    def teacher_outputs(self, batch: ModelInputs, what: str) -> Any:
+        with torch.no_grad():
+            return _run(self.teacher, _to_model(copy.deepcopy(batch), self.t_device, self.t_dtype), what)
+
+    def student_outputs(self, batch: ModelInputs, what: str) -> Any:
+        return _run(self.student, _to_model(batch, self.s_device, self.s_dtype), what)
+
+    def targets_of(self, output: Any) -> list[tuple[str, torch.Tensor]]:
+        found = loss_targets(output)
+        if self.loss == "kl":
+            _check_kl_targets(found)
+        return found
+
+    def step_loss(self, batch: ModelInputs, what: str, check: bool) -> tuple[float, torch.Tensor]:
+        """(the loss on the whole batch, the tensor to differentiate on this process)."""
+        share = 1.0
+        if self.parallel is not None:
+            batch, share = self.parallel.local_rows(batch, what)
+        wanted = self.teacher_outputs(batch, what)
+        got = self.student_outputs(batch, what)
+        if check:
+            _check_same_structure(wanted, got, what)
+        targets = self.targets_of(got)
+        self.loss_outputs = [name for name, _ in targets]
+        value = distillation_loss(targets, self.targets_of(wanted), self.loss, self.temperature)
+        if self.parallel is None:
+            return float(value.detach()), value
+        # Weighted so FSDP's average of the processes' gradients is the whole batch's gradient.
+        whole = self.parallel.sum(float(value.detach()) * share)
+        return whole, value * (share * self.parallel.world_size)
+
+    def holdout_figures(
+        self, batch: ModelInputs, reference: Any, check: bool = False
+    ) -> tuple[ModelComparison, float]:
+        """Every process runs the whole held-out batch: the same figures everywhere."""
+        with torch.no_grad():
+            out = self.student_outputs(batch, "held-out batch")
+            if check:
+                _check_same_structure(reference, out, "the held-out batch")
+            value = distillation_loss(
+                self.targets_of(out), self.targets_of(reference), self.loss, self.temperature
+            )
+        return compare_outputs(reference, out), float(value)

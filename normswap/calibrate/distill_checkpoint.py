@@ -1,0 +1,223 @@
+"""Checkpoints of a distillation run, and resuming from them; sharded results. All through
+``torch.distributed.checkpoint`` (DCP), so a sharded student is saved by every process writing its own
+shards, with no process ever holding the whole model, and the same files load at any process count.
+
+A checkpoint is a folder ``DIR/step-00000040`` holding the student's parameters and buffers and the
+optimizer's state (DCP's files) and ``run.json``: the step reached, the losses so far, and what the run
+must agree on to be continued (loss, learning rate, temperature, the trained parameters, a fingerprint of
+the training batches). It is written into a hidden sibling and renamed only once every process has
+written and ``run.json`` is in, so a folder named ``step-*`` is always complete; the folders a killed run
+leaves are hidden, ignored by ``--resume`` and removed by the next checkpoint. After a new one is named,
+older ones are removed: one is kept.
+
+Resuming loads the newest one into the freshly placed student and optimizer and continues at the next
+step. Nothing in a distillation step is random (dropout is off) and the batches are cycled by step
+number, so a resumed run computes what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.calibrate.data import ModelInputs
+from normswap.calibrate.parallel import DataParallel
+from normswap.errors import BadInputError
+
+RUN_FILE = "run.json"
+_FORMAT = 1
+_STEP_DIR = re.compile(r"step-(\d{8})")
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Checkpoint every ``every`` steps into ``directory``; ``resume`` continues from its newest one."""
+
+    directory: Path
+    every: int | None = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every is not None and (isinstance(self.every, bool) or self.every < 1):
+            raise BadInputError(f"--checkpoint-every must be at least 1, got {self.every}")
+        if self.directory.exists() and not self.directory.is_dir():
+            raise BadInputError(f"--checkpoint-dir {self.directory} is a file, not a folder")
+
+    def due(self, steps_done: int, steps: int) -> bool:
+        return self.every is not None and steps_done % self.every == 0 and steps_done <= steps
+
+
+def data_fingerprint(batches: list[ModelInputs]) -> str:
+    """sha256 over every training batch's tensors (names, dtypes, shapes, bytes), in order."""
+    digest = hashlib.sha256()
+    for batch in batches:
+        for name, tensor in batch.tensors():
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _collective(parallel: DataParallel | None, value: Any) -> Any:
+    """Process 0's ``value`` on every process."""
+    if parallel is None:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _dcp_save(state: dict[str, Any], folder: Path, parallel: DataParallel | None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(folder), no_dist=parallel is None)
+
+
+def _dcp_load(state: dict[str, Any], folder: Path, parallel: DataParallel | None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=str(folder), no_dist=parallel is None)
+
+
+def _finished(folder: Path) -> list[Path]:
+    found = []
+    if folder.is_dir():
+        for entry in folder.iterdir():
+            if _STEP_DIR.fullmatch(entry.name) and (entry / RUN_FILE).is_file():
+                found.append(entry)
+    return sorted(found)
+
+
+def _write_shared_folder(
+    path: Path, parallel: DataParallel | None, write: Any, describe_run: dict[str, Any] | None = None
+) -> None:
+    """Every process writes into one hidden temp folder beside ``path``; process 0 adds ``run.json`` (when
+    given) and renames it to ``path`` once all have written. On failure the temp folder is removed."""
+    from normswap.load.save import reserve_temp_dir
+
+    temp = _collective(
+        parallel, str(reserve_temp_dir(path)) if parallel is None or parallel.is_main else None
+    )
+    temp_path = Path(temp)
+    try:
+        write(temp_path)
+        if parallel is not None:
+            parallel.barrier()
+        if parallel is None or parallel.is_main:
+            if describe_run is not None:
+                (temp_path / RUN_FILE).write_text(json.dumps(describe_run, indent=2) + "\n")
+            if path.exists():
+                raise BadInputError(f"{path} appeared while it was being written: not written over")
+            os.rename(temp_path, path)
+        if parallel is not None:
+            parallel.barrier()
+    except BaseException:
+        if parallel is None or parallel.is_main:
+            shutil.rmtree(temp_path, ignore_errors=True)
+        raise
+
+
+def save_checkpoint(
+    plan: CheckpointPlan,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    run: dict[str, Any],
+    losses: list[float],
+    parallel: DataParallel | None,
+) -> Path:
+    """Write the checkpoint after ``step`` steps (module doc); returns its folder."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if parallel is None or parallel.is_main:
+        plan.directory.mkdir(parents=True, exist_ok=True)
+    if parallel is not None:
+        parallel.barrier()
+    path = plan.directory / f"step-{step:08d}"
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    record = {"format": _FORMAT, "step": step, "losses": losses, "run": run}
+    _write_shared_folder(
+        path,
+        parallel,
+        lambda temp: _dcp_save({"model": model_state, "optim": optimizer_state}, temp, parallel),
+        record,
+    )
+    if parallel is None or parallel.is_main:
+        for older in _finished(plan.directory):
+            if older != path:
+                shutil.rmtree(older, ignore_errors=True)
+    return path
+
+
+def _differences(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
+    return [
+        f"{key} {saved.get(key)!r} in the checkpoint, {value!r} now"
+        for key, value in run.items()
+        if key != "steps" and saved.get(key) != value
+    ]
+
+
+def load_checkpoint(
+    plan: CheckpointPlan,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    run: dict[str, Any],
+    parallel: DataParallel | None,
+) -> tuple[int, list[float], Path]:
+    """Load the newest checkpoint of ``plan.directory`` into ``model`` and ``optimizer``; returns the steps
+    it had done, their losses and its folder. Refuses a checkpoint of a different run (module doc)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    finished = _finished(plan.directory)
+    if not finished:
+        raise BadInputError(f"--resume: {plan.directory} holds no finished checkpoint (step-*/{RUN_FILE})")
+    path = finished[-1]
+    try:
+        record = json.loads((path / RUN_FILE).read_text())
+        step, losses, saved_run = int(record["step"]), [float(v) for v in record["losses"]], record["run"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadInputError(f"--resume: {path / RUN_FILE} is not a checkpoint record: {exc}") from None
+    if record.get("format") != _FORMAT:
+        raise BadInputError(
+            f"--resume: {path} was written by another version of normswap (format {record.get('format')})"
+        )
+    differences = _differences(saved_run, run)
+    if differences:
+        raise BadInputError(f"--resume: {path} is from another run: " + "; ".join(differences))
+    if step >= run["steps"] or len(losses) != step:
+        raise BadInputError(
+            f"--resume: {path} has done {step} steps, --steps is {run['steps']}: nothing to continue"
+        )
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optimizer_state}
+    try:
+        _dcp_load(state, path, parallel)
+    except Exception as exc:  # DCP wraps a missing or mis-shaped tensor in its own exception types
+        raise BadInputError(
+            f"--resume: {path} does not fit the converted model: {str(exc).splitlines()[0]}"
+        ) from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return step, losses, path
+
+
+def save_sharded(path: Path, model: nn.Module, parallel: DataParallel | None) -> None:
+    """Write the model's state dict as a DCP folder at ``path``, each process its own shards, atomically.
+    Load it with ``torch.distributed.checkpoint.load`` into the same model (any number of processes), or
+    turn it into one file with ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if path.exists():
+        raise BadInputError(f"-o {path} exists: not written over")
+    state = get_model_state_dict(model)
+    _write_shared_folder(path, parallel, lambda temp: _dcp_save(state, temp, parallel))

@@ -72,6 +72,24 @@ AddWeightNormOpt = Annotated[
         "paths, or 'all' (exact).",
     ),
 ]
+SequentialOpt = Annotated[
+    bool,
+    flag(
+        "--sequential",
+        help="With a model directory, --to KIND (architectural) and --calibrate: swap and calibrate block by "
+        "block, holding one block and the activations (on disk past --activation-memory). Taken without "
+        "the flag when the model does not fit in memory.",
+    ),
+]
+ActivationMemoryOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--activation-memory",
+        min=0,
+        help="Block-by-block calibration: GB of activations held in memory before they go to disk "
+        "[default: a quarter of the available memory, at most 4].",
+    ),
+]
 AllowLossyOpt = Annotated[
     bool,
     flag(
@@ -129,6 +147,8 @@ def convert(
     ] = False,
     exact: Annotated[bool, flag("--exact", help="Fail instead of applying any non-exact rewrite.")] = False,
     allow_lossy: AllowLossyOpt = False,
+    sequential: SequentialOpt = False,
+    activation_memory: ActivationMemoryOpt = None,
     opset: OpsetOpt = None,
     weights: WeightsOpt = None,
     trust_pickle: TrustPickleOpt = False,
@@ -138,7 +158,7 @@ def convert(
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
     from normswap.api import ConvertConfig, convert, save
-    from normswap.errors import CheckFailedError
+    from normswap.errors import BadInputError, CheckFailedError
     from normswap.load import SAVE_FORMATS, require_inputs
 
     check_paths(
@@ -165,10 +185,27 @@ def convert(
         output=output,
     )
     config.validate()  # option mistakes are said before the model is loaded
+    custom_inputs = inputs is not None or bool(input_shape)
+    if sequential and not _directory_to_directory(model, output):
+        raise BadInputError(
+            "--sequential converts a model directory into a model directory (-o with no suffix)"
+        )
+    if activation_memory is not None and not sequential and not _directory_to_directory(model, output):
+        raise BadInputError(
+            "--activation-memory applies to the block-by-block calibration of a model directory"
+        )
+    if _directory_to_directory(model, output) and (sequential or config.calibration_data is not None):
+        from normswap.api.checkpoint_sequential import sequential_route
+
+        note = sequential_route(model, config, asked=sequential, custom_inputs=custom_inputs)
+        if note is not None:
+            render.out.print(f"note: {note}", soft_wrap=True)
+            _sequential(model, config, activation_memory, report)
+            return
     if _directory_to_directory(model, output):
         from normswap.api.checkpoint import directory_route
 
-        fallback = directory_route(model, config, custom_inputs=inputs is not None or bool(input_shape))
+        fallback = directory_route(model, config, custom_inputs=custom_inputs)
         if fallback is None:
             _stream(model, output, config, report)
             return
@@ -220,5 +257,19 @@ def _stream(model: str, output: Path, config: Any, report: Path | None) -> None:
             on_step=say,
         )
     render.print_streamed(result)
+    if report is not None:
+        write_json(report, {"model": model, **result.to_dict()})
+
+
+def _sequential(model: str, config: Any, activation_memory: float | None, report: Path | None) -> None:
+    """Norms swapped and calibrated block by block (normswap.api.checkpoint_sequential)."""
+    from normswap_cli.render_sequential import print_sequential
+
+    from normswap.api.checkpoint_sequential import convert_checkpoint_sequential
+
+    budget = None if activation_memory is None else int(activation_memory * 1e9)
+    with render.status("calibrating block by block", report is not None) as say:
+        result = convert_checkpoint_sequential(model, config, activation_memory=budget, on_step=say)
+    print_sequential(result)
     if report is not None:
         write_json(report, {"model": model, **result.to_dict()})

@@ -1,0 +1,52 @@
+"""Rendering of a block-by-block calibration (``convert DIR --calibrate DATA --sequential``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from normswap_cli.render import fmt_float, out
+
+
+def print_sequential(result: Any) -> None:
+    """A :class:`normswap.api.checkpoint_sequential.SequentialConversion`: the swap, each block's hidden
+    states against the original's before and after calibration, the model's, and how it was written."""
+    report, fit = result.report, result.calibration
+    out.print(
+        f"{report.pass_name} (architectural, block by block): {len(report.changes)} changed, "
+        f"{len(report.skips)} skipped",
+        soft_wrap=True,
+    )
+    reasons: dict[str, list[str]] = {}
+    for skip in report.skips:
+        reasons.setdefault(skip.reason, []).append(skip.site)
+    for reason, sites in reasons.items():
+        out.print(
+            f"  skipped {len(sites)}: {reason} ({', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''})"
+        )
+    out.print(
+        f"calibrated on {fit.batches} batches, {fit.blocks_path}; after each block, SQNR vs the original:"
+    )
+    for block in fit.blocks:
+        out.print(
+            f"  block {block.block}: {fmt_float(block.sqnr_before_db)} dB -> {fmt_float(block.sqnr_after_db)} dB"
+        )
+    out.print(
+        f"calibration: whole model on the calibration data SQNR {fmt_float(fit.model_sqnr_before_db)} dB -> "
+        f"{fmt_float(fit.model_sqnr_after_db)} dB",
+        soft_wrap=True,
+    )
+    if fit.example is not None:
+        out.print(
+            f"after calibration, whole model vs original on the example inputs: SQNR {fmt_float(fit.example.sqnr_db)} dB"
+        )
+    where = (
+        f", {fit.activations_spilled / 1e6:.1f} MB of them spilled to disk" if fit.activations_spilled else ""
+    )
+    out.print(
+        f"activations: at most {fit.activations_peak_held / 1e6:.1f} MB held in memory{where}; "
+        f"{result.written_tensors} tensors written, {result.copied_tensors} copied as bytes, into "
+        f"{len(result.shards)} shards",
+        soft_wrap=True,
+    )
+    out.print(f"  {len(result.recorded_modules)} modules recorded in normswap.json: load it with normswap")
+    out.print(f"wrote {result.path} (directory)", soft_wrap=True)

@@ -1,0 +1,165 @@
+"""``convert DIR --to KIND --calibrate DATA --sequential``: swapped norms calibrated block by block, the same
+tensors as the in-memory route, nothing written on failure, and refusals with their reasons."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hf_dirs import convert_in_memory, logits, make_directory, rel, token_ids
+from hf_dirs import stored_tensors as _tensors
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+from normswap.api import ConvertConfig
+from normswap.api import checkpoint_sequential as sequential
+from normswap.api.checkpoint_sequential import convert_checkpoint_sequential, sequential_route
+from normswap.errors import BadInputError
+from normswap.load import load_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sequential")
+    made = {name: make_directory(root, name) for name in ("llama", "gemma")}
+    torch.manual_seed(1)
+    torch.save(torch.randint(0, 300, (12, 10)), root / "calib.pt")  # 3 batches of 4 x 10 tokens
+    made["calib"] = root / "calib.pt"
+    return made
+
+
+def _options(dirs: dict[str, Path]) -> dict:
+    return {"to": "layernorm", "calibration_data": str(dirs["calib"]), "batch_size": 4}
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_block_by_block_writes_what_the_in_memory_calibration_writes(dirs, tmp_path, name):
+    in_memory = convert_in_memory(dirs[name], _options(dirs), tmp_path / "memory")
+    # a budget of 20 kB: most activations go to disk
+    done = convert_checkpoint_sequential(
+        dirs[name], ConvertConfig(**_options(dirs), output=tmp_path / "seq"), activation_memory=20_000
+    )
+    fit = done.calibration
+    assert fit.activations_spilled > 0 and fit.activations_peak_held <= 20_000
+    ours, theirs = _tensors(tmp_path / "seq"), _tensors(tmp_path / "memory")
+    assert set(ours) == set(theirs)
+    changed = [k for k in ours if "norm" in k]
+    assert len(changed) == 5  # two per block and the final norm: LayerNorm weights (no bias for an RMSNorm)
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype
+        assert rel(theirs[key].double(), ours[key].double()) <= 1e-6, key
+    assert not torch.equal(ours[changed[0]], _tensors(dirs[name])[changed[0]])  # fitted, not carried over
+    record = json.loads((tmp_path / "seq" / "normswap.json").read_text())["modules"]
+    assert record == json.loads((tmp_path / "memory" / "normswap.json").read_text())["modules"]
+    # the same figures: site by site and for the whole model on the calibration data
+    theirs_fit = in_memory.calibration.fit
+    assert [s.site for s in fit.sites] == [s.site for s in theirs_fit.sites]
+    for a, b in zip(fit.sites, theirs_fit.sites, strict=True):
+        assert a.sqnr_before_db == pytest.approx(b.sqnr_before_db, abs=1e-4)
+        assert a.sqnr_after_db == pytest.approx(b.sqnr_after_db, abs=1e-4)
+    assert fit.model_sqnr_before_db == pytest.approx(theirs_fit.model_sqnr_before_db, abs=1e-4)
+    assert fit.model_sqnr_after_db == pytest.approx(theirs_fit.model_sqnr_after_db, abs=1e-4)
+    assert fit.model_sqnr_after_db > fit.model_sqnr_before_db
+    assert fit.example.sqnr_db == pytest.approx(in_memory.calibration.overall.worst_sqnr_db, abs=1e-3)
+    assert [b.block for b in fit.blocks] == [0, 1]
+    assert all(b.sqnr_after_db >= b.sqnr_before_db for b in fit.blocks)
+    # the directory loads, and computes what the in-memory result computes
+    loaded = load_model(str(tmp_path / "seq")).model
+    assert rel(logits(in_memory.model, token_ids()), logits(loaded, token_ids())) <= 1e-6
+    assert (tmp_path / "seq" / "tokenizer.json").is_file()
+
+
+def test_the_cli_calibrates_block_by_block_and_reports_each_block(dirs, tmp_path):
+    out, report = tmp_path / "out", tmp_path / "report.json"
+    args = ["convert", str(dirs["llama"]), "--to", "layernorm", "--calibrate", str(dirs["calib"])]
+    args += ["--batch-size", "4", "--sequential", "--activation-memory", "0.00001", "-o", str(out)]
+    result = runner.invoke(app, [*args, "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["route"] == "sequential" and len(data["report"]["changes"]) == 5
+    blocks = data["calibration"]["blocks"]
+    assert [b["block"] for b in blocks] == [0, 1] and data["calibration"]["activations_spilled"] > 0
+    assert data["calibration"]["model_sqnr_after_db"] > data["calibration"]["model_sqnr_before_db"]
+    shown = runner.invoke(app, args[:-1] + [str(tmp_path / "out2")])
+    assert shown.exit_code == 0, shown.output
+    assert "block 1:" in shown.output and "whole model on the calibration data SQNR" in shown.output
+    # nothing left beside the outputs: no temporary directory, no spilled activations
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out2", "report.json"]
+
+
+def test_a_failure_midway_leaves_nothing(dirs, tmp_path, monkeypatch):
+    import normswap.calibrate.sequential as engine
+
+    real, calls = engine._fit_site, []
+
+    def fails_in_block_1(module, inputs, targets):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("stopped in block 1")
+        return real(module, inputs, targets)
+
+    monkeypatch.setattr(engine, "_fit_site", fails_in_block_1)
+    config = ConvertConfig(**_options(dirs), output=tmp_path / "out")
+    with pytest.raises(RuntimeError, match="stopped in block 1"):
+        convert_checkpoint_sequential(dirs["llama"], config, activation_memory=20_000)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_output_is_never_written_over(dirs, tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(BadInputError, match="exists; normswap never writes over a path"):
+        convert_checkpoint_sequential(dirs["llama"], ConvertConfig(**_options(dirs), output=tmp_path / "out"))
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"to": "dyt"}, "model.layers.0.input_layernorm: its new norm (DyT) has no recipe"),
+        ({"to": "rmsnorm"}, "--to rmsnorm recenters the residual stream"),
+        ({"fold_norm_affine": True}, "--fold-norm-affine is not part of the sequential route"),
+        ({"calibration_data": None}, "calibrates swapped norms block by block: give --calibrate DATA"),
+    ],
+)
+def test_what_the_sequential_route_cannot_do_is_refused_with_the_reason(dirs, tmp_path, extra, reason):
+    options = {**_options(dirs), **extra}
+    if options["calibration_data"] is None:
+        options.pop("batch_size")
+    config = ConvertConfig(**options, output=tmp_path / "out")
+    with pytest.raises(BadInputError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        convert_checkpoint_sequential(dirs["llama"], config)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_without_one_list_of_blocks_of_its_layers_is_refused(tmp_path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3)
+    transformers.ResNetForImageClassification(config).eval().save_pretrained(tmp_path / "resnet")
+    torch.save(torch.rand(4, 3, 32, 32), tmp_path / "images.pt")
+    options = {"to": "groupnorm", "groups": 4, "calibration_data": str(tmp_path / "images.pt")}
+    with pytest.raises(BadInputError, match="not the config's num_hidden_layers"):
+        convert_checkpoint_sequential(tmp_path / "resnet", ConvertConfig(**options, output=tmp_path / "out"))
+    result = runner.invoke(
+        app, ["convert", str(tmp_path / "resnet"), "--to", "layernorm", "--sequential", "-o", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 2 and "give --calibrate DATA" in result.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_model_that_does_not_fit_is_routed_block_by_block(dirs, monkeypatch):
+    config = ConvertConfig(**_options(dirs), output="out")
+    size = sum(p.stat().st_size for p in dirs["llama"].glob("*.safetensors"))
+    monkeypatch.setattr(sequential, "_available_memory", lambda: 3 * size + 1)
+    assert sequential_route(dirs["llama"], config, asked=False) is None  # fits: in memory
+    monkeypatch.setattr(sequential, "_available_memory", lambda: 3 * size - 1)
+    note = sequential_route(dirs["llama"], config, asked=False)
+    assert note is not None and "calibrating block by block" in note
+    # a conversion the route cannot take is left to the in-memory rule (which refuses it there)
+    assert sequential_route(dirs["llama"], ConvertConfig(to="rmsnorm", output="out"), asked=False) is None
+    assert sequential_route(dirs["llama"], config, asked=False, custom_inputs=True) is None

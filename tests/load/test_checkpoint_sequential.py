@@ -84,7 +84,7 @@ def test_the_cli_calibrates_block_by_block_and_reports_each_block(dirs, tmp_path
     blocks = data["calibration"]["blocks"]
     assert [b["block"] for b in blocks] == [0, 1] and data["calibration"]["activations_spilled"] > 0
     assert data["calibration"]["model_sqnr_after_db"] > data["calibration"]["model_sqnr_before_db"]
-    shown = runner.invoke(app, args[:-1] + [str(tmp_path / "out2")])
+    shown = runner.invoke(app, [*args[:-1], str(tmp_path / "out2")])
     assert shown.exit_code == 0, shown.output
     assert "block 1:" in shown.output and "whole model on the calibration data SQNR" in shown.output
     # nothing left beside the outputs: no temporary directory, no spilled activations
@@ -146,7 +146,8 @@ def test_a_model_without_one_list_of_blocks_of_its_layers_is_refused(tmp_path):
     with pytest.raises(BadInputError, match="not the config's num_hidden_layers"):
         convert_checkpoint_sequential(tmp_path / "resnet", ConvertConfig(**options, output=tmp_path / "out"))
     result = runner.invoke(
-        app, ["convert", str(tmp_path / "resnet"), "--to", "layernorm", "--sequential", "-o", str(tmp_path / "o")]
+        app,
+        ["convert", str(tmp_path / "resnet"), "--to", "layernorm", "--sequential", "-o", str(tmp_path / "o")],
     )
     assert result.exit_code == 2 and "give --calibrate DATA" in result.output
     assert not (tmp_path / "out").exists() and not (tmp_path / "o").exists()

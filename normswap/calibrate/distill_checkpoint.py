@@ -17,11 +17,14 @@ number, so a resumed run computes what the uninterrupted run would have.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,16 +81,27 @@ def _collective(parallel: DataParallel | None, value: Any) -> Any:
     return box[0]
 
 
+@contextlib.contextmanager
+def _one_process_quietly(parallel: DataParallel | None) -> Iterator[None]:
+    # DCP warns that it "assumes the intent" of one process even when told so with no_dist.
+    with warnings.catch_warnings():
+        if parallel is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _dcp_save(state: dict[str, Any], folder: Path, parallel: DataParallel | None) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=str(folder), no_dist=parallel is None)
+    with _one_process_quietly(parallel):
+        dcp.save(state, checkpoint_id=str(folder), no_dist=parallel is None)
 
 
 def _dcp_load(state: dict[str, Any], folder: Path, parallel: DataParallel | None) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=str(folder), no_dist=parallel is None)
+    with _one_process_quietly(parallel):
+        dcp.load(state, checkpoint_id=str(folder), no_dist=parallel is None)
 
 
 def _finished(folder: Path) -> list[Path]:

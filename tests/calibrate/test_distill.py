@@ -368,6 +368,9 @@ def test_cli_train_norms_and_kl(tiny, tmp_path):
         ("no_norm", "ok", ["--steps", "2", "--train", "norms"], "--train norms: the converted model has no norm"),
         ("student", "one", ["--steps", "2"], "the data yields a single batch, which is held out"),
         ("student", "empty", ["--steps", "2"], "holds an empty list: no batches"),
+        ("student", "ok", ["--steps", "2", "--resume"], "--checkpoint-every and --resume need --checkpoint-dir"),
+        ("student", "ok", ["--steps", "2", "--shard-teacher"], "--shard-teacher applies under torchrun"),
+        ("student", "ok", ["--steps", "2", "--checkpoint-dir", "{tmp}/out.pt"], "is also -o: choose another path"),
     ],
 )  # fmt: skip
 def test_cli_refusals_write_nothing(tiny, tmp_path, converted, data_kind, options, reason):
@@ -378,6 +381,7 @@ def test_cli_refusals_write_nothing(tiny, tmp_path, converted, data_kind, option
         data = tmp_path / f"{data_kind}.pt"
         torch.save([torch.randn(4, 8)] if data_kind == "one" else [], data)
     out = tmp_path / "out.pt"
+    options = [o.replace("{tmp}", str(tmp_path)) for o in options]
     result = _run(
         "distill", f"{factories}:teacher", f"{factories}:{converted}", "--data", str(data), *options,
         "-o", str(out),

@@ -1,0 +1,141 @@
+"""``normswap distill`` under torchrun on the CPU (gloo): two processes compute what one does, a run
+resumed in two processes from a checkpoint of another equals the uninterrupted one, a sharded (.dcp) result
+loads into the model, and a killed worker fails the command with nothing written. The models are an HF
+Llama from a config (random weights, norms far from identity) and its DyT conversion, whose 0-d alphas
+FSDP2 cannot shard."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hf_dirs import make_directory
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+runner = CliRunner()
+# The uneven split on purpose: 5 rows over 2 processes are 3 + 2, so the loss weights matter.
+COMMON = ("--trust-pickle", "--batch-size", "5", "--lr", "1e-3")
+
+
+@pytest.fixture(scope="module")
+def llama_dyt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("torchrun")
+    original = make_directory(root, "llama")
+    student = root / "student.pt"
+    result = runner.invoke(app, ["convert", str(original), "--to", "dyt", "-o", str(student)])
+    assert result.exit_code == 0, result.output
+    data = root / "data.pt"
+    torch.save(torch.randint(0, 300, (25, 10), generator=torch.Generator().manual_seed(1)), data)
+    return original, student, data
+
+
+def _torchrun(*args: str, processes: int = 2, **popen: object) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    command += ["-m", "normswap_cli", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+
+
+def _finish(process: subprocess.Popen, timeout: float = 240) -> str:
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output
+    return output
+
+
+def _worst_relative(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
+    assert expected.keys() == got.keys()
+    return max(((expected[k] - got[k]).abs().max() / expected[k].abs().max()).item() for k in expected)
+
+
+def test_two_processes_compute_what_one_does_and_resume_across_process_counts(llama_dyt, tmp_path):
+    original, student, data = llama_dyt
+    run = ("distill", str(original), str(student), "--data", str(data), *COMMON)
+
+    one = tmp_path / "one.pt"
+    result = runner.invoke(
+        app, [*run, "--steps", "6", "-o", str(one), "--report", str(tmp_path / "one.json")]
+    )
+    assert result.exit_code == 0, result.output
+    expected = torch.load(one, weights_only=False).state_dict()
+    one_report = json.loads((tmp_path / "one.json").read_text())
+
+    # Uninterrupted, two processes, the teacher sharded too, the result sharded with DCP.
+    sharded = tmp_path / "two.dcp"
+    report = tmp_path / "two.json"
+    output = _finish(
+        _torchrun(*run, "--steps", "6", "-o", str(sharded), "--shard-teacher", "--report", str(report))
+    )
+    assert output.count("wrote ") == 1, output  # process 0 alone speaks and writes
+    two_report = json.loads(report.read_text())
+    assert two_report["processes"] == 2 and "5 scalar parameters whole" in two_report["placement"]
+    assert "teacher: 2 blocks (model.layers) and the root" in two_report["placement"]
+    got = torch.load(student, weights_only=False).state_dict()
+    dcp.load(got, checkpoint_id=str(sharded), no_dist=True)
+    assert _worst_relative(expected, got) < 1e-6
+    for a, b in zip(one_report["losses"], two_report["losses"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(a)
+    moved = max(
+        (expected[k] - v).abs().max().item()
+        for k, v in torch.load(student, weights_only=False).state_dict().items()
+    )
+    assert moved > 1e-3  # the comparison is of trained weights, not of the starting point
+
+    # Interrupted after 4 steps (one process), resumed in two processes to 6: the same model again.
+    checkpoints = tmp_path / "ck"
+    result = runner.invoke(
+        app,
+        [*run, "--steps", "4", "-o", str(tmp_path / "four.pt"), "--checkpoint-dir", str(checkpoints),
+         "--checkpoint-every", "2"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    resumed = tmp_path / "resumed.pt"
+    resume = ("--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2", "--resume")
+    output = _finish(_torchrun(*run, "--steps", "6", "-o", str(resumed), *resume))
+    assert f"resumed from {checkpoints / 'step-00000004'} after 4 of 6 steps" in output
+    assert _worst_relative(expected, torch.load(resumed, weights_only=False).state_dict()) < 1e-6
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000006"]
+
+
+def _workers(agent: int) -> list[int]:
+    children = Path(f"/proc/{agent}/task/{agent}/children")
+    return [int(pid) for pid in children.read_text().split()] if children.exists() else []
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the workers through /proc")
+def test_a_killed_worker_fails_the_command_and_nothing_is_half_written(llama_dyt, tmp_path):
+    original, student, data = llama_dyt
+    output, checkpoints = tmp_path / "out.pt", tmp_path / "ck"
+    agent = _torchrun(
+        "distill", str(original), str(student), "--data", str(data), *COMMON, "--steps", "100000",
+        "-o", str(output), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not (checkpoints.is_dir() and any(p.name.startswith("step-") for p in checkpoints.iterdir())):
+            assert agent.poll() is None, agent.communicate()[0]
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.2)
+        workers = _workers(agent.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[-1], signal.SIGKILL)
+        log, _ = agent.communicate(timeout=120)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 1, log
+    assert "Signal 9 (SIGKILL)" in log
+    # No output, not even a temp file of it; every checkpoint that has a name is complete.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    named = [p for p in checkpoints.iterdir() if not p.name.startswith(".")]
+    assert named and all((p / "run.json").is_file() and (p / ".metadata").is_file() for p in named)

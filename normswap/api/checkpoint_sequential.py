@@ -287,6 +287,8 @@ def convert_checkpoint_sequential(
         raise BadInputError(f"--calibrate {config.calibration_data}: no batches to calibrate on")
     say("building a model with one block (embeddings and head real)")
     shell = BlockShell(checkpoint, blocks)
+    if hasattr(shell.model.config, "use_cache"):
+        shell.model.config.use_cache = False  # no key/value cache: nothing carried from one block to the next
     shell.take_block(0)
     say("deciding the swap on the model with one block")
     swap, plan = _plan_swap(shell.model, config, args, kwargs)

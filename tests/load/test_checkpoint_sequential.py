@@ -164,3 +164,18 @@ def test_a_model_that_does_not_fit_is_routed_block_by_block(dirs, monkeypatch):
     # a conversion the route cannot take is left to the in-memory rule (which refuses it there)
     assert sequential_route(dirs["llama"], ConvertConfig(to="rmsnorm", output="out"), asked=False) is None
     assert sequential_route(dirs["llama"], config, asked=False, custom_inputs=True) is None
+
+
+def test_a_config_that_caches_keys_gives_the_same_result(dirs, tmp_path):
+    """A block handed a key/value cache would append to it at every call (the one-block model's layer 0
+    for every block): memory growing with the blocks, and later blocks attending to earlier ones' keys."""
+    import shutil
+
+    cached = tmp_path / "cached"
+    shutil.copytree(dirs["llama"], cached)
+    config = json.loads((cached / "config.json").read_text())
+    (cached / "config.json").write_text(json.dumps({**config, "use_cache": True}))
+    for source, out in ((dirs["llama"], "plain"), (cached, "cached-out")):
+        convert_checkpoint_sequential(source, ConvertConfig(**_options(dirs), output=tmp_path / out))
+    ours, theirs = _tensors(tmp_path / "cached-out"), _tensors(tmp_path / "plain")
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)

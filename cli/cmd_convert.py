@@ -29,7 +29,8 @@ ToOpt = Annotated[
         "--to",
         help="Swap norms to this kind: rmsnorm (exact where the residual stream can be recentered, "
         "architectural elsewhere), layernorm, batchnorm, groupnorm, instancenorm, dyt, derf, identity "
-        "(architectural), or fused (the same norms on normswap's fused kernels; exact).",
+        "(architectural), or fused (the same norms on normswap's fused kernels; exact); cosine turns "
+        "Linear/Conv layers into cosine-normalized ones (architectural; see --layers).",
     ),
 ]
 FromOpt = Annotated[
@@ -38,6 +39,14 @@ FromOpt = Annotated[
         "--from",
         help="Only replace norms of this kind (batch, layer, rms, group, instance); repeatable. "
         "Default: every kind that differs from --to.",
+    ),
+]
+LayersOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--layers",
+        help="With --to cosine: the Linear/Conv layers to convert, glob patterns on module paths "
+        "(comma-separated or repeated). Default: the layers whose output only norms read.",
     ),
 ]
 CalibrateOpt = Annotated[
@@ -109,6 +118,7 @@ def convert(
     to: ToOpt = None,
     from_kinds: FromOpt = None,
     groups: Annotated[int | None, typer.Option("--groups", min=1, help="Groups of --to groupnorm.")] = None,
+    layers: LayersOpt = None,
     calibrate: CalibrateOpt = None,
     calibrate_batches: Annotated[
         int | None, typer.Option("--calibrate-batches", min=1, help="Use the first N batches of --calibrate.")
@@ -169,6 +179,7 @@ def convert(
         to=to,
         from_kinds=from_kinds,
         groups=groups,
+        layers=layers,
         fold_bn=fold_bn,
         fold_norm_affine=fold_norm_affine,
         defer_rms=defer_rms,

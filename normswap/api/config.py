@@ -26,6 +26,8 @@ class ConvertConfig:
       is exact where the residual stream can be recentered and architectural (lossy) elsewhere.
     - ``from_kinds``: only replace norms of these kinds (``normswap.discover.site.NORM_KINDS``).
     - ``groups``: the groups of ``to="groupnorm"``.
+    - ``layers``: with ``to="cosine"``, glob patterns of the Linear/Conv layers to convert (default: the
+      layers whose output only norms read).
     - ``fold_bn``, ``fold_norm_affine``, ``remove_weight_norm``: the exact folds.
     - ``fuse_add``, ``fuse_inline``: with ``to="fused"``, also fuse residual adds / norms written inline.
     - ``defer_rms``: fold the norms' affine, then apply each weightless RMSNorm's scale after the linear
@@ -47,6 +49,7 @@ class ConvertConfig:
     to: str | None = None
     from_kinds: Sequence[str] | None = None
     groups: int | None = None
+    layers: Sequence[str] | None = None
     fold_bn: bool = False
     fold_norm_affine: bool = False
     defer_rms: bool = False
@@ -65,6 +68,10 @@ class ConvertConfig:
     def __post_init__(self) -> None:
         if self.from_kinds is not None:
             object.__setattr__(self, "from_kinds", tuple(self.from_kinds) or None)
+        if self.layers is not None:
+            given = [self.layers] if isinstance(self.layers, str) else list(self.layers)
+            patterns = tuple(p.strip() for text in given for p in text.split(",") if p.strip())
+            object.__setattr__(self, "layers", patterns or None)
         if self.output is not None:
             object.__setattr__(self, "output", Path(self.output))
 
@@ -80,7 +87,7 @@ class ConvertConfig:
     def passes(self) -> list[Pass]:
         """The passes of this conversion, in the order that lets each see what it needs (validated)."""
         passes = self._passes()
-        has_swap = any(p.name == "swap_norm" for p in passes)
+        has_swap = any(p.name in ("swap_norm", "cosine_layers") for p in passes)
         if self.calibration_data is not None and not has_swap:
             raise BadInputError("--calibrate fits swapped norms: give an architectural --to KIND")
         if self.allow_lossy and self.exact:
@@ -163,6 +170,10 @@ class ConvertConfig:
             object.__setattr__(self, "from_kinds", tuple(kinds))
         if self.from_kinds and to is None:
             raise BadInputError("--from picks which norms --to replaces: give --to KIND")
+        if self.layers is not None and to != "cosine":
+            raise BadInputError("--layers picks the layers --to cosine converts: give --to cosine")
+        if self.from_kinds and to == "cosine":
+            raise BadInputError("--from picks norms; --to cosine converts Linear/Conv layers (pick them with --layers)")
         if self.fuse_add and to != "fused":
             raise BadInputError("--fuse-add fuses residual adds into fused norms: give --to fused")
         if self.fuse_inline and to != "fused":
@@ -210,6 +221,10 @@ class ConvertConfig:
             passes.append(RecenterLayerNorm())
             if not self.exact:
                 passes.append(SwapNorm(to, kinds))
+        elif to == "cosine":
+            from normswap.passes.cosine_layers import CosineLayers
+
+            passes.append(CosineLayers(self.layers))
         elif to == "fused":
             from normswap.passes.fuse_norm import FuseNorm
 

@@ -236,8 +236,14 @@ def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str
 
     sites = [c.site for p in result.report.passes if p.pass_name == "swap_norm" for c in p.changes]
     batches = _calibration_batches(result.config, result.example_args, result.example_kwargs)
+    fit_sites = calibrate_swapped_norms
+    cosine = result.pass_report("cosine_layers")
+    if cosine is not None:  # --to cosine: the layers' scales, refitted on the data the same way
+        from normswap.calibrate.cosine_fit import calibrate_cosine_layers
+
+        fit_sites, sites = calibrate_cosine_layers, [c.site for c in cosine.changes]
     done = iter(range(1, len(sites) + 1))
-    fit = calibrate_swapped_norms(
+    fit = fit_sites(
         original,
         result.model,
         sites,

@@ -98,6 +98,12 @@ def parse_target(text: str) -> str:
     raise ValueError(f"unknown norm target {text!r}; choose from {', '.join(CONVERT_TARGETS)}")
 
 
+# ``--to cosine``: Linear/Conv layers become cosine-normalized ones (normswap.passes.CosineLayers); no
+# norm is swapped. parse_target reads CONVERT_TARGETS when called, so it knows this one too.
+COSINE = "cosine"
+CONVERT_TARGETS = (*CONVERT_TARGETS, COSINE)
+
+
 @dataclass(frozen=True)
 class NormSemantics:
     """What one norm computes, as it computes it. Frozen: discovery states it once and passes read it.
@@ -292,6 +298,7 @@ def declared_semantics(module: nn.Module, dtype: torch.dtype | None = None) -> N
 
 __all__ = [
     "CONVERT_TARGETS",
+    "COSINE",
     "DERF",
     "DYT",
     "FUSED",

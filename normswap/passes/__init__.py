@@ -14,6 +14,7 @@ from normswap.passes.base import (
     SkipCause,
     build_context,
 )
+from normswap.passes.cosine_layers import CosineLayers, cosine_layers
 from normswap.passes.defer_rms import DeferRMS, defer_rms
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
 from normswap.passes.fold_norm_affine import FoldNormAffine, fold_norm_affine
@@ -29,6 +30,7 @@ __all__ = [
     "SWAP_TARGETS",
     "AddWeightNorm",
     "Change",
+    "CosineLayers",
     "DeferRMS",
     "ExactOnlyError",
     "FoldBatchNorm",
@@ -51,6 +53,7 @@ __all__ = [
     "SwapNorm",
     "add_weight_norm",
     "build_context",
+    "cosine_layers",
     "defer_rms",
     "fold_batchnorm",
     "fold_norm_affine",

@@ -1,0 +1,92 @@
+"""Calibrate cosine layers (``convert --to cosine``) back towards the original: their per-output scales
+refitted on data, layer by layer in execution order, as :mod:`normswap.calibrate.affine_fit` does for
+swapped norms.
+
+Layer k's input comes from the converted model (earlier layers already refitted, so their remaining
+error is compensated downstream); its target is the original layer's output on the same batch. The
+scale is the least-squares fit of :func:`normswap.modules.cosine.fit_cosine_scale` over every row of
+every batch: per output, or one common factor times the weight norms where the conversion found that
+only LayerNorms/RMSNorms read the layer (that form is what makes it lossless there; the layer keeps it).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.calibrate.affine_fit import (
+    AffineCalibrationReport,
+    SiteFit,
+    _execution_order,
+    _model_sqnr,
+    _recording,
+    _run,
+)
+from normswap.calibrate.data import as_model_inputs
+from normswap.modules.cosine import CosineConv, CosineLinear, feature_rows, fit_cosine_scale
+from normswap.util.modes import modes_restored
+from normswap.validate.metrics import sqnr_db
+
+
+def _shared_form(module: CosineLinear | CosineConv) -> bool:
+    """Whether the current scale is one factor times the weight norms (the conversion's choice for a
+    layer only scale-invariant norms read), to within float rounding."""
+    ratio = module.scale.detach().double() / module.weight_norms().detach().double()
+    return bool(torch.allclose(ratio, ratio.mean().expand_as(ratio), rtol=1e-4, atol=0.0))
+
+
+def calibrate_cosine_layers(
+    original: nn.Module,
+    converted: nn.Module,
+    sites: list[str],
+    batches: Iterable[Any],
+    *,
+    on_site: Callable[[str], None] | None = None,
+) -> AffineCalibrationReport:
+    """Refit the scales of the cosine layers at ``sites`` of ``converted`` (in place) to the original
+    layers' outputs on ``batches``; the same report as
+    :func:`~normswap.calibrate.affine_fit.calibrate_swapped_norms`."""
+    data = [as_model_inputs(b) for b in batches]
+    report = AffineCalibrationReport(batches=len(data))
+    if not data or not sites:
+        return report
+    with modes_restored(original, converted, inference=True):
+        reference = [copy.deepcopy(_run(original, b)) for b in data]
+        report.model_sqnr_before_db = _model_sqnr(reference, converted, data)
+        with _recording(original, sites, "output") as outputs:
+            for batch in data:
+                _run(original, batch)
+        for site in _execution_order(converted, sites, data[0]):
+            if on_site is not None:
+                on_site(site)
+            module = converted.get_submodule(site)
+            if not isinstance(module, CosineLinear | CosineConv):
+                report.sites.append(
+                    SiteFit(site, type(module).__name__, math.nan, math.nan, note="not a cosine layer")
+                )
+                continue
+            with _recording(converted, [site], "input") as inputs:
+                for batch in data:
+                    _run(converted, batch)
+            if not inputs[site]:
+                note = "never ran on the calibration data (a branch the inputs do not take)"
+                report.sites.append(SiteFit(site, type(module).__name__, math.nan, math.nan, note=note))
+                continue
+            conv = isinstance(module, CosineConv)
+            with torch.no_grad():
+                cos = torch.cat([feature_rows(module.cosine(x), conv) for x in inputs[site]])
+                want = torch.cat([feature_rows(y, conv) for y in outputs[site]])
+                before = sqnr_db(want, cos * module.scale)
+                shared = _shared_form(module)
+                scale = fit_cosine_scale(cos, want, module.weight_norms() if shared else None)
+                module.scale.copy_(scale.to(module.scale.dtype))
+                after = sqnr_db(want, cos * module.scale)
+            note = "shared factor" if shared else "per output"
+            report.sites.append(SiteFit(site, type(module).__name__, before, after, note=note))
+        report.model_sqnr_after_db = _model_sqnr(reference, converted, data)
+    return report

@@ -173,7 +173,9 @@ class ConvertConfig:
         if self.layers is not None and to != "cosine":
             raise BadInputError("--layers picks the layers --to cosine converts: give --to cosine")
         if self.from_kinds and to == "cosine":
-            raise BadInputError("--from picks norms; --to cosine converts Linear/Conv layers (pick them with --layers)")
+            raise BadInputError(
+                "--from picks norms; --to cosine converts Linear/Conv layers (pick them with --layers)"
+            )
         if self.fuse_add and to != "fused":
             raise BadInputError("--fuse-add fuses residual adds into fused norms: give --to fused")
         if self.fuse_inline and to != "fused":
@@ -221,6 +223,8 @@ class ConvertConfig:
             passes.append(RecenterLayerNorm())
             if not self.exact:
                 passes.append(SwapNorm(to, kinds))
+        elif to == "crmsnorm":
+            pass  # a graph rewrite: added below, after every module edit
         elif to == "cosine":
             from normswap.passes.cosine_layers import CosineLayers
 
@@ -237,6 +241,10 @@ class ConvertConfig:
             passes.append(self.weight_norm_pass())
         # Graph rewrites come last: every module edit must be done on the user's module first. Norms are
         # fused before adds are fused into them.
+        if to == "crmsnorm":
+            from normswap.passes.compress_stream import CompressStream
+
+            passes.append(CompressStream())  # exact only: no lossy fallback for what it refuses
         if self.fuse_inline:
             from normswap.passes.fuse_graph_norm import FuseGraphNorm
 

@@ -257,11 +257,13 @@ def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str
 
 def _not_exact_under_policy(report: PipelineReport, to: str | None) -> str | None:
     """Under the exact policy, a norm that ``to`` asked for but that has no exact rewrite fails."""
-    skipped = [s for p in report.passes if p.pass_name == "recenter_layernorm" for s in p.skips]
-    if to == "rmsnorm" and skipped:
+    exact_pass = {"rmsnorm": "recenter_layernorm", "crmsnorm": "compress_stream"}.get(to or "")
+    skipped = [s for p in report.passes if p.pass_name == exact_pass for s in p.skips]
+    if skipped:
         first = skipped[0]
+        target = "RMSNorm" if to == "rmsnorm" else "RMSNorm on a narrower stream"
         return (
-            f"--exact: {len(skipped)} LayerNorm(s) cannot become RMSNorm exactly "
+            f"--exact: {len(skipped)} LayerNorm(s) cannot become {target} exactly "
             f"({first.site}: {first.reason}); nothing written"
         )
     return None

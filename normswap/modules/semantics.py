@@ -80,7 +80,9 @@ SWAP_TARGETS: dict[str, str] = {
 }
 # ``--to fused``: every norm for its fused twin, same semantics (normswap.passes.FuseNorm).
 FUSED = "fused"
-CONVERT_TARGETS: tuple[str, ...] = (*SWAP_TARGETS, FUSED)
+# Pre-CRMSNorm: LayerNorm -> RMSNorm on a residual stream one dimension narrower (exact only).
+CRMSNORM = "crmsnorm"
+CONVERT_TARGETS: tuple[str, ...] = (*SWAP_TARGETS, FUSED, CRMSNORM)
 
 
 def parse_target(text: str) -> str:
@@ -299,6 +301,7 @@ def declared_semantics(module: nn.Module, dtype: torch.dtype | None = None) -> N
 __all__ = [
     "CONVERT_TARGETS",
     "COSINE",
+    "CRMSNORM",
     "DERF",
     "DYT",
     "FUSED",

@@ -14,6 +14,7 @@ from normswap.passes.base import (
     SkipCause,
     build_context,
 )
+from normswap.passes.compress_stream import CompressStream
 from normswap.passes.cosine_layers import CosineLayers, cosine_layers
 from normswap.passes.defer_rms import DeferRMS, defer_rms
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
@@ -30,6 +31,7 @@ __all__ = [
     "SWAP_TARGETS",
     "AddWeightNorm",
     "Change",
+    "CompressStream",
     "CosineLayers",
     "DeferRMS",
     "ExactOnlyError",

@@ -35,6 +35,7 @@ def test_every_pass_is_the_protocol_and_has_one_driver():
     classes = _pass_classes()
     assert {cls.name for cls in classes} == {
         "add_weight_norm",
+        "compress_stream",
         "cosine_layers",
         "defer_rms",
         "fold_batchnorm",
@@ -51,6 +52,7 @@ def test_every_pass_is_the_protocol_and_has_one_driver():
     needs = {cls.name: cls.needs for cls in classes}
     assert needs["add_weight_norm"] is needs["remove_weight_norm"] is Needs.PARAMETERS
     assert needs["fuse_add_norm"] is needs["fuse_graph_norm"] is needs["defer_rms"] is Needs.EXPORTED_GRAPH
+    assert needs["compress_stream"] is Needs.EXPORTED_GRAPH
     assert sum(n is Needs.GRAPH for n in needs.values()) == 6
 
 

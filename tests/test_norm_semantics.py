@@ -274,7 +274,8 @@ def test_one_vocabulary_of_kinds():
         "derf",
         "identity",
     ]
-    assert CONVERT_TARGETS[-1] == "fused"
+    # after the swaps: fused, then the targets that are not norm swaps (crmsnorm, cosine)
+    assert CONVERT_TARGETS[len(SWAP_TARGETS)] == "fused" and "cosine" in CONVERT_TARGETS
     assert (parse_target("rms"), parse_target("layernorm"), parse_target("fused")) == (
         "rmsnorm",
         "layernorm",

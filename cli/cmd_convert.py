@@ -29,8 +29,9 @@ ToOpt = Annotated[
         "--to",
         help="Swap norms to this kind: rmsnorm (exact where the residual stream can be recentered, "
         "architectural elsewhere), layernorm, batchnorm, groupnorm, instancenorm, dyt, derf, identity "
-        "(architectural), or fused (the same norms on normswap's fused kernels; exact); cosine turns "
-        "Linear/Conv layers into cosine-normalized ones (architectural; see --layers).",
+        "(architectural), fused (the same norms on normswap's fused kernels; exact), or crmsnorm "
+        "(Pre-CRMSNorm: the recentered residual stream stored in d-1 dims; exact, a graph rewrite); cosine "
+        "turns Linear/Conv layers into cosine-normalized ones (architectural; see --layers).",
     ),
 ]
 FromOpt = Annotated[

@@ -110,6 +110,7 @@ class ConvertConfig:
             ("--fuse-inline", self.fuse_inline),
             ("--fuse-add", self.fuse_add),
             ("--defer-rms", self.defer_rms),
+            ("--to crmsnorm", self.to == "crmsnorm"),
         )
         return next((flag for flag, on in flags if on), None)
 

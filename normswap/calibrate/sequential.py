@@ -112,15 +112,6 @@ def _call_order(model: nn.Module, paths: list[str]) -> Iterator[list[str]]:
             h.remove()
 
 
-# What a block may be handed as a key/value cache: each call would append to it, so that memory would grow
-# with every block and batch, and the next block would attend to the last one's keys.
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
-
-
-def _without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {k: None if k in _CACHE_KWARGS else v for k, v in kwargs.items()}
-
-
 def _run_block(block: nn.Module, run: tuple[tuple, dict[str, Any]], hidden: torch.Tensor) -> torch.Tensor:
     args, kwargs = with_hidden(run[0], run[1], hidden)
     with torch.no_grad():
@@ -180,7 +171,7 @@ class _Calibration:
             for b, batch in enumerate(self.inputs):
                 args, kwargs = block_inputs(shell, batch.args, batch.kwargs)
                 store.put(("o", b), block_hidden(args, kwargs))
-                self.runs.append(with_hidden(args, _without_cache(kwargs), None))  # type: ignore[arg-type]
+                self.runs.append(with_hidden(args, kwargs, None))  # type: ignore[arg-type]
         pre = [p for p in order if targets[p]]
         news = {p: self.build(p, model.get_submodule(p), inputs[p][self.n]) for p in pre}
         del inputs

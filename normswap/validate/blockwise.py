@@ -193,6 +193,16 @@ class _Stop(Exception):
     pass
 
 
+# What a block may be handed as a key/value cache: each call appends to it, so memory would grow with
+# every block and input, and a block would attend to the keys the blocks run before it left there.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A block's keyword inputs with no key/value cache: each block run alone, as in one forward."""
+    return {k: None if k in _CACHE_KWARGS else v for k, v in kwargs.items()}
+
+
 def block_inputs(shell: Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """What the model hands its first block: recorded by a hook that stops the forward there."""
     seen: dict[str, Any] = {}
@@ -212,7 +222,7 @@ def block_inputs(shell: Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tup
         handle.remove()
     if "args" not in seen:
         raise BadInputError("the model's forward never reached its first block")
-    return seen["args"], seen["kwargs"]
+    return seen["args"], without_cache(seen["kwargs"])
 
 
 def block_hidden(block_args: tuple, block_kwargs: dict[str, Any]) -> torch.Tensor:

@@ -35,7 +35,9 @@ def inspect(
         check_inputs_fit(loaded.model, args, kwargs)
     with render.status("capturing a graph of the model", quiet=json_out is not None):
         inventory = find_norms(loaded.model, args, kwargs)
+        cosine = _cosine_layers(loaded, inventory, args, kwargs)
     render.print_inventory(inventory, model)
+    _print_cosine(cosine, loaded.format == "directory")
     if json_out is not None:
         write_json(
             json_out,
@@ -46,6 +48,7 @@ def inspect(
                 "graph_notes": inventory.capture.notes,
                 "counts": inventory.counts(),
                 "sites": [s.to_dict() for s in inventory],
+                "cosine_layers": [c.to_dict() for c in cosine],
             },
         )
 
@@ -61,3 +64,29 @@ def _on_meta(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_on_meta(v) for v in value)
     return value
+
+
+def _cosine_layers(loaded: Any, inventory: Any, args: Any, kwargs: Any) -> list[Any]:
+    """Cosine-normalized layers, found on the same capture. They are confirmed by running the candidate
+    ops on random rows with the layer's weights, which a directory built on the meta device does not have."""
+    from normswap.discover.cosine import find_cosine_sites
+
+    if loaded.format == "directory" or (args is None and not kwargs):
+        return []
+    return find_cosine_sites(loaded.model, args, kwargs, captured=inventory.capture)
+
+
+def _print_cosine(sites: list[Any], directory: bool) -> None:
+    if directory:
+        render.out.print("cosine-normalized layers: not looked for (the weights of a directory are not read)")
+    for site in sites:
+        scale = {"none": "no scale", "scalar": "one scale", "per-output": "a scale per output"}[site.scale]
+        bias = (
+            "bias inside the cosine" if site.augmented else ("a shift after it" if site.shift else "no bias")
+        )
+        where = f"{site.path or '<root>'} ({site.class_name or 'functional'}, {site.source})"
+        render.out.print(
+            f"cosine-normalized layer: {where}: {site.out_features} outputs of {site.weight_name}, {scale}, "
+            f"{bias}",
+            soft_wrap=True,
+        )

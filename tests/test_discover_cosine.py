@@ -103,3 +103,46 @@ def test_converted_layers_are_found_with_their_fitted_scale():
         ("0", "per-output", True)
     ]
     assert find_cosine_sites(model, (x,)) == []
+
+
+FACTORY = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CosineClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+        self.weight = nn.Parameter(torch.randn(10, 16))
+        self.temperature = nn.Parameter(torch.tensor(16.0))
+
+    def forward(self, x):
+        return self.temperature * F.normalize(self.body(x)) @ F.normalize(self.weight).T
+
+
+def build():
+    torch.manual_seed(0)
+    return CosineClassifier(), (torch.randn(2, 8),)
+"""
+
+
+def test_inspect_lists_cosine_layers(tmp_path):
+    import json
+
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    factory = tmp_path / "heads.py"
+    factory.write_text(FACTORY)
+    report = tmp_path / "sites.json"
+    result = CliRunner().invoke(app, ["inspect", f"{factory}:build", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    assert "cosine-normalized layer: <root> (CosineClassifier, pattern): 10 outputs of weight, one scale" in (
+        result.output
+    )
+    layers = json.loads(report.read_text())["cosine_layers"]
+    assert [(c["path"], c["weight_name"], c["scale"], c["out_features"]) for c in layers] == [
+        ("", "weight", "scalar", 10)
+    ]

@@ -228,7 +228,14 @@ def find_cosine_layers(view: GraphView, root: nn.Module | None = None) -> list[C
             ]  # type: ignore[union-attr]
             if len(weights) != 1 or (i == 0 and op_name(product) in _WEIGHT_LAST):
                 continue  # the weight of linear/addmm/conv is never its first operand
-            others = [a for j, a in enumerate(operands) if j != i and not _weight_params(view, a)]
+            # the other operand may carry a scalar parameter (a temperature multiplied before the
+            # product: CLIP's logit_scale * x_n @ w_n.T), but not a stored matrix of its own
+            others = [
+                a
+                for j, a in enumerate(operands)
+                if j != i
+                and not any(values(p) is not None and values(p).ndim >= 2 for p in _weight_params(view, a))
+            ]
             if not others:
                 continue
             biases = [

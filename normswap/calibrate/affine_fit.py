@@ -103,7 +103,9 @@ def _recording(model: nn.Module, paths: list[str], what: str) -> Iterator[dict[s
             h.remove()
 
 
-def _execution_order(model: nn.Module, paths: list[str], batch: ModelInputs) -> list[str]:
+@contextlib.contextmanager
+def call_order(model: nn.Module, paths: list[str]) -> Iterator[list[str]]:
+    """The paths in the order their modules first run while the context is open."""
     order: list[str] = []
     handles = [
         model.get_submodule(p).register_forward_pre_hook(
@@ -112,10 +114,15 @@ def _execution_order(model: nn.Module, paths: list[str], batch: ModelInputs) -> 
         for p in paths
     ]
     try:
-        _run(model, batch)
+        yield order
     finally:
         for h in handles:
             h.remove()
+
+
+def _execution_order(model: nn.Module, paths: list[str], batch: ModelInputs) -> list[str]:
+    with call_order(model, paths) as order:
+        _run(model, batch)
     return order + [p for p in paths if p not in order]
 
 
@@ -275,20 +282,22 @@ def _model_sqnr(reference: list[Any], model: nn.Module, batches: list[ModelInput
     return worst
 
 
-def calibrate_swapped_norms(
+# Fits one site from its inputs in the converted model and the original's outputs there, each a list
+# over the batches; a SiteFit (its ``site`` is filled in by the caller), or the reason it was not fitted.
+SiteFitter = Callable[[nn.Module, list[torch.Tensor], list[torch.Tensor]], "SiteFit | str"]
+
+
+def fit_sites_in_order(
     original: nn.Module,
     converted: nn.Module,
     sites: list[str],
     batches: Iterable[Any],
-    *,
+    fit: SiteFitter,
     on_site: Callable[[str], None] | None = None,
 ) -> AffineCalibrationReport:
-    """Fit the norms at ``sites`` of ``converted`` (in place) to the original norms' outputs.
-
-    ``original`` and ``converted`` share module paths (the swap replaced modules in place). ``batches``
-    are model inputs (tensors, tuples or dicts). Both models are run in eval mode; their modes are
-    restored. ``on_site`` is called with each site path as it is fitted (for a progress bar).
-    """
+    """The layer-by-layer calibration both affine norms and cosine layers use: the original's outputs at
+    ``sites`` recorded once, then each site, in execution order, fitted by ``fit`` on its inputs in the
+    converted model as calibrated so far; the whole model's SQNR before and after."""
     data = [as_model_inputs(b) for b in batches]
     report = AffineCalibrationReport(batches=len(data))
     if not data or not sites:
@@ -306,11 +315,28 @@ def calibrate_swapped_norms(
                 for batch in data:
                     _run(converted, batch)
             module = converted.get_submodule(site)
-            fit = _fit_site(module, inputs[site], outputs[site])
-            if isinstance(fit, str):
-                report.sites.append(SiteFit(site, type(module).__name__, math.nan, math.nan, note=fit))
+            result = fit(module, inputs[site], outputs[site])
+            if isinstance(result, str):
+                report.sites.append(SiteFit(site, type(module).__name__, math.nan, math.nan, note=result))
                 continue
-            fit.site = site
-            report.sites.append(fit)
+            result.site = site
+            report.sites.append(result)
         report.model_sqnr_after_db = _model_sqnr(reference, converted, data)
     return report
+
+
+def calibrate_swapped_norms(
+    original: nn.Module,
+    converted: nn.Module,
+    sites: list[str],
+    batches: Iterable[Any],
+    *,
+    on_site: Callable[[str], None] | None = None,
+) -> AffineCalibrationReport:
+    """Fit the norms at ``sites`` of ``converted`` (in place) to the original norms' outputs.
+
+    ``original`` and ``converted`` share module paths (the swap replaced modules in place). ``batches``
+    are model inputs (tensors, tuples or dicts). Both models are run in eval mode; their modes are
+    restored. ``on_site`` is called with each site path as it is fitted (for a progress bar).
+    """
+    return fit_sites_in_order(original, converted, sites, batches, _fit_site, on_site)

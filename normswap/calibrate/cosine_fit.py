@@ -11,25 +11,14 @@ only LayerNorms/RMSNorms read the layer (that form is what makes it lossless the
 
 from __future__ import annotations
 
-import copy
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from normswap.calibrate.affine_fit import (
-    AffineCalibrationReport,
-    SiteFit,
-    _execution_order,
-    _model_sqnr,
-    _recording,
-    _run,
-)
-from normswap.calibrate.data import as_model_inputs
+from normswap.calibrate.affine_fit import AffineCalibrationReport, SiteFit, fit_sites_in_order
 from normswap.modules.cosine import CosineConv, CosineLinear, feature_rows, fit_cosine_scale
-from normswap.util.modes import modes_restored
 from normswap.validate.metrics import sqnr_db
 
 
@@ -51,42 +40,22 @@ def calibrate_cosine_layers(
     """Refit the scales of the cosine layers at ``sites`` of ``converted`` (in place) to the original
     layers' outputs on ``batches``; the same report as
     :func:`~normswap.calibrate.affine_fit.calibrate_swapped_norms`."""
-    data = [as_model_inputs(b) for b in batches]
-    report = AffineCalibrationReport(batches=len(data))
-    if not data or not sites:
-        return report
-    with modes_restored(original, converted, inference=True):
-        reference = [copy.deepcopy(_run(original, b)) for b in data]
-        report.model_sqnr_before_db = _model_sqnr(reference, converted, data)
-        with _recording(original, sites, "output") as outputs:
-            for batch in data:
-                _run(original, batch)
-        for site in _execution_order(converted, sites, data[0]):
-            if on_site is not None:
-                on_site(site)
-            module = converted.get_submodule(site)
-            if not isinstance(module, CosineLinear | CosineConv):
-                report.sites.append(
-                    SiteFit(site, type(module).__name__, math.nan, math.nan, note="not a cosine layer")
-                )
-                continue
-            with _recording(converted, [site], "input") as inputs:
-                for batch in data:
-                    _run(converted, batch)
-            if not inputs[site]:
-                note = "never ran on the calibration data (a branch the inputs do not take)"
-                report.sites.append(SiteFit(site, type(module).__name__, math.nan, math.nan, note=note))
-                continue
-            conv = isinstance(module, CosineConv)
-            with torch.no_grad():
-                cos = torch.cat([feature_rows(module.cosine(x), conv) for x in inputs[site]])
-                want = torch.cat([feature_rows(y, conv) for y in outputs[site]])
-                before = sqnr_db(want, cos * module.scale)
-                shared = _shared_form(module)
-                scale = fit_cosine_scale(cos, want, module.weight_norms() if shared else None)
-                module.scale.copy_(scale.to(module.scale.dtype))
-                after = sqnr_db(want, cos * module.scale)
-            note = "shared factor" if shared else "per output"
-            report.sites.append(SiteFit(site, type(module).__name__, before, after, note=note))
-        report.model_sqnr_after_db = _model_sqnr(reference, converted, data)
-    return report
+    return fit_sites_in_order(original, converted, sites, batches, _fit_scale, on_site)
+
+
+def _fit_scale(module: nn.Module, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> SiteFit | str:
+    """The least-squares scale of one cosine layer, from its inputs and the original layer's outputs."""
+    if not isinstance(module, CosineLinear | CosineConv):
+        return "not a cosine layer"
+    if not inputs:
+        return "never ran on the calibration data (a branch the inputs do not take)"
+    conv = isinstance(module, CosineConv)
+    with torch.no_grad():
+        cos = torch.cat([feature_rows(module.cosine(x), conv) for x in inputs])
+        want = torch.cat([feature_rows(y, conv) for y in outputs])
+        before = sqnr_db(want, cos * module.scale)
+        shared = _shared_form(module)
+        scale = fit_cosine_scale(cos, want, module.weight_norms() if shared else None)
+        module.scale.copy_(scale.to(module.scale.dtype))
+        after = sqnr_db(want, cos * module.scale)
+    return SiteFit("", type(module).__name__, before, after, note="shared factor" if shared else "per output")

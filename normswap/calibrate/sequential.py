@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from normswap.calibrate.activations import ActivationStore
-from normswap.calibrate.affine_fit import SiteFit, _fit_site, _recording
+from normswap.calibrate.affine_fit import SiteFit, _fit_site, _recording, call_order
 from normswap.calibrate.data import ModelInputs
 from normswap.validate.blockwise import (
     BlockShell,
@@ -95,23 +95,6 @@ def _swapped(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[None]:
             model.set_submodule(path, module)
 
 
-@contextlib.contextmanager
-def _call_order(model: nn.Module, paths: list[str]) -> Iterator[list[str]]:
-    """The paths in the order their modules first run while the context is open."""
-    order: list[str] = []
-    handles = [
-        model.get_submodule(p).register_forward_pre_hook(
-            lambda _m, _a, p=p: order.append(p) if p not in order else None
-        )
-        for p in paths
-    ]
-    try:
-        yield order
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def _run_block(block: nn.Module, run: tuple[tuple, dict[str, Any]], hidden: torch.Tensor) -> torch.Tensor:
     args, kwargs = with_hidden(run[0], run[1], hidden)
     with torch.no_grad():
@@ -166,7 +149,7 @@ class _Calibration:
         with (
             _recording(model, outside, "output") as targets,
             _recording(model, outside, "input") as inputs,
-            _call_order(model, outside) as order,
+            call_order(model, outside) as order,
         ):
             for b, batch in enumerate(self.inputs):
                 args, kwargs = block_inputs(shell, batch.args, batch.kwargs)
@@ -195,7 +178,7 @@ class _Calibration:
         prefix = f"{shell.blocks}.0."  # the shell's block, seen from its model
         with _recording(block, inside, "input") as inputs:  # the example inputs: each new norm's sample
             store.put(("o", n), _run_block(block, self.runs[n], store.get(("o", n))))
-        with _recording(block, inside, "output") as targets, _call_order(block, inside) as order:
+        with _recording(block, inside, "output") as targets, call_order(block, inside) as order:
             for b in range(n):
                 store.put(("o", b), _run_block(block, self.runs[b], store.get(("o", b))))
         order += [p for p in inside if p not in order]
@@ -235,7 +218,7 @@ class _Calibration:
 
         with _recording(model, post, "input") as inputs:
             store.put(("logits", n), output(n, "o"))
-        with _recording(model, post, "output") as targets, _call_order(model, post) as order:
+        with _recording(model, post, "output") as targets, call_order(model, post) as order:
             for b in range(n):
                 store.put(("logits", b), output(b, "o"))
         order += [p for p in post if p not in order]

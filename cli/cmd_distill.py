@@ -150,6 +150,8 @@ def distill(
         raise BadInputError("--checkpoint-every and --resume need --checkpoint-dir")
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature or 1.0, train=train)
     plan = CheckpointPlan(checkpoint_dir, checkpoint_every, resume) if checkpoint_dir is not None else None
+    if plan is not None:
+        plan.check()  # before minutes of loading: another run's checkpoints, no rhythm
     parallel = DataParallel.from_environment() if launched_by_torchrun() else None
     if parallel is None and shard_teacher is not None:
         raise BadInputError("--shard-teacher applies under torchrun (several processes)")

@@ -51,8 +51,9 @@ from normswap.calibrate.batchnorm import _device_and_dtype, _Modes, _run, _to_mo
 from normswap.calibrate.data import ModelInputs, as_model_inputs
 from normswap.calibrate.distill_checkpoint import (
     CheckpointPlan,
-    data_fingerprint,
+    batch_fingerprints,
     load_checkpoint,
+    model_fingerprint,
     save_checkpoint,
 )
 from normswap.calibrate.distill_report import DistillReport
@@ -245,6 +246,8 @@ def distill(
     outputs differ in structure or shape, or when no parameter is selected for training.
     """
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature, train=train)
+    if checkpoints is not None:
+        checkpoints.check()
     if teacher is student:
         raise BadInputError("the original and the converted model are the same object: nothing to distil")
     target = student if inplace or parallel is not None else copy.deepcopy(student)
@@ -309,7 +312,8 @@ def distill(
         "temperature": report.temperature,
         "train": train,
         "trained_parameters": trained_names,
-        "training_batches": data_fingerprint(train_batches),
+        "training_batches": batch_fingerprints(train_batches),
+        "teacher": model_fingerprint(teacher) if checkpoints is not None else None,
         "steps": steps,
     }
     if parallel is not None:

@@ -58,16 +58,56 @@ class CheckpointPlan:
     def due(self, steps_done: int, steps: int) -> bool:
         return self.every is not None and steps_done % self.every == 0 and steps_done <= steps
 
+    def check(self) -> None:
+        """Before any work: a run that does not resume must not start in a folder holding another run's
+        checkpoints, and checkpoints need a rhythm or a resume."""
+        if self.every is None and not self.resume:
+            raise BadInputError("--checkpoint-dir needs --checkpoint-every K (or --resume)")
+        finished = _finished(self.directory)
+        if not self.resume and finished:
+            raise BadInputError(
+                f"--checkpoint-dir {self.directory} holds checkpoints of an earlier run ({finished[-1].name}): "
+                "give --resume to continue it, or another folder"
+            )
 
-def data_fingerprint(batches: list[ModelInputs]) -> str:
-    """sha256 over every training batch's tensors (names, dtypes, shapes, bytes), in order."""
-    digest = hashlib.sha256()
+
+def batch_fingerprints(batches: list[ModelInputs]) -> list[str]:
+    """sha256 of each training batch's tensors (names, dtypes, shapes, bytes)."""
+    found = []
     for batch in batches:
+        digest = hashlib.sha256()
         for name, tensor in batch.tensors():
             flat = tensor.detach().cpu().contiguous().reshape(-1)
             digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
             digest.update(flat.view(torch.uint8).numpy().tobytes())
+        found.append(digest.hexdigest())
+    return found
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """sha256 over every parameter's name, shape, dtype and float64 sum and sum of squares: the same
+    weights give the same value, read before any sharding, at any process count."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            values = p.detach().double()
+            sums = f"{values.sum().item()!r}|{values.square().sum().item()!r}"
+            digest.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{sums}".encode())
     return digest.hexdigest()
+
+
+def _batches_differ(saved: list[str], now: list[str], steps_done: int) -> str | None:
+    """Why the batches the first ``steps_done`` steps trained on differ now, if they do (batches are
+    cycled by step number)."""
+    if not saved or not now:
+        return "no training batches recorded"
+    for step in range(steps_done):
+        if saved[step % len(saved)] != now[step % len(now)]:
+            return (
+                f"step {step + 1} trained on another batch than now (the data, --batch-size or --holdout "
+                "changed, or the data is read in another order)"
+            )
+    return None
 
 
 def _collective(parallel: DataParallel | None, value: Any) -> Any:
@@ -120,9 +160,15 @@ def _write_shared_folder(
     given) and renames it to ``path`` once all have written. On failure the temp folder is removed."""
     from normswap.load.save import reserve_temp_dir
 
-    temp = _collective(
-        parallel, str(reserve_temp_dir(path)) if parallel is None or parallel.is_main else None
-    )
+    reserved: tuple[str | None, str | None] = (None, None)
+    if parallel is None or parallel.is_main:
+        try:
+            reserved = (str(reserve_temp_dir(path)), None)
+        except BadInputError as exc:  # every process must hear it, or the others wait in the broadcast
+            reserved = (None, str(exc))
+    temp, error = _collective(parallel, reserved)
+    if error is not None:
+        raise BadInputError(error)
     temp_path = Path(temp)
     try:
         write(temp_path)
@@ -169,17 +215,43 @@ def save_checkpoint(
     )
     if parallel is None or parallel.is_main:
         for older in _finished(plan.directory):
-            if older != path:
+            if older != path and _same_run(older, run):
                 shutil.rmtree(older, ignore_errors=True)
     return path
 
 
-def _differences(saved: dict[str, Any], run: dict[str, Any]) -> list[str]:
-    return [
+def _same_run(folder: Path, run: dict[str, Any]) -> bool:
+    """Whether the checkpoint in ``folder`` belongs to ``run``: only those are removed as older."""
+    try:
+        record = json.loads((folder / RUN_FILE).read_text())
+        saved, step = record["run"], int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return not _differences(saved, run, step)
+
+
+# Keys of a run record compared by their own rules, not by equality.
+_NOT_EQUAL_KEYS = ("steps", "training_batches", "trained_parameters", "teacher")
+
+
+def _differences(saved: dict[str, Any], run: dict[str, Any], steps_done: int) -> list[str]:
+    found = [
         f"{key} {saved.get(key)!r} in the checkpoint, {value!r} now"
         for key, value in run.items()
-        if key != "steps" and saved.get(key) != value
+        if key not in _NOT_EQUAL_KEYS and saved.get(key) != value
     ]
+    if saved.get("trained_parameters") != run["trained_parameters"]:
+        before, now = set(saved.get("trained_parameters") or ()), set(run["trained_parameters"])
+        only_saved, only_now = sorted(before - now)[:3], sorted(now - before)[:3]
+        found.append(
+            f"the trained parameters differ (only in the checkpoint: {only_saved}; only now: {only_now})"
+        )
+    if saved.get("teacher") != run.get("teacher"):
+        found.append("the original model's weights differ")
+    batches = _batches_differ(saved.get("training_batches") or [], run["training_batches"], steps_done)
+    if batches is not None:
+        found.append(batches)
+    return found
 
 
 def load_checkpoint(
@@ -206,7 +278,7 @@ def load_checkpoint(
         raise BadInputError(
             f"--resume: {path} was written by another version of normswap (format {record.get('format')})"
         )
-    differences = _differences(saved_run, run)
+    differences = _differences(saved_run, run, step)
     if differences:
         raise BadInputError(f"--resume: {path} is from another run: " + "; ".join(differences))
     if step >= run["steps"] or len(losses) != step:

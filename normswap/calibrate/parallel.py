@@ -135,7 +135,7 @@ class DataParallel:
 
     # -- models -------------------------------------------------------------------------------------
 
-    def shard(self, model: nn.Module) -> str:
+    def shard(self, model: nn.Module, trained: bool = True) -> str:
         """``fully_shard`` the model's blocks, then its root; returns what was sharded, for the report.
 
         FSDP2 cannot shard a 0-d parameter (DyT's and Derf's alpha): those stay whole on every process,
@@ -153,11 +153,16 @@ class DataParallel:
         scalars = [p for p in model.parameters() if p.ndim == 0]
         for p in scalars:
             p.data = p.data.to(self.device)
-        self.replicated.extend(p for p in scalars if p.requires_grad)
+        if trained:
+            self.replicated.extend(p for p in scalars if p.requires_grad)
         if count:
             for block in model.get_submodule(path):
                 fully_shard(block, mesh=self.mesh, ignored_params=set(scalars))
-        fully_shard(model, mesh=self.mesh, ignored_params=set(scalars))
+        # FSDP2 keeps the root's parameters gathered after forward, for the backward that follows; a
+        # model that only runs forward (the teacher) would hold its largest tensors, the embeddings and
+        # the head, whole for the whole run.
+        forward_only = {} if trained else {"reshard_after_forward": True}
+        fully_shard(model, mesh=self.mesh, ignored_params=set(scalars), **forward_only)
         what = f"{count} blocks ({path}) and the root" if count else "the root only (no list of blocks)"
         return what + (f", {len(scalars)} scalar parameters whole on every process" if scalars else "")
 
@@ -173,7 +178,7 @@ class DataParallel:
     def place(self, model: nn.Module, shard: bool) -> str:
         """Put a model on this process's device: sharded (FSDP2) or a whole copy."""
         if shard:
-            return self.shard(model)
+            return self.shard(model, trained=False)
         model.to(self.device)
         return "a whole copy on every process"
 

@@ -72,8 +72,13 @@ def test_resume_refuses_another_run_with_the_reason(tmp_path):
     with pytest.raises(BadInputError, match=r"another run: lr 0\.002 in the checkpoint, 0\.001 now"):
         distill(teacher, student, data, **_options(lr=1e-3), checkpoints=resume)
     other_data = [d.flip(0) for d in data]
-    with pytest.raises(BadInputError, match=r"training_batches '[0-9a-f]{64}' in the checkpoint"):
+    with pytest.raises(BadInputError, match="step 1 trained on another batch than now"):
         distill(teacher, student, other_data, **_options(), checkpoints=resume)
+    other_teacher, _, _ = model_zoo.gpt2()
+    with torch.no_grad():
+        other_teacher.lm_head.weight.mul_(1.01)
+    with pytest.raises(BadInputError, match="another run: the original model's weights differ"):
+        distill(other_teacher, student, data, **_options(), checkpoints=resume)
     with pytest.raises(BadInputError, match="has done 2 steps, --steps is 2: nothing to continue"):
         distill(teacher, student, data, **_options(steps=2), checkpoints=resume)
     with pytest.raises(BadInputError, match="another run: train 'all' in the checkpoint, 'norms' now"):
@@ -82,13 +87,53 @@ def test_resume_refuses_another_run_with_the_reason(tmp_path):
     # Another model (one more block): its trained parameters differ.
     wider, args, kwargs = model_zoo.gpt2(layers=3)
     wider_student, _ = SwapNorm("dyt")(wider, args, kwargs)
-    with pytest.raises(BadInputError, match="another run: trained_parameters"):
+    with pytest.raises(
+        BadInputError, match=r"another run: the trained parameters differ \(only in the checkpoint: \[\]"
+    ):
         distill(wider, wider_student, data, **_options(), checkpoints=resume)
 
 
-def test_checkpoint_options_are_checked():
+def test_checkpoint_options_are_checked(tmp_path):
     with pytest.raises(BadInputError, match="--checkpoint-every must be at least 1, got 0"):
         CheckpointPlan(Path("ck"), every=0)
+    with pytest.raises(BadInputError, match=r"--checkpoint-dir needs --checkpoint-every K \(or --resume\)"):
+        CheckpointPlan(tmp_path / "ck").check()
+
+
+def test_a_new_run_leaves_another_runs_checkpoints_alone(tmp_path):
+    teacher, student, data = _gpt2_pair()
+    plan = CheckpointPlan(tmp_path / "ck", every=3)
+    distill(teacher, student, data, **_options(steps=3), checkpoints=plan)
+    with pytest.raises(
+        BadInputError, match="holds checkpoints of an earlier run \\(step-00000003\\): give --resume"
+    ):
+        distill(
+            teacher, student, data, **_options(lr=1e-3), checkpoints=CheckpointPlan(plan.directory, every=2)
+        )
+    assert sorted(p.name for p in plan.directory.iterdir()) == ["step-00000003"]
+
+
+def test_steps_may_grow_when_the_data_holds_more_batches(tmp_path):
+    """With more data than steps, a longer run reads more batches; the ones the checkpoint trained on are
+    the same, so it continues into what the longer uninterrupted run computes."""
+    teacher, student, _ = _gpt2_pair()
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 128, (4, 12), generator=g) for _ in range(10)]
+    holdout = data[-1]
+    straight, straight_report = distill(teacher, student, data, **_options(), holdout=holdout)
+    plan = CheckpointPlan(tmp_path / "ck", every=2)
+    distill(teacher, student, data, **_options(steps=4), holdout=holdout, checkpoints=plan)
+    resumed, report = distill(
+        teacher,
+        student,
+        data,
+        **_options(),
+        holdout=holdout,
+        checkpoints=CheckpointPlan(plan.directory, every=2, resume=True),
+    )
+    assert report.resumed_from_step == 4 and report.losses == straight_report.losses
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def _parallel(rank: int, world: int) -> DataParallel:

@@ -84,12 +84,15 @@ def sequential_problem(config: ConvertConfig, custom_inputs: bool = False) -> st
     """Why the block-by-block route cannot run this conversion, or None when it can."""
     if config.calibration_data is None:
         return "the sequential route calibrates swapped norms block by block: give --calibrate DATA"
-    if config.to in (None, "fused", "rmsnorm"):
+    from normswap.modules.semantics import SWAP_TARGETS
+
+    if config.to not in SWAP_TARGETS or config.to == "rmsnorm":
         what = "no --to" if config.to is None else f"--to {config.to}"
         return (
             f"{what}: the sequential route swaps norms for an architectural kind (layernorm, batchnorm, "
-            "groupnorm, instancenorm, dyt, derf, identity); --to rmsnorm recenters the residual stream, "
-            "which rewrites the linears around the norms, and is not built block by block"
+            "groupnorm, instancenorm, dyt, derf, identity); --to rmsnorm and crmsnorm recenter the residual "
+            "stream, which rewrites the linears around the norms, and cosine rewrites the layers before "
+            "them: neither is built block by block"
         )
     other = [
         flag

@@ -22,13 +22,6 @@ from normswap.modules.cosine import CosineConv, CosineLinear, feature_rows, fit_
 from normswap.validate.metrics import sqnr_db
 
 
-def _shared_form(module: CosineLinear | CosineConv) -> bool:
-    """Whether the current scale is one factor times the weight norms (the conversion's choice for a
-    layer only scale-invariant norms read), to within float rounding."""
-    ratio = module.scale.detach().double() / module.weight_norms().detach().double()
-    return bool(torch.allclose(ratio, ratio.mean().expand_as(ratio), rtol=1e-4, atol=0.0))
-
-
 def calibrate_cosine_layers(
     original: nn.Module,
     converted: nn.Module,
@@ -54,7 +47,7 @@ def _fit_scale(module: nn.Module, inputs: list[torch.Tensor], outputs: list[torc
         cos = torch.cat([feature_rows(module.cosine(x), conv) for x in inputs])
         want = torch.cat([feature_rows(y, conv) for y in outputs])
         before = sqnr_db(want, cos * module.scale)
-        shared = _shared_form(module)
+        shared = module.shared_scale  # the form the conversion chose, not one read off rounded values
         scale = fit_cosine_scale(cos, want, module.weight_norms() if shared else None)
         module.scale.copy_(scale.to(module.scale.dtype))
         after = sqnr_db(want, cos * module.scale)

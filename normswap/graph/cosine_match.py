@@ -16,7 +16,7 @@ numerator, ``mul``'s full-size operand, unsqueezes).
 *Confirmation.* The subgraph from ``x`` to a candidate output must be closed (it reads nothing else but
 stored tensors and constants) and contain a reduction (a norm cannot be computed without one); it is
 then evaluated in float64 on random inputs with their own row scales and must equal ``s * cos + t``
-per output, with ``s``, ``t`` least-squares fitted on those draws, within 1e-9 relative, either for
+per output, with ``s``, ``t`` least-squares fitted on those draws, within 1e-5 relative (``_REL``), either for
 plain cosines or for the augmented ones ``cos([x, 1], [w, b])`` with the stored bias. So a Linear
 followed by an RMSNorm (``Wx / rms(Wx)`` is scale-invariant in ``x`` but not a cosine) is not taken.
 The latest output that confirms wins (the scale multiply included).

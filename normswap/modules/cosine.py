@@ -26,8 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _clamped_norm(squares: torch.Tensor, eps: float) -> torch.Tensor:
-    return squares.sqrt().clamp_min(eps)
+def _clamped_norm(squares: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    # squares are summed in float32 at least: a half-precision sum of squares overflows (fp16 beyond
+    # 65504: a 4096-wide row of values around 5) where the norm itself fits
+    return squares.sqrt().clamp_min(eps).to(dtype)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 class CosineLinear(nn.Module):
@@ -50,21 +56,24 @@ class CosineLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         self.scale = nn.Parameter(torch.ones(out_features, device=device, dtype=dtype))
+        # the scale is one factor times the weight norms (a layer only row-scale-free norms read), which
+        # calibration keeps; else one free value per output
+        self.shared_scale = False
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def weight_norms(self) -> torch.Tensor:
         """``||[w_j, b_j]||`` per output (``||w_j||`` without a bias)."""
-        squares = self.weight.square().sum(1)
+        squares = _wide(self.weight).square().sum(1)
         if self.bias is not None:
-            squares = squares + self.bias.square()
-        return _clamped_norm(squares, self.eps)
+            squares = squares + _wide(self.bias).square()
+        return _clamped_norm(squares, self.eps, self.weight.dtype)
 
     def input_norms(self, x: torch.Tensor) -> torch.Tensor:
         """``||[x, 1]||`` per row of ``x`` (``||x||`` without a bias), keeping a trailing dim of 1."""
-        squares = x.square().sum(-1, keepdim=True)
+        squares = _wide(x).square().sum(-1, keepdim=True)
         if self.bias is not None:
             squares = squares + 1.0
-        return _clamped_norm(squares, self.eps)
+        return _clamped_norm(squares, self.eps, x.dtype)
 
     def cosine(self, x: torch.Tensor) -> torch.Tensor:
         """The cosines alone (``scale`` left out): what the scale is fitted against."""
@@ -110,6 +119,7 @@ class CosineConv(nn.Module):
         )
         self.bias = nn.Parameter(torch.zeros(out_channels, device=device, dtype=dtype)) if bias else None
         self.scale = nn.Parameter(torch.ones(out_channels, device=device, dtype=dtype))
+        self.shared_scale = False  # as CosineLinear's
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def _conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -120,18 +130,19 @@ class CosineConv(nn.Module):
         return t.reshape(1, -1, *([1] * (ndim - 2)))
 
     def weight_norms(self) -> torch.Tensor:
-        squares = self.weight.flatten(1).square().sum(1)
+        squares = _wide(self.weight).flatten(1).square().sum(1)
         if self.bias is not None:
-            squares = squares + self.bias.square()
-        return _clamped_norm(squares, self.eps)
+            squares = squares + _wide(self.bias).square()
+        return _clamped_norm(squares, self.eps, self.weight.dtype)
 
     def input_norms(self, x: torch.Tensor) -> torch.Tensor:
         """``||[x_p, 1]||`` at every output position, shape ``(N, 1, *out)``."""
-        ones = torch.ones(1, self.in_channels, *self.kernel_size, device=x.device, dtype=x.dtype)
-        squares = self._conv(x.square(), ones, None)
+        wide = _wide(x)
+        ones = torch.ones(1, self.in_channels, *self.kernel_size, device=x.device, dtype=wide.dtype)
+        squares = self._conv(wide.square(), ones, None)
         if self.bias is not None:
             squares = squares + 1.0
-        return _clamped_norm(squares, self.eps)
+        return _clamped_norm(squares, self.eps, x.dtype)
 
     def cosine(self, x: torch.Tensor) -> torch.Tensor:
         out = self._conv(x, self.weight, self.bias) / self.input_norms(x)

@@ -39,7 +39,7 @@ from torch.nn.utils import parametrize
 
 from normswap.discover import NormKind, NormSite
 from normswap.graph.analysis import GraphView
-from normswap.graph.ops import op_name, real_users
+from normswap.graph.ops import op_name, real_users, tensor_meta
 from normswap.modules.cosine import CosineConv, CosineLinear, feature_rows, fit_cosine_scale
 from normswap.passes.base import (
     Change,
@@ -100,27 +100,60 @@ def _is_plain_layer(module: nn.Module) -> bool:
     return base is not None and type(module).forward is base.forward
 
 
+def _moved_feature_dim(user: fx.Node, dim: int | None) -> int | None:
+    """Where the layer's feature dim is in ``user``'s output, after a layout op; None once unknown."""
+    if dim is None:
+        return None
+    name, meta = op_name(user), tensor_meta(user)
+    ndim = len(meta[0]) if meta is not None else None
+    source = user.args[0] if user.args else None
+    source_meta = tensor_meta(source) if isinstance(source, fx.Node) else None
+    rank = len(source_meta[0]) if source_meta is not None else None
+    if name in ("transpose", "t", "permute", "movedim") and rank is not None:
+        order = list(range(rank))
+        if name == "t":
+            order = order[::-1]
+        elif name == "transpose":
+            a, b = (int(x) % rank for x in user.args[1:3])
+            order[a], order[b] = order[b], order[a]
+        elif name == "permute":
+            order = [int(x) % rank for x in user.args[1]]
+        else:
+            return None  # movedim: not followed
+        return order.index(dim)
+    if name in ("view", "reshape", "_unsafe_view", "flatten", "unflatten", "unsqueeze", "squeeze", "expand"):
+        # the last dim keeps the features only if it keeps its size: otherwise unknown
+        if rank is not None and ndim is not None and dim == rank - 1 and source_meta[0][-1] == meta[0][-1]:
+            return ndim - 1
+        return None
+    return dim
+
+
 def _readers(
     view: GraphView, path: str, norm_of: dict[fx.Node, NormSite]
-) -> tuple[list[NormSite], str | None]:
-    """The norm sites that read the output of the layer at ``path`` (through scale-commuting ops), or
-    the reason some other op reads it."""
+) -> tuple[list[tuple[NormSite, bool | None]], str | None]:
+    """The norm sites that read the output of the layer at ``path`` (through scale-commuting ops), each
+    with whether the layer's features reach it in its last dim (None: not followed), or the reason some
+    other op reads it."""
     call = view.calls[path][0]
     inside = call.node_set
-    found: list[NormSite] = []
-    frontier, seen = list(call.outputs()), set()
+    found: list[tuple[NormSite, bool | None]] = []
+    starts = [(n, _feature_dim_of(n)) for n in call.outputs()]
+    frontier, seen = starts, set()
     while frontier:
-        node = frontier.pop()
+        node, dim = frontier.pop()
         for user in real_users(node):
             if user in inside or user in seen:
                 continue
             seen.add(user)
             site = norm_of.get(user)
             if site is not None:
-                if site not in found:
-                    found.append(site)
+                meta = tensor_meta(node)
+                last = None if dim is None or meta is None else dim == len(meta[0]) - 1
+                if all(site is not f for f, _ in found):
+                    found.append((site, last))
             elif op_name(user) in _SCALE_COMMUTING:
-                frontier.append(user)
+                frontier.append((user, _moved_feature_dim(user, dim)))
             elif user.op == "output":
                 return [], f"its output is a model output: {NOT_A_NORM_READER}"
             else:
@@ -131,9 +164,21 @@ def _readers(
     return found, None
 
 
-def _removes_row_scale(site: NormSite, features: int) -> bool:
-    """A LayerNorm/RMSNorm module whose normalized features lie within one output row of the layer."""
+def _feature_dim_of(node: fx.Node) -> int | None:
+    """The feature dim of a Linear's or Conv's output: the last for a Linear, 1 for a conv (ndim > 2)."""
+    meta = tensor_meta(node)
+    if meta is None:
+        return None
+    return 1 if op_name(node) in ("conv1d", "conv2d", "conv3d", "convolution") else len(meta[0]) - 1
+
+
+def _removes_row_scale(site: NormSite, features: int, last: bool | None) -> bool:
+    """A LayerNorm/RMSNorm module whose normalized features lie within one output row of the layer: the
+    layer's features reach it in its last dim (``last``; None where a reshape was not followed, when the
+    sizes must agree instead)."""
     if site.kind not in (NormKind.LAYER, NormKind.RMS) or not site.is_module or site.normalized_shape is None:
+        return False
+    if last is False:
         return False
     size = math.prod(site.normalized_shape)
     return size <= features and features % size == 0
@@ -196,19 +241,25 @@ class CosineLayers(Pass[LayerSite, CosinePlan, _Prepared]):
         ]
         if shared:
             return f"its weight is shared with {shared[0]}: a cosine layer of one would change the other"
-        readers: list[NormSite] = []
+        read: list[tuple[NormSite, bool | None]] = []
         if ctx.view is not None:
             calls = ctx.view.call_count(site.path)
             if calls > 1:
                 return f"called at {calls} sites: one scale cannot be fitted to each"
+            if calls == 0 and self.layers is None and ctx.has_inputs:
+                return Refusal(
+                    f"it does not run on the example inputs, so what reads it is unknown: {NOT_A_NORM_READER}",
+                    SkipCause.ARCHITECTURE,
+                )
             if calls == 1:
-                readers, reason = _readers(ctx.view, site.path, state.norm_of)
+                read, reason = _readers(ctx.view, site.path, state.norm_of)
                 if reason is not None and self.layers is None:
                     return Refusal(reason, SkipCause.ARCHITECTURE)
         elif self.layers is None:
             return capture_refusal(ctx, "which layers feed a norm")
         features = module.out_features if isinstance(module, nn.Linear) else module.out_channels
-        invariant = bool(readers) and all(_removes_row_scale(r, features) for r in readers)
+        readers = [r for r, _ in read]
+        invariant = bool(read) and all(_removes_row_scale(r, features, last) for r, last in read)
         return CosinePlan(site, tuple(readers), invariant, state.inputs.of(module))
 
     def apply(self, plan: CosinePlan, ctx: PassContext, state: _Prepared) -> Change:
@@ -222,6 +273,7 @@ class CosineLayers(Pass[LayerSite, CosinePlan, _Prepared]):
             "readers": [r.path for r in plan.readers],
             "scale_invariant_readers": plan.scale_invariant,
         }
+        new.shared_scale = plan.scale_invariant  # what calibration refits: one factor, or one per output
         base = new.weight_norms().detach()
         with torch.no_grad():
             if plan.sample is None:

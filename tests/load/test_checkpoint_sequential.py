@@ -120,7 +120,9 @@ def test_an_existing_output_is_never_written_over(dirs, tmp_path):
     ("extra", "reason"),
     [
         ({"to": "dyt"}, "model.layers.0.input_layernorm: its new norm (DyT) has no recipe"),
-        ({"to": "rmsnorm"}, "--to rmsnorm recenters the residual stream"),
+        ({"to": "rmsnorm"}, "--to rmsnorm and crmsnorm recenter the residual stream"),
+        ({"to": "cosine"}, "--to cosine: the sequential route swaps norms for an architectural kind"),
+        ({"to": "crmsnorm"}, "--calibrate fits swapped norms: give an architectural --to KIND"),
         ({"fold_norm_affine": True}, "--fold-norm-affine is not part of the sequential route"),
         ({"calibration_data": None}, "calibrates swapped norms block by block: give --calibrate DATA"),
     ],

@@ -195,3 +195,62 @@ def test_distill_repairs_a_cosine_model():
     scales = [m.scale for m in distilled.modules() if isinstance(m, CosineConv)]
     originals = [m.scale for m in student.modules() if isinstance(m, CosineConv)]
     assert len(scales) == 20 and any(not torch.equal(a, b) for a, b in zip(scales, originals, strict=True))
+
+
+class _LinearNorm(nn.Module):
+    """Linear -> LayerNorm over its features (``swap``: over the tokens instead, after a transpose)."""
+
+    def __init__(self, swap: bool = False) -> None:
+        super().__init__()
+        self.swap = swap
+        self.fc, self.norm, self.unused = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.norm(h.transpose(1, 2) if self.swap else h)
+
+
+def _norm_output_rel(model: nn.Module, converted: nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        want, got = model(x).float(), converted(x).float()
+    return float((want - got).abs().max() / want.abs().max())
+
+
+def test_calibration_keeps_the_shared_factor_in_half_precision():
+    """A Linear -> LayerNorm is lossless with one factor times the weight norms; calibration must refit
+    that form, also in bf16, where a stored scale no longer shows the form exactly."""
+    torch.manual_seed(0)
+    model = _LinearNorm().to(torch.bfloat16).eval()
+    x = torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    batches = [(torch.randn(2, 16, 16, dtype=torch.bfloat16),) for _ in range(3)]
+    plain = normswap.convert(model, normswap.ConvertConfig(to="cosine", layers="fc"), (x,))
+    calibrated = normswap.convert(
+        model, normswap.ConvertConfig(to="cosine", layers="fc", calibration_data=batches), (x,)
+    )
+    assert plain.model.fc.shared_scale and calibrated.model.fc.shared_scale
+    assert calibrated.calibration.fit.sites[0].note == "shared factor"
+    # bf16's own rounding, not a per-output misfit (measured before the fix: 3.8e-2 after calibration)
+    assert _norm_output_rel(model, calibrated.model, x) < 2e-2
+    assert _norm_output_rel(model, calibrated.model, x) <= 1.5 * _norm_output_rel(model, plain.model, x)
+
+
+def test_a_norm_over_another_dim_gets_the_per_output_fit_and_unrun_layers_are_left():
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 16)
+    _, report = CosineLayers()(_LinearNorm(swap=True).eval(), (x,))
+    change = {c.site: c for c in report.changes}["fc"]
+    assert change.details["fit"] == "per output" and not change.details["scale_invariant_readers"]
+    _, report = CosineLayers()(_LinearNorm().eval(), (x,))
+    assert {c.site: c for c in report.changes}["fc"].details["fit"] == "shared factor"
+    reasons = {s.site: s.reason for s in report.skips}
+    assert reasons["unused"].startswith("it does not run on the example inputs, so what reads it is unknown")
+
+
+def test_half_precision_norms_do_not_overflow():
+    layer = CosineLinear(4096, 8).to(torch.float16)
+    x = torch.randn(2, 4096, dtype=torch.float16) * 5  # sum of squares ~1e5: beyond fp16's 65504
+    reference = CosineLinear(4096, 8)
+    reference.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    got = layer(x)
+    assert got.dtype == torch.float16 and torch.isfinite(layer.input_norms(x)).all()
+    torch.testing.assert_close(got.float(), reference(x.float()), rtol=2e-2, atol=2e-3)

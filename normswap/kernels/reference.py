@@ -26,6 +26,12 @@ CASTING_MODES: tuple[str, ...] = ("none", "llama", "gemma")
 KernelNormKind = Literal["rms", "layer"]
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """The tensor in the precision the statistics are computed in: float32, or float64 for float64 (a
+    float64 model must not be rounded to float32 inside its norms)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _reduce_dims(x: torch.Tensor, normalized_ndim: int) -> tuple[int, ...]:
     return tuple(range(x.ndim - normalized_ndim, x.ndim))
 
@@ -46,9 +52,9 @@ def _apply_affine(
             y = y + bias
         return y
     if weight is not None:
-        y32 = y32 * (weight.float() + weight_offset)
+        y32 = y32 * (_wide(weight) + weight_offset)
     if bias is not None:
-        y32 = y32 + bias.float()
+        y32 = y32 + _wide(bias)
     return y32.to(x_dtype)
 
 
@@ -62,7 +68,7 @@ def rms_norm_reference(
     weight_offset: float = 0.0,
 ) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * (offset + w) + b over the last ``normalized_ndim`` dims."""
-    x32 = x.float()
+    x32 = _wide(x)
     dims = _reduce_dims(x, normalized_ndim)
     rstd = torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + eps)
     return _apply_affine(x32 * rstd, x.dtype, weight, bias, casting, weight_offset)
@@ -78,7 +84,7 @@ def layer_norm_reference(
     weight_offset: float = 0.0,
 ) -> torch.Tensor:
     """y = (x - mean(x)) / sqrt(var(x) + eps) * (offset + w) + b, biased variance, last dims."""
-    x32 = x.float()
+    x32 = _wide(x)
     dims = _reduce_dims(x, normalized_ndim)
     mean = x32.mean(dim=dims, keepdim=True)
     centered = x32 - mean

@@ -96,7 +96,9 @@ def _centered(
     tensor: torch.Tensor, dim: int, scale: torch.Tensor | None, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One slice of :func:`center_along`, into ``out`` (or a new tensor of ``tensor``'s dtype)."""
-    t = tensor.double()
+    # a copy even when the tensor is float64 already (.double() would return it, and the in-place ops
+    # below would center the caller's tensor: a tied weight's other reader, a float64 model)
+    t = tensor.to(torch.float64, copy=True)
     if scale is not None:
         shape = [1] * t.ndim
         shape[dim] = -1

@@ -82,7 +82,10 @@ SWAP_TARGETS: dict[str, str] = {
 FUSED = "fused"
 # Pre-CRMSNorm: LayerNorm -> RMSNorm on a residual stream one dimension narrower (exact only).
 CRMSNORM = "crmsnorm"
-CONVERT_TARGETS: tuple[str, ...] = (*SWAP_TARGETS, FUSED, CRMSNORM)
+# ``--to cosine``: Linear/Conv layers become cosine-normalized (normswap.passes.CosineLayers); no norm is
+# swapped, the layers before norms change.
+COSINE = "cosine"
+CONVERT_TARGETS: tuple[str, ...] = (*SWAP_TARGETS, FUSED, CRMSNORM, COSINE)
 
 
 def parse_target(text: str) -> str:
@@ -100,10 +103,6 @@ def parse_target(text: str) -> str:
     raise ValueError(f"unknown norm target {text!r}; choose from {', '.join(CONVERT_TARGETS)}")
 
 
-# ``--to cosine``: Linear/Conv layers become cosine-normalized ones (normswap.passes.CosineLayers); no
-# norm is swapped. parse_target reads CONVERT_TARGETS when called, so it knows this one too.
-COSINE = "cosine"
-CONVERT_TARGETS = (*CONVERT_TARGETS, COSINE)
 
 
 @dataclass(frozen=True)

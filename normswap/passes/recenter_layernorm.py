@@ -107,7 +107,7 @@ def _centered(
     return t.to(tensor.dtype) if out is None else out.copy_(t)
 
 
-def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
@@ -179,7 +179,7 @@ def _mean_blind_nodes(ctx: PassContext) -> set[fx.Node]:
     return nodes
 
 
-def tensor_holders(named: list[tuple[str, torch.Tensor]], name: str) -> tuple[torch.Tensor, list[str]]:
+def _holders(named: list[tuple[str, torch.Tensor]], name: str) -> tuple[torch.Tensor, list[str]]:
     """The tensor called ``name`` in ``named`` (a model's named tensors) and every name it has there."""
     tensor = dict(named)[name]
     return tensor, [n for n, t in named if t is tensor]
@@ -187,13 +187,13 @@ def tensor_holders(named: list[tuple[str, torch.Tensor]], name: str) -> tuple[to
 
 def _untie_problem(model: nn.Module, stream: Stream) -> str | None:
     """Why a centered parameter that other modules also read cannot be given its own copy, if so."""
-    named = named_tensors(model)
+    named = _named_tensors(model)
     names = dict(named)
     for param in stream.params:
         if param.name not in names:
             return f"parameter {param.name} of the graph is not found in the model"
     for name, readers in stream.shared.items():
-        _, holders = tensor_holders(named, name)
+        _, holders = _holders(named, name)
         others = [h for h in holders if under_any(h, readers - {""})]
         where = ", ".join(sorted(r or "<root>" for r in readers))
         if "" in readers or not others or len(others) == len(holders):
@@ -205,18 +205,18 @@ def _untie_problem(model: nn.Module, stream: Stream) -> str | None:
     return None
 
 
-def apply_centering(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
+def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
     """Center the stream's writers in ``model``; returns what was changed, for the report."""
     centered, untied = [], []
     # read once: untying only re-points names whose parameter is then done, so the rest stay valid
-    named = named_tensors(model)
+    named = _named_tensors(model)
     by_name: dict[str, CenteredParam] = {p.name: p for p in stream.params}
     for name, param in by_name.items():
         if name in done:
             continue
         done.add(name)
-        tensor, holders = tensor_holders(named, name)
-        scale = tensor_holders(named, param.scale)[0] if param.scale else None
+        tensor, holders = _holders(named, name)
+        scale = _holders(named, param.scale)[0] if param.scale else None
         others = [h for h in holders if under_any(h, stream.shared.get(name, set()) - {""})]
         if not others:
             # in place: a large writer (an embedding) is not held twice
@@ -236,7 +236,7 @@ def apply_centering(model: nn.Module, stream: Stream, done: set[str]) -> dict[st
         centered.append(f"{name} (dim {param.dim}, via {param.via})")
     for name in stream.folded_scales:
         with torch.no_grad():
-            tensor_holders(named, name)[0].fill_(1.0)
+            _holders(named, name)[0].fill_(1.0)
     if stream.folded_scales:
         centered += [f"{name} (folded into the layer before it, now ones)" for name in stream.folded_scales]
     config = getattr(model, "config", None)
@@ -303,7 +303,7 @@ class RecenterLayerNorm(Pass[NormSite, RecenterPlan, StreamPlan | None]):
         for i in plan.streams:
             if i not in streams.applied:
                 streams.applied.add(i)
-                done = apply_centering(ctx.model, streams.streams[i], streams.centered)
+                done = _apply(ctx.model, streams.streams[i], streams.centered)
                 details["centered"] += done["centered"]
                 details["untied"] += done["untied"]
         old = site.module

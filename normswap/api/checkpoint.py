@@ -17,7 +17,6 @@ input directory are copied (not other weight formats or folders).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 from collections import deque
@@ -45,7 +44,7 @@ from normswap.load.checkpoint_dir import (
 )
 from normswap.load.checkpoint_write import copy_side_files
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
-from normswap.load.save import reserve_temp_dir
+from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.base import PassReport
 from normswap.passes.tensor_edits import EditPlan, TensorEdit, plan_edits
 from normswap.passes.tensor_edits_weight_norm import WeightNormValueError
@@ -359,11 +358,7 @@ def convert_checkpoint(
             say("verifying block by block against the original")
             verification = verify_blocks(checkpoint, written, model, to, say)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
-        if output.exists() or output.is_symlink():
-            raise BadInputError(
-                f"-o {output} appeared while it was written; normswap never writes over a path"
-            )
-        os.rename(temp, output)
+        publish_directory(temp, output)
     except OSError as exc:
         shutil.rmtree(temp, ignore_errors=True)
         raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None

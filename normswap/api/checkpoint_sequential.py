@@ -15,7 +15,6 @@ temporary sibling and renamed once complete; an existing path is never written o
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from normswap.load.checkpoint_dir import (
 )
 from normswap.load.checkpoint_write import copy_side_files
 from normswap.load.safetensors_io import NAMES, ShardWriter
-from normswap.load.save import reserve_temp_dir
+from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.base import Change, PassReport, Refusal, Skip, build_context
 from normswap.passes.tensor_edits import EditPlan
 
@@ -380,11 +379,7 @@ def convert_checkpoint_sequential(
         say("checking the written directory")
         _check_written(read_checkpoint_directory(temp))
         copied_files, not_copied = copy_side_files(checkpoint, temp)
-        if output.exists() or output.is_symlink():
-            raise BadInputError(
-                f"-o {output} appeared while it was written; normswap never writes over a path"
-            )
-        os.rename(temp, output)
+        publish_directory(temp, output)
     except OSError as exc:
         for writer in writers.values():
             writer.abandon()

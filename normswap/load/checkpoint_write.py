@@ -24,7 +24,6 @@ with the module that has none: save it as .pt2.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -271,7 +270,7 @@ def write_checkpoint_directory(
     (tokenizer, README, ...) are copied. ``verify``: called with the complete temporary directory before
     it takes its name; it loads it back and compares it with ``model``, returning the max relative
     difference, or raises, and then nothing is kept."""
-    from normswap.load.save import reserve_temp_dir
+    from normswap.load.save import publish_directory, reserve_temp_dir
 
     path = Path(path)
     check_directory_output(model, path)
@@ -303,9 +302,7 @@ def write_checkpoint_directory(
         reload_error = verify(temp) if verify is not None else None
         copied, not_copied = copy_side_files(source, temp)
         shards = sorted(p.name for p in temp.glob("*.safetensors"))
-        if path.exists() or path.is_symlink():
-            raise BadInputError(f"-o {path} appeared while it was written; normswap never writes over a path")
-        os.rename(temp, path)
+        publish_directory(temp, path)
     except OSError as exc:
         shutil.rmtree(temp, ignore_errors=True)
         raise BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}") from None

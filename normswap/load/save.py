@@ -121,6 +121,14 @@ def _reserve_temp_path(path: Path) -> Path:
     raise BadInputError(f"cannot create a temporary file next to {path}")
 
 
+def publish_directory(temp: Path, path: Path) -> None:
+    """Give the complete directory built in ``temp`` (from :func:`reserve_temp_dir`) its name ``path``;
+    refused if something took that name meanwhile: normswap never writes over a path."""
+    if path.exists() or path.is_symlink():
+        raise BadInputError(f"-o {path} appeared while it was written; normswap never writes over a path")
+    os.rename(temp, path)
+
+
 def reserve_temp_dir(path: Path) -> Path:
     """A new hidden folder beside ``path`` (``.NAME.normswap-tmp-HOST-PID-TOKEN``) to build a model
     directory in before it is renamed to ``path``; folders a killed earlier run on this host left for the

@@ -103,8 +103,6 @@ def parse_target(text: str) -> str:
     raise ValueError(f"unknown norm target {text!r}; choose from {', '.join(CONVERT_TARGETS)}")
 
 
-
-
 @dataclass(frozen=True)
 class NormSemantics:
     """What one norm computes, as it computes it. Frozen: discovery states it once and passes read it.

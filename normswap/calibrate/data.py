@@ -14,8 +14,10 @@
 
 A batch reaches the model as positional args (a tensor, a tuple/list) or kwargs (a dict). When the model's
 example inputs are known and a batch carries more positional items than the model takes, the extra ones
-(a DataLoader's labels) are dropped, and a note says so. Batches are streamed: a folder of a million images
-is never held in memory at once.
+(a DataLoader's labels) are dropped, and a note says so; when they are keywords with exactly one tensor (an
+HF model's ``input_ids``, which its .pt2 takes by name only), a positional tensor is fed by that name with
+the example's other settings. Batches are streamed: a folder of a million images is never held in memory
+at once.
 
 Every problem with the data (no files, a file that is not an image, a batch whose layout differs from the
 others or from the model's example input) is one :class:`~normswap.errors.BadInputError` naming the batch
@@ -152,8 +154,10 @@ class CalibrationData:
 
     def _fit_to_model(self, inputs: ModelInputs, index: int) -> ModelInputs:
         example = self._example
-        if example is None or example.kwargs or inputs.kwargs:
+        if example is None or inputs.kwargs:
             return inputs
+        if example.kwargs:
+            return self._as_keyword(inputs, example, index)
         wanted = len(example.args)
         if wanted and len(inputs.args) > wanted:
             if index == 0:
@@ -164,6 +168,28 @@ class CalibrationData:
                 )
             return ModelInputs(inputs.args[:wanted])
         return inputs
+
+    def _as_keyword(self, inputs: ModelInputs, example: ModelInputs, index: int) -> ModelInputs:
+        """A positional batch for a model whose example inputs are keywords (an HF model, its .pt2: a .pt2
+        exported with ``input_ids=`` takes it by name only): fed as that keyword when the example has
+        exactly one tensor, the example's settings (``use_cache=False``) kept."""
+        tensors = [k for k, v in example.kwargs.items() if isinstance(v, torch.Tensor)]
+        if (
+            example.args
+            or len(tensors) != 1
+            or not inputs.args
+            or not isinstance(inputs.args[0], torch.Tensor)
+        ):
+            return inputs
+        if index == 0:
+            extra = (
+                f" (the other {len(inputs.args) - 1} item(s), e.g. labels, are ignored)"
+                if len(inputs.args) > 1
+                else ""
+            )
+            self.notes.append(f"batches are fed as {tensors[0]}=, the model's one tensor input{extra}")
+        settings = {k: v for k, v in example.kwargs.items() if k != tensors[0]}
+        return ModelInputs((), {tensors[0]: inputs.args[0], **settings})
 
     def _check_against_example(self, inputs: ModelInputs) -> None:
         example = self._example

@@ -244,24 +244,48 @@ def _free_dim(tensor: torch.Tensor, dim: int) -> Any:
     return torch.export.Dim.STATIC
 
 
+def _unit_dims_grown(value: Any) -> Any:
+    """``value`` with every free dim of size 1 (:func:`_free_dim`) repeated to size 2: torch.export
+    specializes a size-1 dim to 1 (HF directories' example inputs are 1 x 16 token ids), so a program
+    exported from them would take batches of one only."""
+    if isinstance(value, torch.Tensor):
+        repeats = [
+            2 if size == 1 and _free_dim(value, i) is torch.export.Dim.AUTO else 1
+            for i, size in enumerate(value.shape)
+        ]
+        return value.repeat(*repeats) if any(r > 1 for r in repeats) else value
+    if isinstance(value, list | tuple):
+        return type(value)(_unit_dims_grown(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _unit_dims_grown(v) for k, v in value.items()}
+    return value
+
+
 def export_program(
     model: nn.Module,
     example_args: tuple | None,
     example_kwargs: dict[str, Any] | None,
     *,
     friendly: bool = True,
+    grow_unit_dims: bool = False,
 ) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with the batch dim and the sequence dims of integer inputs dynamic where
     the model leaves them free (``Dim.AUTO``: export keeps a dim static where the code fixes it, see
     :func:`_free_dim`); a fully static export when that fails. Captured under :func:`capture_friendly`
     unless ``friendly`` is False: the program of a Hugging Face model built with a default config then
-    returns no cache."""
+    returns no cache. ``grow_unit_dims`` (a program to save): the dynamic export traces inputs whose
+    free dims of size 1 are repeated to 2, so those dims stay dynamic (:func:`_unit_dims_grown`)."""
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
     settings = capture_friendly(model, args, kwargs) if friendly else contextlib.nullcontext()
     with settings, _quiet_export():
         try:
-            dynamic = input_dims(model, args, kwargs, _free_dim)
-            return torch.export.export(model, args, kwargs=kwargs, dynamic_shapes=dynamic, strict=False)
+            traced_args, traced_kwargs = (
+                (_unit_dims_grown(args), _unit_dims_grown(kwargs)) if grow_unit_dims else (args, kwargs)
+            )
+            dynamic = input_dims(model, traced_args, traced_kwargs, _free_dim)
+            return torch.export.export(
+                model, traced_args, kwargs=traced_kwargs, dynamic_shapes=dynamic, strict=False
+            )
         except Exception:  # data-dependent shapes and the like: the static program still serves
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
 

@@ -182,7 +182,7 @@ def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | Non
     from normswap.graph.capture import export_program
 
     try:
-        ep = export_program(model, example_args, example_kwargs)
+        ep = export_program(model, example_args, example_kwargs, grow_unit_dims=True)
     except Exception as exc:
         raise BadInputError(
             f"torch.export could not trace the model for .pt2 output ({describe(exc)}); save as .pt instead"

@@ -232,3 +232,20 @@ def test_options_for_another_source_are_dropped_where_they_do_not_apply(tmp_path
     assert [b.args[0].shape for b in _read(data)] == [(3, 2), (3, 2)]
     with pytest.raises(BadInputError, match="--normalize 'cifar'"):
         load_calibration_data(tmp_path / "batches.pt", normalize="cifar", ignore_inapplicable=True)
+
+
+def test_a_tensor_is_fed_by_name_to_a_model_that_takes_one_keyword_tensor(tmp_path):
+    """HF models and their .pt2 (exported with input_ids=, which takes it by name only)."""
+    path = tmp_path / "ids.pt"
+    torch.save(torch.arange(30).view(6, 5), path)
+    example = {"input_ids": torch.zeros(1, 5, dtype=torch.long), "use_cache": False}
+    data = load_calibration_data(path, batch_size=4, example_kwargs=example)
+    batches = _read(data)
+    assert [sorted(b.kwargs) for b in batches] == [["input_ids", "use_cache"]] * 2 and not batches[0].args
+    assert torch.equal(batches[1].kwargs["input_ids"], torch.arange(20, 30).view(2, 5))
+    assert batches[0].kwargs["use_cache"] is False
+    assert data.notes == ["batches are fed as input_ids=, the model's one tensor input"]
+    # two keyword tensors: which one a positional tensor is cannot be told, so it stays positional
+    both = {"input_ids": torch.zeros(1, 5, dtype=torch.long), "attention_mask": torch.ones(1, 5)}
+    (first, _) = _read(load_calibration_data(path, batch_size=4, example_kwargs=both))
+    assert first.args and not first.kwargs

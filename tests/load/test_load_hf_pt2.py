@@ -57,3 +57,23 @@ def test_fused_llama_pt2_loads_back_into_fused_modules(tmp_path):
         got = loaded.model(*args, **kwargs)
     got = got["logits"] if isinstance(got, dict) else got.logits
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_a_pt2_saved_from_batch_one_examples_takes_other_batch_sizes(tmp_path):
+    """Model directories' example inputs are 1 x 16 token ids; torch.export specializes a size-1 dim, so
+    the saved program is traced on a batch of two: it must take any batch and length."""
+    from normswap.load import load_model, save_model
+
+    model, _, _ = model_zoo.gpt2()
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "g.pt2"
+    save_model(model, path, (), {"input_ids": ids, "use_cache": False})
+    loaded = load_model(path).model
+    for shape in ((1, 16), (3, 16), (3, 7)):
+        x = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want, got = (
+                model(input_ids=x, use_cache=False).logits,
+                loaded(input_ids=x, use_cache=False).logits,
+            )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -139,3 +139,22 @@ def test_a_killed_worker_fails_the_command_and_nothing_is_half_written(llama_dyt
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     named = [p for p in checkpoints.iterdir() if not p.name.startswith(".")]
     assert named and all((p / "run.json").is_file() and (p / ".metadata").is_file() for p in named)
+
+
+def test_a_pt2_student_is_sharded_at_its_root_and_computes_the_same(llama_dyt, tmp_path):
+    """convert's .pt2 output is a graph with no list of blocks: one FSDP2 unit, the same losses."""
+    original, _, data = llama_dyt
+    student = tmp_path / "student.pt2"
+    result = runner.invoke(app, ["convert", str(original), "--to", "dyt", "-o", str(student)])
+    assert result.exit_code == 0, result.output
+    run = ("distill", str(original), str(student), "--data", str(data), "--batch-size", "5", "--lr", "1e-3")
+    one = tmp_path / "one.json"
+    result = runner.invoke(app, [*run, "--steps", "3", "-o", str(tmp_path / "one.pt2"), "--report", str(one)])
+    assert result.exit_code == 0, result.output
+    two = tmp_path / "two.json"
+    _finish(_torchrun(*run, "--steps", "3", "-o", str(tmp_path / "two.pt2"), "--report", str(two)))
+    one_report, two_report = json.loads(one.read_text()), json.loads(two.read_text())
+    assert two_report["placement"].startswith("student: the root only (no list of blocks)")
+    for a, b in zip(one_report["losses"], two_report["losses"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(a)
+    assert (tmp_path / "two.pt2").is_file()

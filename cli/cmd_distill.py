@@ -7,6 +7,8 @@ writes the report and writes the result (see :mod:`normswap.calibrate.parallel`)
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -123,9 +125,11 @@ def distill(
     """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o (a .dcp
     output is a sharded torch.distributed.checkpoint folder). Runs data-parallel under torchrun."""
     from normswap.calibrate.distill import check_options
-    from normswap.calibrate.distill_checkpoint import CheckpointPlan
-    from normswap.calibrate.parallel import DataParallel, launched_by_torchrun
-    from normswap.errors import BadInputError
+    from normswap.calibrate.distill import distill as distill_model
+    from normswap.calibrate.distill_checkpoint import CheckpointPlan, save_sharded
+    from normswap.calibrate.parallel import full_state_dict
+    from normswap.errors import BadInputError, CheckFailedError
+    from normswap.load import resolve_inputs
 
     check_paths(
         {
@@ -152,129 +156,101 @@ def distill(
     plan = CheckpointPlan(checkpoint_dir, checkpoint_every, resume) if checkpoint_dir is not None else None
     if plan is not None:
         plan.check()  # before minutes of loading: another run's checkpoints, no rhythm
+    with _processes() as parallel:
+        if parallel is None and shard_teacher is not None:
+            raise BadInputError("--shard-teacher applies under torchrun (several processes)")
+        quiet = report is not None or (parallel is not None and not parallel.is_main)
+        main = parallel is None or parallel.is_main
+        teacher = load(original, weights, trust_pickle)
+        student = load(converted, converted_weights, trust_pickle)
+        resolved = resolve_inputs(teacher, inputs_file=inputs, input_shapes=input_shape) or resolve_inputs(
+            student
+        )
+        args, kwargs = resolved if resolved is not None else (None, None)
+        if resolved is not None:
+            # before training: minutes of training must not end in a refusal
+            check_inputs_fit(teacher.model, args, kwargs, what="ORIGINAL")
+            check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
+        if main and not sharded_output:
+            check_output_before_work(student.model, output, args, kwargs, quiet=quiet)
+        batches, held_out = data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
+        with render.progress(disable=quiet) as progress:
+            task = progress.add_task("distilling", total=steps)
+            distilled, result = distill_model(
+                teacher.model,
+                student.model,
+                batches,
+                steps=steps,
+                lr=lr,
+                loss=loss,
+                temperature=temperature if temperature is not None else 1.0,
+                train=train,
+                holdout=held_out,
+                inplace=True,
+                on_step=lambda done, _total, value: progress.update(
+                    task, completed=done, description=f"distilling (loss {value:.4g})"
+                ),
+                example_args=args,
+                example_kwargs=kwargs,
+                parallel=parallel,
+                shard_teacher=shard_teacher,
+                checkpoints=plan,
+            )
+        notes = batches.notes + result.notes
+        render.out.print(batches.description, soft_wrap=True)
+        render.print_distillation(result, notes)
+
+        written = False
+        if result.ok:
+            if sharded_output:
+                save_sharded(output, distilled, parallel)
+                render.out.print(f"wrote {output} (sharded, torch.distributed.checkpoint)", soft_wrap=True)
+            else:
+                if parallel is not None:
+                    # Gathered to process 0, which writes it into a whole copy of CONVERTED as loaded.
+                    state = full_state_dict(distilled, parallel)
+                    del teacher, distilled
+                    if main:
+                        whole = load(converted, converted_weights, trust_pickle).model
+                        whole.load_state_dict(state)
+                        distilled = whole
+                if main:
+                    save_trained(distilled, output, args, kwargs, batches, resolved is not None, converted)
+            written = True
+        if report is not None and main:
+            write_json(
+                report,
+                {
+                    "original": original,
+                    "converted": converted,
+                    "data": data,
+                    "data_description": batches.description,
+                    "output": str(output),
+                    "written": written,
+                    **result.to_dict(),
+                    "notes": notes,
+                },
+            )
+        if not result.ok:
+            raise CheckFailedError(
+                "distillation produced non-finite values (loss or held-out outputs); nothing written"
+            )
+
+
+@contextlib.contextmanager
+def _processes() -> Iterator[Any]:
+    """This process's place in a torchrun job (None when run alone); non-zero ranks print nothing to
+    stdout, and the process group is left on the way out, also on error."""
+    from normswap.calibrate.parallel import DataParallel, launched_by_torchrun
+
     parallel = DataParallel.from_environment() if launched_by_torchrun() else None
-    if parallel is None and shard_teacher is not None:
-        raise BadInputError("--shard-teacher applies under torchrun (several processes)")
-    quiet = report is not None or (parallel is not None and not parallel.is_main)
     if parallel is not None and not parallel.is_main:
         render.out.quiet = True
     try:
-        _distill(
-            original, converted, data, steps, output, lr, loss, temperature, train, holdout, batch_size,
-            normalize, weights, converted_weights, trust_pickle, inputs, input_shape, report,
-            plan, parallel, shard_teacher, quiet,
-        )  # fmt: skip
+        yield parallel
     finally:
         if parallel is not None:
             parallel.close()
 
 
 SHARDED_SUFFIX = ".dcp"
-
-
-def _distill(
-    original: str,
-    converted: str,
-    data: str,
-    steps: int,
-    output: Path,
-    lr: float,
-    loss: str,
-    temperature: float | None,
-    train: str,
-    holdout: str | None,
-    batch_size: int | None,
-    normalize: str | None,
-    weights: Path | None,
-    converted_weights: Path | None,
-    trust_pickle: bool,
-    inputs: Path | None,
-    input_shape: list[str] | None,
-    report: Path | None,
-    plan: Any,
-    parallel: Any,
-    shard_teacher: bool | None,
-    quiet: bool,
-) -> None:
-    from normswap.calibrate.distill import distill as distill_model
-    from normswap.calibrate.distill_checkpoint import save_sharded
-    from normswap.calibrate.parallel import full_state_dict
-    from normswap.errors import CheckFailedError
-    from normswap.load import resolve_inputs
-
-    main = parallel is None or parallel.is_main
-    sharded_output = output.suffix == SHARDED_SUFFIX
-    teacher = load(original, weights, trust_pickle)
-    student = load(converted, converted_weights, trust_pickle)
-    resolved = resolve_inputs(teacher, inputs_file=inputs, input_shapes=input_shape) or resolve_inputs(
-        student
-    )
-    args, kwargs = resolved if resolved is not None else (None, None)
-    if resolved is not None:
-        # before training: minutes of training must not end in a refusal
-        check_inputs_fit(teacher.model, args, kwargs, what="ORIGINAL")
-        check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
-    if main and not sharded_output:
-        check_output_before_work(student.model, output, args, kwargs, quiet=quiet)
-    batches, held_out = data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
-    with render.progress(disable=quiet) as progress:
-        task = progress.add_task("distilling", total=steps)
-        distilled, result = distill_model(
-            teacher.model,
-            student.model,
-            batches,
-            steps=steps,
-            lr=lr,
-            loss=loss,
-            temperature=temperature if temperature is not None else 1.0,
-            train=train,
-            holdout=held_out,
-            inplace=True,
-            on_step=lambda done, _total, value: progress.update(
-                task, completed=done, description=f"distilling (loss {value:.4g})"
-            ),
-            example_args=args,
-            example_kwargs=kwargs,
-            parallel=parallel,
-            shard_teacher=shard_teacher,
-            checkpoints=plan,
-        )
-    notes = batches.notes + result.notes
-    render.out.print(batches.description, soft_wrap=True)
-    render.print_distillation(result, notes)
-
-    written = False
-    if result.ok:
-        if sharded_output:
-            save_sharded(output, distilled, parallel)
-            render.out.print(f"wrote {output} (sharded, torch.distributed.checkpoint)", soft_wrap=True)
-        else:
-            if parallel is not None:
-                # Gathered to process 0, which writes it into a whole copy of CONVERTED as loaded.
-                state = full_state_dict(distilled, parallel)
-                del teacher, distilled
-                if main:
-                    whole = load(converted, converted_weights, trust_pickle).model
-                    whole.load_state_dict(state)
-                    distilled = whole
-            if main:
-                save_trained(distilled, output, args, kwargs, batches, resolved is not None, converted)
-        written = True
-    if report is not None and main:
-        write_json(
-            report,
-            {
-                "original": original,
-                "converted": converted,
-                "data": data,
-                "data_description": batches.description,
-                "output": str(output),
-                "written": written,
-                **result.to_dict(),
-                "notes": notes,
-            },
-        )
-    if not result.ok:
-        raise CheckFailedError(
-            "distillation produced non-finite values (loss or held-out outputs); nothing written"
-        )

@@ -44,6 +44,10 @@ MODELS = {
     "hf-phi": lambda: _hf("phi"),
     "hf-vit": _hf_vit,
     "torchvision-vit": lambda: model_zoo.small_vit(),  # reshape(n, self.hidden_dim, -1) in its forward
+    "timm-vit-layerscale": lambda: model_zoo.timm_vit(init_values=0.1),  # scales folded, then narrowed
+    "timm-vit-registers": lambda: model_zoo.timm_vit(
+        class_token=False, global_pool="avg", fc_norm=True, reg_tokens=2
+    ),
 }
 
 

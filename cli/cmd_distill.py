@@ -161,7 +161,7 @@ def distill(
             raise BadInputError("--shard-teacher applies under torchrun (several processes)")
         quiet = report is not None or (parallel is not None and not parallel.is_main)
         main = parallel is None or parallel.is_main
-        teacher = load(original, weights, trust_pickle)
+        teacher, teacher_placement = _load_teacher(original, weights, trust_pickle, parallel, shard_teacher)
         student = load(converted, converted_weights, trust_pickle)
         resolved = resolve_inputs(teacher, inputs_file=inputs, input_shapes=input_shape) or resolve_inputs(
             student
@@ -195,6 +195,7 @@ def distill(
                 parallel=parallel,
                 shard_teacher=shard_teacher,
                 checkpoints=plan,
+                teacher_placement=teacher_placement,
             )
         notes = batches.notes + result.notes
         render.out.print(batches.description, soft_wrap=True)
@@ -254,3 +255,32 @@ def _processes() -> Iterator[Any]:
 
 
 SHARDED_SUFFIX = ".dcp"
+
+
+def _load_teacher(
+    original: str, weights: Path | None, trust_pickle: bool, parallel: Any, shard_teacher: bool | None
+) -> tuple[Any, str | None]:
+    """ORIGINAL, and how it was placed when that was done while loading: under torchrun a model directory
+    to be sharded (asked, or larger than TEACHER_SHARD_BYTES) is read straight into its shards, so no
+    process holds it whole."""
+    import dataclasses
+
+    from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
+    from normswap.load.checkpoint_dir import (
+        example_inputs,
+        is_checkpoint_directory,
+        read_checkpoint_directory,
+    )
+
+    if parallel is None or not Path(original).is_dir() or not is_checkpoint_directory(original):
+        return load(original, weights, trust_pickle), None
+    if shard_teacher is None:
+        shard_teacher = read_checkpoint_directory(original).total_bytes > TEACHER_SHARD_BYTES
+    if not shard_teacher:
+        return load(original, weights, trust_pickle), None
+    from normswap.calibrate.parallel_load import load_directory_sharded
+
+    structure = load(original, weights, trust_pickle, structure_only=True)
+    placement = load_directory_sharded(structure.model, structure.checkpoint, parallel, trained=False)
+    args, kwargs = example_inputs(structure.model, structure.checkpoint.config, device=parallel.device)
+    return dataclasses.replace(structure, example_args=args, example_kwargs=kwargs), placement

@@ -227,6 +227,7 @@ def distill(
     parallel: DataParallel | None = None,
     shard_teacher: bool | None = None,
     checkpoints: CheckpointPlan | None = None,
+    teacher_placement: str | None = None,
 ) -> tuple[nn.Module, DistillReport]:
     """Fine-tune ``student`` for ``steps`` AdamW steps so its outputs match ``teacher``'s (module doc).
 
@@ -241,6 +242,7 @@ def distill(
     the teacher when ``shard_teacher`` (default: when it is larger than ``TEACHER_SHARD_BYTES``); both are
     changed in place, and the returned student is sharded (``parallel.full_state_dict`` gathers it).
     ``checkpoints`` saves every ``every`` steps and, with ``resume``, continues from the newest checkpoint.
+    ``teacher_placement``: the teacher is placed already (sharded while it was loaded, as this says).
 
     Raises BadInputError on bad options, when there are no training batches, when the two models'
     outputs differ in structure or shape, or when no parameter is selected for training.
@@ -332,9 +334,8 @@ def distill(
             report.processes = parallel.world_size
             if shard_teacher is None:
                 shard_teacher = parameter_bytes(teacher) > TEACHER_SHARD_BYTES
-            report.placement = (
-                f"student: {parallel.shard(target)}; teacher: {parallel.place(teacher, shard_teacher)}"
-            )
+            placed = teacher_placement or parallel.place(teacher, shard_teacher)
+            report.placement = f"student: {parallel.shard(target)}; teacher: {placed}"
             params = [p for name, p in target.named_parameters() if name in trained_names]
             report.notes.append(
                 f"{parallel.world_size} processes, each batch split over them; {report.placement}"

@@ -90,7 +90,9 @@ def model_fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            values = p.detach().double()
+            # a sharded weight is gathered first (one at a time): sums of shards round otherwise
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            values = whole.detach().double()
             sums = f"{values.sum().item()!r}|{values.square().sum().item()!r}"
             digest.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{sums}".encode())
     return digest.hexdigest()

@@ -152,7 +152,8 @@ class DataParallel:
         # A list in the model's order: every process must all-reduce the same parameter at the same time.
         scalars = [p for p in model.parameters() if p.ndim == 0]
         for p in scalars:
-            p.data = p.data.to(self.device)
+            if not p.is_meta:  # a model built on the meta device gets its memory later (to_empty)
+                p.data = p.data.to(self.device)
         if trained:
             self.replicated.extend(p for p in scalars if p.requires_grad)
         if count:

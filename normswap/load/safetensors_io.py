@@ -142,6 +142,18 @@ def fill_tensor(path: str | Path, name: str, entry: TensorEntry, target: torch.T
         return target.copy_(read_tensor(path, entry))
 
 
+def read_rows(path: str | Path, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of dim 0 of one stored tensor, read from their byte range only (a process's
+    shard of a weight: nothing else of the tensor is read)."""
+    if not 0 <= start <= stop <= (entry.shape[0] if entry.shape else 0):
+        raise ValueError(f"rows {start}:{stop} of a tensor of shape {list(entry.shape)}")
+    row = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+    part = TensorEntry(
+        entry.dtype, (stop - start, *entry.shape[1:]), entry.start + start * row, entry.start + stop * row
+    )
+    return read_tensor(path, part)
+
+
 class ShardWriter:
     """A safetensors file laid out in advance: ``layout`` lists (name, dtype name, shape) in file order.
 

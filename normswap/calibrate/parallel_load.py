@@ -1,0 +1,115 @@
+"""A model directory loaded straight into FSDP2 shards: no process ever holds the whole model.
+
+Why: under torchrun every process would otherwise load the teacher whole and shard it afterwards, so
+each process's peak memory is the whole model however many processes share it. Here the model is built
+from its config on the meta device (no memory), sharded there (``fully_shard`` per block, then the
+root), given memory for its shards only (``to_empty``), and each process reads from the safetensors
+files exactly the rows of each weight that its shard holds (FSDP2 shards dim 0, ``torch.chunk``-wise).
+
+Buffers that the model computes when it is built and does not store (rotary frequencies) come from a
+second build of the model on the CPU whose weights are allocated but never initialized nor read, so
+their memory is never touched; everything stored comes from the files. As when a directory is loaded
+whole, the files must cover the model exactly: a missing, unexpected or wrongly shaped tensor is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from normswap.calibrate.parallel import DataParallel
+from normswap.errors import BadInputError
+
+
+def _computed_buffers(checkpoint: Any) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers (computed when the model is built, never stored), by name."""
+    from normswap.load.checkpoint_dir import build_to_load, replace_recorded
+
+    model = build_to_load(checkpoint)
+    if checkpoint.replaced_modules:
+        replace_recorded(model, checkpoint, device="cpu")
+    found = {}
+    for path, module in model.named_modules():
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None:
+                found[f"{path}.{name}" if path else name] = buffer.detach().clone()
+    return found
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """The state-dict names of each distinct tensor (a tied weight has several)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return list(groups.values())
+
+
+def _check_covered(model: nn.Module, checkpoint: Any, stored: set[str], computed: set[str]) -> None:
+    # state_dict holds persistent tensors only: each must be stored (under one of its tied names)
+    groups = _tied_groups(model)
+    missing = [g[0] for g in groups if not any(n in stored or n in computed for n in g)]
+    names = {n for g in groups for n in g}
+    unexpected = sorted(stored - names)
+    if missing or unexpected:
+        raise BadInputError(
+            f"{checkpoint.path}: the weights do not match the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
+def _fill(
+    target: torch.Tensor, name: str, checkpoint: Any, entries: dict[str, Any], device: torch.device
+) -> None:
+    """This process's part of one stored tensor, read into ``target`` (a DTensor's shard, or whole)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from normswap.load.safetensors_io import read_rows, read_tensor
+
+    path, entry = checkpoint.path / checkpoint.weight_map[name], entries[name]
+    if tuple(target.shape) != entry.shape:
+        raise BadInputError(f"{path}: {name} has shape {list(entry.shape)}, the model {list(target.shape)}")
+    with torch.no_grad():
+        if isinstance(target, DTensor):
+            local = target.to_local()
+            shape, offset = compute_local_shape_and_global_offset(
+                target.shape, target.device_mesh, target.placements
+            )
+            if local.numel():
+                rows = (
+                    read_rows(path, entry, offset[0], offset[0] + shape[0])
+                    if entry.shape
+                    else read_tensor(path, entry)
+                )
+                local.copy_(rows.reshape(local.shape).to(device))
+        else:
+            target.copy_(read_tensor(path, entry).to(device))
+
+
+def load_directory_sharded(model: nn.Module, checkpoint: Any, parallel: DataParallel, trained: bool) -> str:
+    """Shard ``model`` (the directory's model built on the meta device, recorded modules in place) and
+    fill each process's shards from the directory's files; returns what was sharded, for the report."""
+    from normswap.load.checkpoint_dir import quiet_transformers
+    from normswap.load.safetensors_io import read_header
+
+    if hasattr(model, "tie_weights"):
+        with quiet_transformers():
+            model.tie_weights()  # as the whole-model build does: a tied head is the embedding, stored once
+    stored = set(checkpoint.weight_map)
+    computed = _computed_buffers(checkpoint)
+    _check_covered(model, checkpoint, stored, set(computed))
+    placement = parallel.shard(model, trained=trained)
+    model.to_empty(device=parallel.device)
+    targets = model.state_dict(keep_vars=True)
+    for shard in checkpoint.shards:
+        entries, _ = read_header(checkpoint.path / shard)
+        for name in entries:
+            if checkpoint.weight_map.get(name) == shard and name in targets:
+                _fill(targets[name], name, checkpoint, entries, parallel.device)
+    with torch.no_grad():
+        for name, value in computed.items():
+            model.get_buffer(name).copy_(value.to(parallel.device))
+    return f"{placement}, read shard by shard from {checkpoint.path}"

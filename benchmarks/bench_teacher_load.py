@@ -1,0 +1,123 @@
+"""Peak memory per process of `normswap distill` under torchrun with a model directory as the teacher:
+loaded whole in every process (`--no-shard-teacher`) against read straight into its shards
+(`--shard-teacher`, normswap.calibrate.parallel_load).
+
+    python benchmarks/bench_teacher_load.py [--hidden 1024] [--layers 8] [--processes 2] [--out benchmarks/results]
+
+A Llama directory (fp32, random weights) is written, its DyT conversion saved as the student (.pt), and
+`torchrun --standalone --nproc-per-node N -m normswap_cli distill` runs 2 steps with each teacher
+setting in its own process tree. Peak RSS is the largest of torchrun's processes (``RUSAGE_CHILDREN``
+of a parent that only waits for it), so the worst worker. Results:
+``benchmarks/results/teacher_load_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+_WORKER = """
+import resource, subprocess, sys, json
+done = subprocess.run(sys.argv[2:], capture_output=True, text=True)
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+json.dump({"rc": done.returncode, "peak_rss_bytes": peak, "tail": (done.stdout + done.stderr)[-1500:]}, open(sys.argv[1], "w"))
+"""
+
+
+def _write_models(root: Path, hidden: int, layers: int) -> tuple[Path, Path, Path, int]:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    directory = root / "llama"
+    model.save_pretrained(directory)
+    parameters = sum(p.numel() for p in model.parameters())
+    del model
+    student = root / "student.pt"
+    subprocess.run(
+        [sys.executable, "-m", "normswap_cli", "convert", str(directory), "--to", "dyt", "-o", str(student)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    data = root / "data.pt"
+    torch.save(torch.randint(0, 32000, (12, 64), generator=torch.Generator().manual_seed(1)), data)
+    return directory, student, data, parameters
+
+
+def _run(root: Path, directory: Path, student: Path, data: Path, processes: int, flag: str) -> dict:
+    out = root / f"run{flag}.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+        "-m", "normswap_cli", "distill", str(directory), str(student), "--trust-pickle", "--data", str(data),
+        "--batch-size", "4", "--steps", "2", flag, "-o", str(root / f"out{flag}.pt"),
+    ]  # fmt: skip
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-c", _WORKER, str(out), *command],
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    record = json.loads(out.read_text())
+    record["seconds"] = time.perf_counter() - start
+    if record["rc"] != 0:
+        raise SystemExit(f"{flag}: exit {record['rc']}\n{record['tail']}")
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        directory, student, data, parameters = _write_models(root, args.hidden, args.layers)
+        weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+        runs = {}
+        for flag in ("--no-shard-teacher", "--shard-teacher"):
+            runs[flag] = _run(root, directory, student, data, args.processes, flag)
+            print(f"{flag}: peak RSS of the largest process {runs[flag]['peak_rss_bytes'] / 1e9:.2f} GB, "
+                  f"{runs[flag]['seconds']:.1f} s", flush=True)  # fmt: skip
+    result = {
+        "command": "python benchmarks/bench_teacher_load.py " + " ".join(sys.argv[1:]),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "model": {
+            "kind": "LlamaForCausalLM, fp32",
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "parameters": parameters,
+            "teacher_bytes": weights,
+        },
+        "processes": args.processes,
+        "runs": {flag: {k: v for k, v in r.items() if k != "tail"} for flag, r in runs.items()},
+        "peak_rss_saved_bytes": runs["--no-shard-teacher"]["peak_rss_bytes"]
+        - runs["--shard-teacher"]["peak_rss_bytes"],
+        "ru_maxrss_note": "RUSAGE_CHILDREN's maxrss: the largest single process of the torchrun tree",
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "teacher_load_cpu.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"teacher {weights / 1e9:.2f} GB; saved {result['peak_rss_saved_bytes'] / 1e9:.2f} GB of peak RSS per process"
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

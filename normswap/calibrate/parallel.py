@@ -104,7 +104,12 @@ class DataParallel:
     # -- data ---------------------------------------------------------------------------------------
 
     def local_rows(self, batch: ModelInputs, what: str) -> tuple[ModelInputs, float]:
-        """This process's rows of a global batch and their share of it (rows here / rows)."""
+        """This process's rows of a global batch and their share of it (rows here / rows).
+
+        Every tensor whose first dim is the batch's row count is split; others are handed whole to every
+        process. A tensor that is not per sample but happens to be as long as the batch (a ``cache_position``
+        of 8 positions in a batch of 8) cannot be told apart and is split too: give such inputs in another
+        length, or as settings of the model."""
         rows = batch.num_samples
         if rows < self.world_size:
             raise BadInputError(

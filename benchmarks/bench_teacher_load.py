@@ -6,8 +6,8 @@ loaded whole in every process (`--no-shard-teacher`) against read straight into 
 
 A Llama directory (fp32, random weights) is written, its DyT conversion saved as the student (.pt), and
 `torchrun --standalone --nproc-per-node N -m normswap_cli distill` runs 2 steps with each teacher
-setting in its own process tree. Peak RSS is the largest of torchrun's processes (``RUSAGE_CHILDREN``
-of a parent that only waits for it), so the worst worker. Results:
+setting in its own process tree. Peak RSS is the largest of torchrun's processes (``wait4``'s figure
+for torchrun, which includes the workers it waited for), so the worst worker. Results:
 ``benchmarks/results/teacher_load_cpu.json``.
 """
 
@@ -20,19 +20,14 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_convert import _run_rss
 
-_WORKER = """
-import resource, subprocess, sys, json
-done = subprocess.run(sys.argv[2:], capture_output=True, text=True)
-peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-json.dump({"rc": done.returncode, "peak_rss_bytes": peak, "tail": (done.stdout + done.stderr)[-1500:]}, open(sys.argv[1], "w"))
-"""
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _write_models(root: Path, hidden: int, layers: int) -> tuple[Path, Path, Path, int]:
@@ -59,23 +54,14 @@ def _write_models(root: Path, hidden: int, layers: int) -> tuple[Path, Path, Pat
 
 
 def _run(root: Path, directory: Path, student: Path, data: Path, processes: int, flag: str) -> dict:
-    out = root / f"run{flag}.json"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
         "-m", "normswap_cli", "distill", str(directory), str(student), "--trust-pickle", "--data", str(data),
         "--batch-size", "4", "--steps", "2", flag, "-o", str(root / f"out{flag}.pt"),
     ]  # fmt: skip
-    start = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-c", _WORKER, str(out), *command],
-        check=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    record = json.loads(out.read_text())
-    record["seconds"] = time.perf_counter() - start
-    if record["rc"] != 0:
-        raise SystemExit(f"{flag}: exit {record['rc']}\n{record['tail']}")
-    return record
+    # wait4's figure for torchrun covers the workers it waited for: the largest process of the tree
+    seconds, peak = _run_rss(command, {"OMP_NUM_THREADS": "1"})
+    return {"seconds": seconds, "peak_rss_bytes": peak}
 
 
 def main() -> None:
@@ -105,10 +91,10 @@ def main() -> None:
             "teacher_bytes": weights,
         },
         "processes": args.processes,
-        "runs": {flag: {k: v for k, v in r.items() if k != "tail"} for flag, r in runs.items()},
+        "runs": runs,
         "peak_rss_saved_bytes": runs["--no-shard-teacher"]["peak_rss_bytes"]
         - runs["--shard-teacher"]["peak_rss_bytes"],
-        "ru_maxrss_note": "RUSAGE_CHILDREN's maxrss: the largest single process of the torchrun tree",
+        "ru_maxrss_note": "wait4's maxrss of torchrun: the largest single process of its tree",
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "teacher_load_cpu.json"

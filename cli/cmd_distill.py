@@ -266,21 +266,18 @@ def _load_teacher(
     import dataclasses
 
     from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
-    from normswap.load.checkpoint_dir import (
-        example_inputs,
-        is_checkpoint_directory,
-        read_checkpoint_directory,
-    )
+    from normswap.load.checkpoint_dir import example_inputs, is_checkpoint_directory
 
-    if parallel is None or not Path(original).is_dir() or not is_checkpoint_directory(original):
+    if parallel is None or not is_checkpoint_directory(original):
         return load(original, weights, trust_pickle), None
+    # built on the meta device (no weight read) to learn its size and, when sharded, to be filled
+    structure = load(original, weights, trust_pickle, structure_only=True)
     if shard_teacher is None:
-        shard_teacher = read_checkpoint_directory(original).total_bytes > TEACHER_SHARD_BYTES
+        shard_teacher = structure.checkpoint.total_bytes > TEACHER_SHARD_BYTES
     if not shard_teacher:
         return load(original, weights, trust_pickle), None
     from normswap.calibrate.parallel_load import load_directory_sharded
 
-    structure = load(original, weights, trust_pickle, structure_only=True)
     placement = load_directory_sharded(structure.model, structure.checkpoint, parallel, trained=False)
     args, kwargs = example_inputs(structure.model, structure.checkpoint.config, device=parallel.device)
     return dataclasses.replace(structure, example_args=args, example_kwargs=kwargs), placement

@@ -5,10 +5,11 @@ shards, with no process ever holding the whole model, and the same files load at
 A checkpoint is a folder ``DIR/step-00000040`` holding the student's parameters and buffers and the
 optimizer's state (DCP's files) and ``run.json``: the step reached, the losses so far, and what the run
 must agree on to be continued (loss, learning rate, temperature, the trained parameters, a fingerprint of
-the training batches). It is written into a hidden sibling and renamed only once every process has
-written and ``run.json`` is in, so a folder named ``step-*`` is always complete; the folders a killed run
-leaves are hidden, ignored by ``--resume`` and removed by the next checkpoint. After a new one is named,
-older ones are removed: one is kept.
+each training batch and of the teacher's weights). It is written into a hidden sibling and renamed only
+once every process has written and ``run.json`` is in, so a folder named ``step-*`` is always complete;
+the folders a killed run leaves are hidden, ignored by ``--resume`` and removed by the next checkpoint.
+After a new one is named, this run's older ones are removed: one is kept. A run that does not resume
+refuses a folder holding another run's checkpoints.
 
 Resuming loads the newest one into the freshly placed student and optimizer and continues at the next
 step. Nothing in a distillation step is random (dropout is off) and the batches are cycled by step
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import shutil
 import warnings
@@ -112,6 +112,11 @@ def _batches_differ(saved: list[str], now: list[str], steps_done: int) -> str | 
     return None
 
 
+def _main(parallel: DataParallel | None) -> bool:
+    """Whether this process writes what only one process writes (run.json, renames, removals)."""
+    return parallel is None or parallel.is_main
+
+
 def _collective(parallel: DataParallel | None, value: Any) -> Any:
     """Process 0's ``value`` on every process."""
     if parallel is None:
@@ -160,10 +165,10 @@ def _write_shared_folder(
 ) -> None:
     """Every process writes into one hidden temp folder beside ``path``; process 0 adds ``run.json`` (when
     given) and renames it to ``path`` once all have written. On failure the temp folder is removed."""
-    from normswap.load.save import reserve_temp_dir
+    from normswap.load.save import publish_directory, reserve_temp_dir
 
     reserved: tuple[str | None, str | None] = (None, None)
-    if parallel is None or parallel.is_main:
+    if _main(parallel):
         try:
             reserved = (str(reserve_temp_dir(path)), None)
         except BadInputError as exc:  # every process must hear it, or the others wait in the broadcast
@@ -176,16 +181,14 @@ def _write_shared_folder(
         write(temp_path)
         if parallel is not None:
             parallel.barrier()
-        if parallel is None or parallel.is_main:
+        if _main(parallel):
             if describe_run is not None:
                 (temp_path / RUN_FILE).write_text(json.dumps(describe_run, indent=2) + "\n")
-            if path.exists():
-                raise BadInputError(f"{path} appeared while it was being written: not written over")
-            os.rename(temp_path, path)
+            publish_directory(temp_path, path, label="checkpoint" if describe_run is not None else "-o")
         if parallel is not None:
             parallel.barrier()
     except BaseException:
-        if parallel is None or parallel.is_main:
+        if _main(parallel):
             shutil.rmtree(temp_path, ignore_errors=True)
         raise
 
@@ -202,7 +205,7 @@ def save_checkpoint(
     """Write the checkpoint after ``step`` steps (module doc); returns its folder."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    if parallel is None or parallel.is_main:
+    if _main(parallel):
         plan.directory.mkdir(parents=True, exist_ok=True)
     if parallel is not None:
         parallel.barrier()
@@ -215,7 +218,7 @@ def save_checkpoint(
         lambda temp: _dcp_save({"model": model_state, "optim": optimizer_state}, temp, parallel),
         record,
     )
-    if parallel is None or parallel.is_main:
+    if _main(parallel):
         for older in _finished(plan.directory):
             if older != path and _same_run(older, run):
                 shutil.rmtree(older, ignore_errors=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,15 +200,3 @@ def full_state_dict(model: nn.Module, parallel: DataParallel | None) -> dict[str
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
-
-
-@dataclass
-class Placement:
-    """How the two models were laid out, for the report."""
-
-    processes: int
-    student: str
-    teacher: str
-
-    def describe(self) -> Iterator[str]:
-        yield f"{self.processes} processes; student sharded: {self.student}; teacher: {self.teacher}"

@@ -47,10 +47,11 @@ def _tied_groups(model: nn.Module) -> list[list[str]]:
     return list(groups.values())
 
 
-def _check_covered(model: nn.Module, checkpoint: Any, stored: set[str], computed: set[str]) -> None:
-    # state_dict holds persistent tensors only: each must be stored (under one of its tied names)
+def _check_covered(model: nn.Module, checkpoint: Any, stored: set[str]) -> None:
+    # state_dict holds persistent tensors only (computed buffers are not in it): each must be stored,
+    # under one of its tied names
     groups = _tied_groups(model)
-    missing = [g[0] for g in groups if not any(n in stored or n in computed for n in g)]
+    missing = [g[0] for g in groups if not any(n in stored for n in g)]
     names = {n for g in groups for n in g}
     unexpected = sorted(stored - names)
     if missing or unexpected:
@@ -100,7 +101,7 @@ def load_directory_sharded(model: nn.Module, checkpoint: Any, parallel: DataPara
             model.tie_weights()  # as the whole-model build does: a tied head is the embedding, stored once
     stored = set(checkpoint.weight_map)
     computed = _computed_buffers(checkpoint)
-    _check_covered(model, checkpoint, stored, set(computed))
+    _check_covered(model, checkpoint, stored)
     placement = parallel.shard(model, trained=trained)
     model.to_empty(device=parallel.device)
     targets = model.state_dict(keep_vars=True)

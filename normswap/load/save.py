@@ -121,11 +121,14 @@ def _reserve_temp_path(path: Path) -> Path:
     raise BadInputError(f"cannot create a temporary file next to {path}")
 
 
-def publish_directory(temp: Path, path: Path) -> None:
+def publish_directory(temp: Path, path: Path, label: str = "-o") -> None:
     """Give the complete directory built in ``temp`` (from :func:`reserve_temp_dir`) its name ``path``;
-    refused if something took that name meanwhile: normswap never writes over a path."""
+    refused if something took that name meanwhile: normswap never writes over a path. ``label`` names
+    the path in that refusal."""
     if path.exists() or path.is_symlink():
-        raise BadInputError(f"-o {path} appeared while it was written; normswap never writes over a path")
+        raise BadInputError(
+            f"{label} {path} appeared while it was written; normswap never writes over a path"
+        )
     os.rename(temp, path)
 
 

@@ -46,7 +46,7 @@ from normswap.graph.stream_params import Stream
 from normswap.modules.zero_sum import ZeroSumRMSNorm
 from normswap.passes.base import Change, Needs, Pass, PassContext, Refusal, RewriteKind, SkipCause
 from normswap.passes.graph_rewrite import finish_graph
-from normswap.passes.recenter_layernorm import center_along, under_any
+from normswap.passes.recenter_layernorm import center_along, named_tensors, under_any
 from normswap.validate.variants import describe_error
 
 # Ops whose shape argument (args[1]) states the sizes of their output, hidden dim included.
@@ -106,8 +106,7 @@ def _set_attr(gm: fx.GraphModule, name: str, value: torch.Tensor, parameter: boo
 
 
 def _free_name(gm: fx.GraphModule, wanted: str) -> str:
-    names = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-    names |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    names = {n for n, _ in named_tensors(gm)}
     candidate, i = wanted, 1
     while candidate in names:
         candidate, i = f"{wanted}_{i}", i + 1
@@ -123,10 +122,7 @@ def _narrow_params(gm: fx.GraphModule, narrowing: Narrowing) -> list[str]:
     """Center and keep the first d - 1 output coordinates of every writer; untie what others read."""
     stream, keep = narrowing.stream, narrowing.stream.hidden - 1
     nodes = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
-    named_all = dict(gm.named_parameters(remove_duplicate=False)) | dict(
-        gm.named_buffers(remove_duplicate=False)
-    )
-    named = dict(named_all)
+    named = dict(named_tensors(gm))
     done = []
     for param in stream.params:
         tensor = named[param.name]
@@ -142,7 +138,7 @@ def _narrow_params(gm: fx.GraphModule, narrowing: Narrowing) -> list[str]:
         # reader owns (GPT-2: transformer.wte.weight, while lm_head.weight keeps the original).
         source = nodes[param.name]
         writers = [u for u in source.users if not _within(module_path(u), readers)]
-        own = [n for n, t in named_all.items() if t is tensor and not _within(n.rpartition(".")[0], readers)]
+        own = [n for n, t in named.items() if t is tensor and not _within(n.rpartition(".")[0], readers)]
         name = (
             own[0]
             if own
@@ -181,9 +177,7 @@ def _narrow_shapes(gm: fx.GraphModule, narrowing: Narrowing) -> None:
 def _norm_module(node: fx.Node, gm: fx.GraphModule) -> ZeroSumRMSNorm:
     _, shape, weight, bias, eps = (list(node.args) + [None] * 5)[:5]
     eps = node.kwargs.get("eps", eps if eps is not None else 1e-5)
-    tensors = dict(gm.named_parameters(remove_duplicate=False)) | dict(
-        gm.named_buffers(remove_duplicate=False)
-    )
+    tensors = dict(named_tensors(gm))
     w = tensors[str(weight.target)] if isinstance(weight, fx.Node) and weight.op == "get_attr" else None
     b = tensors[str(bias.target)] if isinstance(bias, fx.Node) and bias.op == "get_attr" else None
     value = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None

@@ -107,7 +107,7 @@ def _centered(
     return t.to(tensor.dtype) if out is None else out.copy_(t)
 
 
-def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [
         *model.named_parameters(remove_duplicate=False),
         *model.named_buffers(remove_duplicate=False),
@@ -187,7 +187,7 @@ def _holders(named: list[tuple[str, torch.Tensor]], name: str) -> tuple[torch.Te
 
 def _untie_problem(model: nn.Module, stream: Stream) -> str | None:
     """Why a centered parameter that other modules also read cannot be given its own copy, if so."""
-    named = _named_tensors(model)
+    named = named_tensors(model)
     names = dict(named)
     for param in stream.params:
         if param.name not in names:
@@ -209,7 +209,7 @@ def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
     """Center the stream's writers in ``model``; returns what was changed, for the report."""
     centered, untied = [], []
     # read once: untying only re-points names whose parameter is then done, so the rest stay valid
-    named = _named_tensors(model)
+    named = named_tensors(model)
     by_name: dict[str, CenteredParam] = {p.name: p for p in stream.params}
     for name, param in by_name.items():
         if name in done:

@@ -411,19 +411,9 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
     """How ``normswap convert DIR ... -o OUTDIR`` runs: None when it streams (:func:`convert_checkpoint`),
     else the message saying why it runs in memory; BadInputError when it cannot stream and the model
     would not fit in memory (weights about three times: the model, the converted copy, temporaries)."""
-    other = [
-        flag
-        for flag, on in (
-            ("--fuse-add", config.fuse_add),
-            ("--fuse-inline", config.fuse_inline),
-            ("--defer-rms", config.defer_rms),
-            ("--calibrate", config.calibration_data is not None),
-            ("--from", config.from_kinds is not None),
-            ("--allow-lossy", config.allow_lossy),
-            ("--inputs/--input-shape", custom_inputs),
-        )
-        if on
-    ]
+    other = config.given(
+        "--fuse-add", "--fuse-inline", "--defer-rms", "--calibrate", "--from", "--allow-lossy"
+    ) + (["--inputs/--input-shape"] if custom_inputs else [])
     from normswap.passes.tensor_edits import STREAMED, streamable
 
     why = streamable(

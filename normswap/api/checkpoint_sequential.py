@@ -93,22 +93,10 @@ def sequential_problem(config: ConvertConfig, custom_inputs: bool = False) -> st
             "stream, which rewrites the linears around the norms, and cosine rewrites the layers before "
             "them: neither is built block by block"
         )
-    other = [
-        flag
-        for flag, on in (
-            ("--fold-bn", config.fold_bn),
-            ("--fold-norm-affine", config.fold_norm_affine),
-            ("--defer-rms", config.defer_rms),
-            ("--fuse-add", config.fuse_add),
-            ("--fuse-inline", config.fuse_inline),
-            ("--add-weight-norm", config.add_weight_norm is not None),
-            ("--remove-weight-norm", config.remove_weight_norm),
-            ("--exact", config.exact),
-            ("--allow-lossy", config.allow_lossy),
-            ("--inputs/--input-shape", custom_inputs),
-        )
-        if on
-    ]
+    other = config.given(
+        "--fold-bn", "--fold-norm-affine", "--defer-rms", "--fuse-add", "--fuse-inline", "--add-weight-norm",
+        "--remove-weight-norm", "--exact", "--allow-lossy",
+    ) + (["--inputs/--input-shape"] if custom_inputs else [])  # fmt: skip
     if other:
         return f"{', '.join(other)} is not part of the sequential route (the swap and its calibration only)"
     return None

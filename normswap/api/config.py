@@ -104,15 +104,28 @@ class ConvertConfig:
         self._check_output()
         return passes
 
+    def given(self, *flags: str) -> list[str]:
+        """Those of ``flags`` (command-line spellings, in the order given) that this configuration sets:
+        what each route checks for the options it cannot take."""
+        on = {
+            "--fold-bn": self.fold_bn,
+            "--fold-norm-affine": self.fold_norm_affine,
+            "--defer-rms": self.defer_rms,
+            "--fuse-add": self.fuse_add,
+            "--fuse-inline": self.fuse_inline,
+            "--add-weight-norm": self.add_weight_norm is not None,
+            "--remove-weight-norm": self.remove_weight_norm,
+            "--exact": self.exact,
+            "--allow-lossy": self.allow_lossy,
+            "--calibrate": self.calibration_data is not None,
+            "--from": self.from_kinds is not None,
+            "--to crmsnorm": self.to == "crmsnorm",
+        }
+        return [flag for flag in flags if on[flag]]
+
     def _graph_flag(self) -> str | None:
         """The first flag asking for a graph rewrite (whose result is a GraphModule), if any."""
-        flags = (
-            ("--fuse-inline", self.fuse_inline),
-            ("--fuse-add", self.fuse_add),
-            ("--defer-rms", self.defer_rms),
-            ("--to crmsnorm", self.to == "crmsnorm"),
-        )
-        return next((flag for flag, on in flags if on), None)
+        return next(iter(self.given("--fuse-inline", "--fuse-add", "--defer-rms", "--to crmsnorm")), None)
 
     def _check_output(self) -> None:
         from normswap.load import SAVE_FORMATS

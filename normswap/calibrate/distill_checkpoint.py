@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import pickle
 import re
 import shutil
 import warnings
@@ -142,6 +143,44 @@ def _dcp_save(state: dict[str, Any], folder: Path, parallel: DataParallel | None
 
     with _one_process_quietly(parallel):
         dcp.save(state, checkpoint_id=str(folder), no_dist=parallel is None)
+
+
+# What DCP's ``.metadata`` pickle may name (found by loading what DCP writes): its own metadata classes,
+# the file system reader's storage record, torch sizes, dtypes and layouts, and paths. DCP reads that file
+# with plain ``pickle.load``, which runs whatever a pickle names: a checkpoint folder from elsewhere is
+# checked with this list first, as normswap checks every other file it is given.
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_DCP_ALLOWED = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    *(("pathlib", name) for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import importlib
+
+        # nothing is imported for a name outside the list: an import runs the module's code
+        known = module in (_DCP_METADATA_MODULE, "torch") or (module, name) in _DCP_ALLOWED
+        found = getattr(importlib.import_module(module), name, None) if known else None
+        own_class = module == _DCP_METADATA_MODULE and isinstance(found, type) and found.__module__ == module
+        dtype = module == "torch" and isinstance(found, torch.dtype)
+        if found is None or not (own_class or dtype or (module, name) in _DCP_ALLOWED):
+            raise pickle.UnpicklingError(
+                f"it names {module}.{name}, which a checkpoint's metadata does not hold"
+            )
+        return found
+
+
+def _check_metadata(folder: Path) -> None:
+    """Refuse a checkpoint whose ``.metadata`` pickle names anything but DCP's own metadata (see above)."""
+    try:
+        with open(folder / ".metadata", "rb") as handle:
+            _MetadataUnpickler(handle).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise BadInputError(f"--resume: {folder / '.metadata'} is refused: {exc}") from None
 
 
 def _dcp_load(state: dict[str, Any], folder: Path, parallel: DataParallel | None) -> None:
@@ -290,6 +329,7 @@ def load_checkpoint(
         raise BadInputError(
             f"--resume: {path} has done {step} steps, --steps is {run['steps']}: nothing to continue"
         )
+    _check_metadata(path)  # before DCP unpickles it
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optimizer_state}
     try:

@@ -188,3 +188,28 @@ def test_weighted_process_losses_give_the_whole_batch_gradient(loss):
     torch.testing.assert_close(averaged, expected, rtol=1e-5, atol=1e-7)
     # The plain mean of the processes' gradients is not it: with uneven rows the weights matter.
     assert (unweighted - expected).abs().max() > 1e-3 * expected.abs().max()
+
+
+class _WritesAMarker:
+    """What a hostile checkpoint could hold: unpickling it calls ``open`` (any callable would do)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_checkpoint_whose_metadata_names_other_code_is_refused_before_it_runs(tmp_path):
+    """DCP reads ``.metadata`` with plain pickle: --resume checks it first, so nothing it names runs."""
+    import pickle
+
+    teacher, student, data = _gpt2_pair()
+    plan = CheckpointPlan(tmp_path / "ck", every=2)
+    distill(teacher, student, data, **_options(steps=2), checkpoints=plan)
+    metadata = plan.directory / "step-00000002" / ".metadata"
+    marker = tmp_path / "ran"
+    metadata.write_bytes(pickle.dumps(_WritesAMarker(str(marker))))
+    with pytest.raises(BadInputError, match=r"step-00000002/\.metadata is refused: it names (builtins|io)\.open, which"):
+        distill(teacher, student, data, **_options(), checkpoints=CheckpointPlan(plan.directory, resume=True))
+    assert not marker.exists()

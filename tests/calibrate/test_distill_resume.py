@@ -210,6 +210,8 @@ def test_a_checkpoint_whose_metadata_names_other_code_is_refused_before_it_runs(
     metadata = plan.directory / "step-00000002" / ".metadata"
     marker = tmp_path / "ran"
     metadata.write_bytes(pickle.dumps(_WritesAMarker(str(marker))))
-    with pytest.raises(BadInputError, match=r"step-00000002/\.metadata is refused: it names (builtins|io)\.open, which"):
+    with pytest.raises(
+        BadInputError, match=r"step-00000002/\.metadata is refused: it names (builtins|io)\.open, which"
+    ):
         distill(teacher, student, data, **_options(), checkpoints=CheckpointPlan(plan.directory, resume=True))
     assert not marker.exists()

@@ -271,6 +271,8 @@ def _same_run(folder: Path, run: dict[str, Any]) -> bool:
         saved, step = record["run"], int(record["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
+    if not isinstance(saved, dict):
+        return False
     return not _differences(saved, run, step)
 
 
@@ -316,6 +318,8 @@ def load_checkpoint(
     try:
         record = json.loads((path / RUN_FILE).read_text())
         step, losses, saved_run = int(record["step"]), [float(v) for v in record["losses"]], record["run"]
+        if not isinstance(saved_run, dict):
+            raise TypeError(f"its run is a {type(saved_run).__name__}, not a record")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BadInputError(f"--resume: {path / RUN_FILE} is not a checkpoint record: {exc}") from None
     if record.get("format") != _FORMAT:

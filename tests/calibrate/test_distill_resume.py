@@ -215,3 +215,24 @@ def test_a_checkpoint_whose_metadata_names_other_code_is_refused_before_it_runs(
     ):
         distill(teacher, student, data, **_options(), checkpoints=CheckpointPlan(plan.directory, resume=True))
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        ("not json", "is not a checkpoint record"),
+        ('{"format": 1, "step": "two", "losses": [], "run": {}}', "is not a checkpoint record"),
+        ('{"format": 1, "step": 2, "losses": [0.1, 0.2], "run": [1]}', "its run is a list, not a record"),
+        (
+            '{"format": 9, "step": 2, "losses": [0.1, 0.2], "run": {}}',
+            "written by another version of normswap",
+        ),
+    ],
+)
+def test_a_damaged_run_record_is_refused_with_the_reason(tmp_path, record, reason):
+    teacher, student, data = _gpt2_pair()
+    plan = CheckpointPlan(tmp_path / "ck", every=2)
+    distill(teacher, student, data, **_options(steps=2), checkpoints=plan)
+    (plan.directory / "step-00000002" / "run.json").write_text(record)
+    with pytest.raises(BadInputError, match=reason):
+        distill(teacher, student, data, **_options(), checkpoints=CheckpointPlan(plan.directory, resume=True))

@@ -28,6 +28,8 @@ NO_CACHE = "it returns no cache; the model's own config is unchanged"
 def fmt_float(value: float | None, digits: int = 3) -> str:
     if value is None:
         return "-"
+    if math.isnan(value):  # not measured (a NaN/Inf in a comparison is said where, on its own line)
+        return "n/a"
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return f"{value:.{digits}g}"
@@ -191,6 +193,7 @@ def print_streamed(result: Any) -> None:
             f"  skipped {len(sites)}: {reason} ({', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''})",
             soft_wrap=True,
         )
+    print_inside_changes(report)
     out.print(
         f"{result.edited_tensors} tensors computed in float64 (largest group {result.largest_group_bytes / 1e6:.1f} MB), "
         f"{result.copied_tensors} copied as bytes, into {len(result.shards)} shards",
@@ -285,13 +288,24 @@ def print_pipeline(result: Any) -> None:
         out.print(skips)
     for p in result.passes:
         _print_pass_figures(p)
+        print_inside_changes(p)
     if result.overall is not None and not result.overall.outputs:
         out.print("whole model vs original: the model returns no tensor to compare")
+    elif result.overall is not None and result.overall.nonfinite:
+        out.print(
+            f"whole model vs original: [bold red]FAIL[/]: {escape(result.overall.nonfinite)}", soft_wrap=True
+        )
     elif result.overall is not None:
         out.print(
             f"whole model vs original: SQNR {fmt_float(result.overall.worst_sqnr_db)} dB, "
             f"max abs / max|ref| {fmt_float(result.overall.worst_rel)}"
         )
+
+
+def print_inside_changes(p: Any) -> None:
+    """What an exact pass changed inside the model while keeping its outputs (the same on every route)."""
+    if p.changes and p.inside_changes:
+        out.print(f"note: {p.pass_name}: {p.inside_changes}", soft_wrap=True)
 
 
 def _print_pass_figures(p: Any) -> None:
@@ -320,20 +334,24 @@ def _print_exact_figures(p: Any, worst: dict[str, Any] | None, counts: str) -> N
 
     half = p.validation.get("rounding")
     failed = p.validation.get("failed_inputs", [])
-    passed = (half["within_rounding"] if half else p.validation["within_tolerance"]) and not failed
+    # the verdict of the one exact rule (normswap.validate.exact), over every input checked
+    passed = p.validation.get("exact_passed", p.validation["within_tolerance"]) and not failed
     verdict = "[green]PASS[/]" if passed else "[bold red]FAIL[/]"
+    nonfinite = p.validation.get("nonfinite")
     figures = (
-        f"max abs {fmt_float(worst['max_abs'])} = {fmt_float(worst['max_rel'])} x max|ref| "
+        escape(nonfinite)
+        if nonfinite
+        else f"max abs {fmt_float(worst['max_abs'])} = {fmt_float(worst['max_rel'])} x max|ref| "
         f"(tolerance {worst['tolerance']:g})"
         if worst is not None
         else "the model returns no tensor to compare"
     )
     out.print(f"{p.pass_name} (exact): {counts}; {figures} {verdict}", soft_wrap=True)
-    if half:
+    if half and "rewritten_rel_error" in half:
         out.print(
             f"  judged against the model in {half.get('dtype', 'a wider dtype')} (its own rounding exceeds "
-            f"the table): {fmt_float(half['rewritten_rel_error'])} x max|ref| "
-            f"vs the original's own {fmt_float(half['original_rel_error'])} (allowed: twice that)"
+            f"the table): error norm {fmt_float(half['rewritten_rel_error'])} x the reference's norm over "
+            f"every input, vs the original's own {fmt_float(half['original_rel_error'])} (allowed: twice that)"
         )
     verified = p.validation.get("verified_inputs", [])
     if verified:
@@ -371,6 +389,9 @@ def print_validation(result: Any) -> None:
             "" if figures.top5_agreement is None else f"{figures.top5_agreement:.1%}",
         )
     out.print(table)
+    for figures in result.outputs:
+        if figures.comparison.nonfinite:
+            out.print(f"[bold red]FAIL[/]: {escape(figures.comparison.nonfinite)}", soft_wrap=True)
     norms = Table(title="Norm sites, in execution order (SQNR of each site's output vs the original)")
     for column in ("site", "original", "converted", "SQNR dB", "max rel"):
         norms.add_column(column, overflow="fold")
@@ -389,14 +410,20 @@ def print_validation(result: Any) -> None:
         out.print(f"{result.shared_modules} shared modules compared; none diverges past {rule}")
     else:
         layer = next(x for x in result.layers if x.path == result.first_divergent)
+        how = escape(layer.note) if layer.note else f"SQNR {fmt_float(layer.sqnr_db)} dB"
         out.print(
             f"{result.shared_modules} shared modules compared; first divergent past {rule}: "
-            f"{layer.path} ({layer.original_class} -> {layer.converted_class}, SQNR {fmt_float(layer.sqnr_db)} dB)"
+            f"{layer.path} ({layer.original_class} -> {layer.converted_class}, {how})",
+            soft_wrap=True,
         )
+    for skipped in getattr(result, "skipped_layers", []):
+        out.print(f"not compared: {skipped['path']}: {escape(skipped['reason'])}", soft_wrap=True)
     verdict = "[green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
     out.print(
         f"verdict ({'exact tolerance' if result.exact else f'min SQNR {result.min_sqnr_db:g} dB'}): {verdict}"
     )
+    if result.failure and result.exact:
+        out.print(f"  {escape(result.failure)}", soft_wrap=True)
 
 
 def print_recalibration(result: Any, notes: list[str]) -> None:

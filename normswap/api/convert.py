@@ -76,6 +76,9 @@ class ConversionResult:
     calibration: Calibration | None = None
     # sentences for the user beyond the report (what consent was used for)
     notes: list[str] = field(default_factory=list)
+    # exact rewrites: outputs the model returns only when asked (output_hidden_states=True) that the
+    # converted model does not keep (normswap.validate.inside_outputs)
+    outputs_not_preserved: list[str] = field(default_factory=list)
     # the inputs the conversion was checked on: an exported output is captured on them
     example_args: tuple = ()
     example_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -111,6 +114,7 @@ class ConversionResult:
         if self.saved is not None:
             data.update(self.saved.to_dict())
         data["graph_notes"] = self.graph_notes
+        data["outputs_not_preserved"] = self.outputs_not_preserved
         return data
 
 
@@ -167,6 +171,9 @@ def convert(
             example_args=args,
             example_kwargs=kwargs,
         )
+        if report.ok and _only_exact_changes(report):
+            say("asking both models for the outputs they return only when asked")
+            _record_outputs_not_preserved(model, result)
         lossy = None if config.allow_lossy or config.exact else _lossy_without_consent(report, config.to)
         if config.allow_lossy:
             _record_consent(result)
@@ -202,6 +209,26 @@ def _check_writable(
         # judge that model, so that anything else in it that does not pickle still fails before the work
         writable, _ = RemoveWeightNorm()(model)
     check_writable(writable, output, args, kwargs, captured=captured)
+
+
+def _only_exact_changes(report: PipelineReport) -> bool:
+    from normswap.passes.base import RewriteKind
+
+    changed = [p for p in report.passes if p.changes]
+    return bool(changed) and all(p.kind is RewriteKind.EXACT for p in changed)
+
+
+def _record_outputs_not_preserved(original: nn.Module, result: ConversionResult) -> None:
+    """Exact means the outputs of the example; say which outputs a caller could still ask for that the
+    rewrite changed (the example itself asking for them is refused by the pass, with the reason)."""
+    from normswap.validate.inside_outputs import outputs_not_preserved, summarize_names
+
+    moved = outputs_not_preserved(original, result.model, result.example_args, result.example_kwargs)
+    result.outputs_not_preserved = moved
+    if moved:
+        result.notes.append(
+            f"outputs not preserved when asked for with output_hidden_states=True: {summarize_names(moved)}"
+        )
 
 
 def _record_consent(result: ConversionResult) -> None:

@@ -126,6 +126,9 @@ class PassReport:
     graph_notes: list[str] = field(default_factory=list)
     # Filled by the pipeline when example inputs are available: how far this pass moved the outputs.
     validation: dict[str, Any] | None = None
+    # What the rewrite changes inside the model while keeping its outputs (Pass.inside_changes), said
+    # on every route whenever the pass changed a site; "" when nothing inside moves.
+    inside_changes: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -216,12 +219,19 @@ class Pass(ABC, Generic[SiteT, PlanT, StateT]):
     fx_analysis: ClassVar[bool] = False
     # for an exported-graph pass: what it does, in "no example inputs: <doing> needs a captured graph"
     doing: ClassVar[str] = "this pass"
+    # An exact pass keeps the model's outputs, not necessarily every value inside it: what a reader of
+    # the model's insides (output_hidden_states=True, a forward hook) sees change, in one sentence.
+    inside_changes: ClassVar[str] = ""
 
     @property
     def reuses_capture(self) -> bool:
         """Whether a graph captured of the model as given, on the same inputs, can be this pass's context
         (a parameters-only pass captures nothing; an exported-graph pass edits its own export)."""
         return self.needs is Needs.GRAPH
+
+    def new_report(self) -> PassReport:
+        """An empty report of this pass, for every route that runs its decision (in memory, streamed)."""
+        return PassReport(self.name, self.kind, inside_changes=self.inside_changes)
 
     def __call__(
         self,
@@ -236,7 +246,7 @@ class Pass(ABC, Generic[SiteT, PlanT, StateT]):
         returned model is the one to use either way. ``captured``: a graph already captured of
         ``model`` (or of a model of the same structure) on these inputs, used instead of capturing one
         again when the pass :attr:`reuses_capture`."""
-        report = PassReport(self.name, self.kind)
+        report = self.new_report()
         ctx = self._context(model, example_args, example_kwargs, inplace, captured, report)
         if ctx is None:
             return model, report

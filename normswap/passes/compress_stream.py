@@ -241,6 +241,11 @@ class CompressStream(Pass[CompressSite, CompressPlan, CompressionState]):
     kind: ClassVar[RewriteKind] = RewriteKind.EXACT
     needs: ClassVar[Needs] = Needs.EXPORTED_GRAPH
     doing: ClassVar[str] = "narrowing the residual stream"
+    inside_changes: ClassVar[str] = (
+        "the residual stream is recentred and carried in d - 1 coordinates: hidden states inside the "
+        "model are neither the original's values nor its width, and the written program returns only the "
+        "outputs of the example inputs; the model's outputs are unchanged"
+    )
 
     def prepare(self, ctx: PassContext) -> CompressionState:
         assert ctx.view is not None and isinstance(ctx.model, fx.GraphModule)

@@ -117,6 +117,10 @@ class DeferRMS(Pass[DeferSite, DeferPlan, None]):
     kind: ClassVar[RewriteKind] = RewriteKind.EXACT
     needs: ClassVar[Needs] = Needs.EXPORTED_GRAPH
     doing: ClassVar[str] = "deferring RMS scaling past the matmuls"
+    inside_changes: ClassVar[str] = (
+        "the normalized value is no longer computed (the matmuls read the unnormalized input, scaled "
+        "after): hidden states and outputs do not change"
+    )
 
     def candidates(self, ctx: PassContext, state: None) -> list[DeferSite]:
         """Statistics written out (an ``aten.rsqrt``) and ``aten.rms_norm`` calls (torch's RMSNorm)."""

@@ -381,6 +381,11 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
 
     name = "fold_norm_affine"
     kind = RewriteKind.EXACT
+    inside_changes = (
+        "each folded norm's output is the normalized value without its gain and shift (they moved into "
+        "the layers that read it): a hook on the norm sees other values; hidden states and outputs do not "
+        "change"
+    )
 
     def prepare(self, ctx: PassContext) -> NormPatterns:
         return NormPatterns(ctx.view)

@@ -258,6 +258,11 @@ class RecenterLayerNorm(Pass[NormSite, RecenterPlan, StreamPlan | None]):
 
     name = "recenter_layernorm"
     kind = RewriteKind.EXACT
+    inside_changes = (
+        "the residual stream is recentred (each token's mean over the hidden dim removed): hidden states "
+        "read from inside the model (output_hidden_states=True, hooks on its blocks or embeddings) differ "
+        "from the original's; the model's outputs do not"
+    )
     keeps_capture = True  # norms become normswap's own norm classes; weights change value only
 
     def prepare(self, ctx: PassContext) -> StreamPlan | None:

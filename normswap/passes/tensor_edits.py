@@ -224,7 +224,7 @@ def _fold_edit(plan: AffinePlan, stored: set[str]) -> TensorEdit | str:
 
 def _plan_fold(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
     rewrite = FoldNormAffine()
-    report = PassReport(rewrite.name, rewrite.kind)
+    report = rewrite.new_report()
     plan = EditPlan(report=report)
     state = rewrite.prepare(ctx)
     for site in rewrite.candidates(ctx, state):
@@ -262,7 +262,7 @@ def _center_edit(name: str, dim: int, scale: str | None, untie: list[str], store
 
 def _plan_recenter(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
     rewrite = RecenterLayerNorm()
-    report = PassReport(rewrite.name, rewrite.kind)
+    report = rewrite.new_report()
     plan = EditPlan(report=report)
     streams = rewrite.prepare(ctx)
     aliases = _aliases(model)

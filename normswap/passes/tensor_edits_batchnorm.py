@@ -174,7 +174,7 @@ def plan_batchnorm_folds(
     compute, writes, creates, drops)``; the groups for :func:`check_folds`, the module recipes and the
     report. ``read`` gives a stored tensor by name (the statistics are checked before the stream)."""
     rewrite = FoldBatchNorm()
-    report = PassReport(rewrite.name, rewrite.kind)
+    report = rewrite.new_report()
     edits: list[Any] = []
     groups: list[FoldedGroup] = []
     recorded: dict[str, Any] = {}

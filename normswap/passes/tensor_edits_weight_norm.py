@@ -139,7 +139,7 @@ def plan_weight_norm(
     reads, compute, writes, creates, drops)``; the groups for :func:`check_layers`, the recipes, the report."""
     adding = isinstance(rewrite, AddWeightNorm)
     ctx = parameters_context(model)
-    report = PassReport(rewrite.name, rewrite.kind)
+    report = rewrite.new_report()
     edits: list[Any] = []
     groups: list[WeightNormGroup] = []
     recorded: dict[str, Any] = {}

@@ -3,16 +3,24 @@
 shards, with no process ever holding the whole model, and the same files load at any process count.
 
 A checkpoint is a folder ``DIR/step-00000040`` holding the student's parameters and buffers and the
-optimizer's state (DCP's files) and ``run.json``: the step reached, the losses so far, and what the run
-must agree on to be continued (loss, learning rate, temperature, the trained parameters, a fingerprint of
-each training batch and of the teacher's weights). It is written into a hidden sibling and renamed only
+optimizer's tensors (DCP's files) and ``run.json``: the step reached, the losses so far, the optimizer's
+other values (its param_groups: lr, betas...; as JSON), and what the run must agree on to be continued
+(loss, learning rate, temperature, the trained parameters, a fingerprint of each training batch and of the
+teacher's weights). It is written into a hidden sibling and renamed only
 once every process has written and ``run.json`` is in, so a folder named ``step-*`` is always complete;
 the folders a killed run leaves are hidden, ignored by ``--resume`` and removed by the next checkpoint.
 After a new one is named, this run's older ones are removed: one is kept. A run that does not resume
 refuses a folder holding another run's checkpoints.
 
+Nothing in a checkpoint is unpickled but ``.metadata``, through one restricted unpickler: DCP pickles
+every non-tensor value it saves and reads those back with plain ``torch.load(weights_only=False)``, so
+normswap gives DCP tensors only, and :func:`screened_metadata` (the one reader of a checkpoint's
+structure) refuses a ``.metadata`` that declares anything else, or that names a data file other than a
+plain file of the checkpoint folder; DCP is then handed that screened metadata, never the file again.
+
 Resuming loads the newest one into the freshly placed student and optimizer and continues at the next
-step. Nothing in a distillation step is random (dropout is off) and the batches are cycled by step
+step. A trained parameter that never got a gradient has no optimizer state, in the checkpoint as in the
+run that wrote it, and none after resuming. Nothing in a distillation step is random (dropout is off) and the batches are cycled by step
 number, so a resumed run computes what the uninterrupted run would have.
 """
 
@@ -21,9 +29,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import pickle
 import re
 import shutil
+import stat
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +48,8 @@ from normswap.calibrate.parallel import DataParallel
 from normswap.errors import BadInputError
 
 RUN_FILE = "run.json"
-_FORMAT = 1
+# 2: the optimizer's non-tensor values are in run.json; format 1 had DCP pickle them
+_FORMAT = 2
 _STEP_DIR = re.compile(r"step-(\d{8})")
 
 
@@ -138,10 +149,36 @@ def _one_process_quietly(parallel: DataParallel | None) -> Iterator[None]:
         yield
 
 
+def _dcp_failure(exc: BaseException) -> BaseException:
+    """The first error DCP wrapped in its CheckpointException (which derives from BaseException)."""
+    for failure in getattr(exc, "failures", {}).values():
+        if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+            return failure[0]
+    return exc
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str) -> Iterator[None]:
+    """DCP's failures as one line naming ``what``: its CheckpointException is caught by type (it is a
+    BaseException, but not a KeyboardInterrupt or SystemExit, which go through)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except BadInputError:
+        raise
+    except (Exception, CheckpointException) as exc:
+        cause = _dcp_failure(exc)
+        if isinstance(cause, BadInputError):  # raised by normswap's own reader inside DCP
+            raise cause from None
+        text = next((line for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+        raise BadInputError(f"{what}: {text}") from None
+
+
 def _dcp_save(state: dict[str, Any], folder: Path, parallel: DataParallel | None) -> None:
     import torch.distributed.checkpoint as dcp
 
-    with _one_process_quietly(parallel):
+    with _one_process_quietly(parallel), _dcp_errors(f"cannot write {folder}"):
         dcp.save(state, checkpoint_id=str(folder), no_dist=parallel is None)
 
 
@@ -174,20 +211,173 @@ class _MetadataUnpickler(pickle.Unpickler):
         return found
 
 
-def _check_metadata(folder: Path) -> None:
-    """Refuse a checkpoint whose ``.metadata`` pickle names anything but DCP's own metadata (see above)."""
+def _refuse(file: Path, reason: str) -> BadInputError:
+    return BadInputError(f"--resume: {file} is refused: {reason}")
+
+
+def _plain_file_in(folder: Path, name: object, file: Path) -> None:
+    """``name`` (from ``file``) must be a plain file name of ``folder``, and that file a regular file."""
+    # a name, not a path: no separator of either kind, no '..', nothing absolute
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or os.path.basename(name) != name
+        or "\\" in name
+        or os.path.isabs(name)
+    ):
+        raise _refuse(file, f"its storage file {name!r} is not a file name inside the folder")
     try:
-        with open(folder / ".metadata", "rb") as handle:
-            _MetadataUnpickler(handle).load()
+        mode = os.lstat(folder / name).st_mode
+    except OSError as exc:
+        raise _refuse(file, f"its storage file {name!r} cannot be read: {exc.strerror}") from None
+    if stat.S_ISLNK(mode):
+        raise _refuse(file, f"its storage file {name!r} is a symlink (never followed out of the folder)")
+    if not stat.S_ISREG(mode):
+        raise _refuse(file, f"its storage file {name!r} is not a regular file")
+
+
+def screened_metadata(folder: Path) -> Any:
+    """The checkpoint's DCP metadata, read the one way normswap reads it: ``.metadata`` itself a regular
+    file, unpickled by the restricted unpickler above; every data file it names a plain file of ``folder``
+    (no path, no '..', no symlink), with no storage transform; and every item a tensor. A non-tensor item
+    is what DCP would unpickle without restriction (``torch.load(weights_only=False)``), and normswap
+    writes none: refused, whatever its bytes."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    file = folder / ".metadata"
+    try:
+        if stat.S_ISLNK(os.lstat(file).st_mode):
+            raise _refuse(file, "it is a symlink")
+        with open(file, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
     except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise BadInputError(f"--resume: {folder / '.metadata'} is refused: {exc}") from None
+        raise _refuse(file, str(exc)) from None
+    items = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(metadata, Metadata) or not isinstance(items, dict) or not isinstance(storage, dict):
+        raise _refuse(file, "it is not DCP's metadata of a checkpoint")
+    for info in storage.values():
+        if not isinstance(info, _StorageInfo):
+            raise _refuse(file, f"its storage record is a {type(info).__name__}")
+        _plain_file_in(folder, info.relative_path, file)
+        if info.transform_descriptors:
+            raise _refuse(file, f"its storage file {info.relative_path!r} is stored through a transform")
+    for key, item in items.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise _refuse(
+                file,
+                f"it declares {key!s:.120} as a pickled object, which DCP would unpickle: a normswap "
+                "checkpoint holds tensors only",
+            )
+    return metadata
 
 
 def _dcp_load(state: dict[str, Any], folder: Path, parallel: DataParallel | None) -> None:
+    """DCP reads ``folder``'s tensors into ``state`` (tensors only), given the screened metadata."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    with _one_process_quietly(parallel):
-        dcp.load(state, checkpoint_id=str(folder), no_dist=parallel is None)
+    metadata = screened_metadata(folder)
+
+    class ScreenedReader(FileSystemReader):
+        # DCP's own read_metadata is a plain pickle.load of the file: it gets the screened copy instead,
+        # so a file changed after the screening is never read as metadata.
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class TensorsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:  # never reached: screened above
+            raise _refuse(folder / ".metadata", f"it declares {read_item.dest_index.fqn} as a pickled object")
+
+    reader = ScreenedReader(str(folder))
+    with _one_process_quietly(parallel), _dcp_errors(f"--resume: {folder} does not fit the converted model"):
+        dcp.load(state, storage_reader=reader, planner=TensorsOnly(), no_dist=parallel is None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The optimizer's state: tensors to DCP, every other value to run.json
+
+
+def _json_value(value: Any, where: str) -> Any:
+    """``value`` as JSON holds it (tuples as lists); only numbers, booleans, None, strings and lists."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_json_value(v, where) for v in value]
+    raise BadInputError(
+        f"--checkpoint-dir: the optimizer's {where} is a {type(value).__name__}, which a checkpoint does not hold"
+    )
+
+
+def _split_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what DCP writes: the model's and the optimizer's tensors; what run.json holds: the optimizer's other
+    values, i.e. its param_groups and any non-tensor entry of a parameter's state)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    for name, value in model_state.items():
+        if not isinstance(value, torch.Tensor):
+            raise BadInputError(
+                f"--checkpoint-dir: the converted model's state {name} is a {type(value).__name__}, not a "
+                "tensor: a checkpoint holds tensors only"
+            )
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    state: dict[str, Any] = {}
+    for fqn, entries in optimizer_state["state"].items():
+        tensors[fqn] = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+        values = {
+            k: _json_value(v, f"{fqn}.{k}") for k, v in entries.items() if not isinstance(v, torch.Tensor)
+        }
+        state[fqn] = {"tensors": sorted(tensors[fqn]), "values": values}
+    groups = [
+        {k: _json_value(v, f"param_groups.{k}") for k, v in group.items()}
+        for group in optimizer_state["param_groups"]
+    ]
+    return {"model": model_state, "optim": {"state": tensors}}, {"param_groups": groups, "state": state}
+
+
+def _optimizer_record(record: dict[str, Any]) -> dict[str, Any]:
+    """run.json's optimizer entry, its shape checked (raises TypeError/KeyError as the record's reader)."""
+    saved = record["optimizer"]
+    groups, state = saved["param_groups"], saved["state"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise TypeError("its optimizer param_groups are not a list of records")
+    if not isinstance(state, dict):
+        raise TypeError("its optimizer state is not a record")
+    for fqn, entry in state.items():
+        names, values = entry["tensors"], entry["values"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"its optimizer state of {fqn} names no tensors")
+        if not isinstance(values, dict):
+            raise TypeError(f"its optimizer state of {fqn} has no values")
+    return saved
+
+
+def _param_groups(path: Path, saved: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The checkpoint's param_groups, in the types the fresh optimizer's hold (JSON has no tuples)."""
+    if len(saved) != len(now):
+        raise BadInputError(
+            f"--resume: {path} has {len(saved)} optimizer parameter groups, the run has {len(now)}"
+        )
+    restored = []
+    for index, (old, new) in enumerate(zip(saved, now, strict=True)):
+        group = {}
+        for key, value in new.items():
+            if key not in old:
+                raise BadInputError(
+                    f"--resume: {path / RUN_FILE} lacks the optimizer's {key} (group {index})"
+                )
+            kept = old[key]
+            group[key] = tuple(kept) if isinstance(value, tuple) and isinstance(kept, list) else kept
+        if group["params"] != new["params"]:
+            raise BadInputError(f"--resume: {path} trains other parameters (optimizer group {index})")
+        restored.append(group)
+    return restored
 
 
 def _finished(folder: Path) -> list[Path]:
@@ -242,21 +432,14 @@ def save_checkpoint(
     parallel: DataParallel | None,
 ) -> Path:
     """Write the checkpoint after ``step`` steps (module doc); returns its folder."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     if _main(parallel):
         plan.directory.mkdir(parents=True, exist_ok=True)
     if parallel is not None:
         parallel.barrier()
     path = plan.directory / f"step-{step:08d}"
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    record = {"format": _FORMAT, "step": step, "losses": losses, "run": run}
-    _write_shared_folder(
-        path,
-        parallel,
-        lambda temp: _dcp_save({"model": model_state, "optim": optimizer_state}, temp, parallel),
-        record,
-    )
+    tensors, optimizer_values = _split_state(model, optimizer)
+    record = {"format": _FORMAT, "step": step, "losses": losses, "run": run, "optimizer": optimizer_values}
+    _write_shared_folder(path, parallel, lambda temp: _dcp_save(tensors, temp, parallel), record)
     if _main(parallel):
         for older in _finished(plan.directory):
             if older != path and _same_run(older, run):
@@ -309,7 +492,12 @@ def load_checkpoint(
 ) -> tuple[int, list[float], Path]:
     """Load the newest checkpoint of ``plan.directory`` into ``model`` and ``optimizer``; returns the steps
     it had done, their losses and its folder. Refuses a checkpoint of a different run (module doc)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     finished = _finished(plan.directory)
     if not finished:
@@ -320,12 +508,13 @@ def load_checkpoint(
         step, losses, saved_run = int(record["step"]), [float(v) for v in record["losses"]], record["run"]
         if not isinstance(saved_run, dict):
             raise TypeError(f"its run is a {type(saved_run).__name__}, not a record")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if record.get("format") != _FORMAT:
+            raise BadInputError(
+                f"--resume: {path} was written by another version of normswap (format {record.get('format')})"
+            )
+        saved_optimizer = _optimizer_record(record)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise BadInputError(f"--resume: {path / RUN_FILE} is not a checkpoint record: {exc}") from None
-    if record.get("format") != _FORMAT:
-        raise BadInputError(
-            f"--resume: {path} was written by another version of normswap (format {record.get('format')})"
-        )
     differences = _differences(saved_run, run, step)
     if differences:
         raise BadInputError(f"--resume: {path} is from another run: " + "; ".join(differences))
@@ -333,16 +522,31 @@ def load_checkpoint(
         raise BadInputError(
             f"--resume: {path} has done {step} steps, --steps is {run['steps']}: nothing to continue"
         )
-    _check_metadata(path)  # before DCP unpickles it
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optimizer_state}
-    try:
-        _dcp_load(state, path, parallel)
-    except Exception as exc:  # DCP wraps a missing or mis-shaped tensor in its own exception types
-        raise BadInputError(
-            f"--resume: {path} does not fit the converted model: {str(exc).splitlines()[0]}"
-        ) from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # A fresh optimizer gets a state for every parameter here (DCP's zero-gradient step): the tensors to
+    # load into. Only the parameters that had a state in the checkpoint are loaded and given one; a
+    # parameter that never got a gradient has none, as in the run that wrote it.
+    model_state, fresh = get_state_dict(model, optimizer)
+    wanted: dict[str, dict[str, Any]] = {}
+    for fqn, entry in saved_optimizer["state"].items():
+        here = fresh["state"].get(fqn)
+        missing = [name for name in entry["tensors"] if here is None or name not in here]
+        if missing:
+            raise BadInputError(
+                f"--resume: {path} does not fit the converted model: it holds optimizer state "
+                f"{fqn}.{missing[0]}, which this run's optimizer does not have"
+            )
+        wanted[fqn] = {name: here[name] for name in entry["tensors"]}
+    state = {"model": model_state, "optim": {"state": wanted}}
+    _dcp_load(state, path, parallel)
+    optimizer_state = {
+        "state": {
+            fqn: {**state["optim"]["state"].get(fqn, {}), **entry["values"]}
+            for fqn, entry in saved_optimizer["state"].items()
+        },
+        "param_groups": _param_groups(path, saved_optimizer["param_groups"], fresh["param_groups"]),
+    }
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=StateDictOptions(strict=False))
     return step, losses, path
 
 

@@ -12,6 +12,10 @@ over every element of that feature in every batch, and the norm's weight and bia
 variance over the batches); a DyT or Derf target also fits its scalars (``alpha``; and Derf's ``shift``) to
 the residual of that fit: the best of a grid, refined by L-BFGS with the affine solved in closed form.
 Everything is fp64 inside and cast back to the parameter dtype.
+
+A fit over activations that hold a NaN or Inf (they would make every fitted weight NaN) is refused, saying
+where, and so is a fit that produces a non-finite parameter; every site fitted so far is then put back
+(:func:`fit_sites_in_order`, shared by the affine and the cosine fits).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.calibrate.data import ModelInputs, as_model_inputs
+from normswap.errors import CheckFailedError
 from normswap.util.modes import modes_restored
-from normswap.validate.metrics import flatten_outputs, sqnr_db
+from normswap.validate.metrics import first_nonfinite, flatten_outputs, sqnr_db
 
 # DyT's alpha candidates: log-spaced over the range trained models end up in (Zhu et al. 2025).
 DYT_ALPHAS = tuple(float(a) for a in torch.logspace(-2, 1, 31))
@@ -308,6 +313,7 @@ def fit_sites_in_order(
         with _recording(original, sites, "output") as outputs:
             for batch in data:
                 _run(original, batch)
+        saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # each fitted site's tensors before
         for site in _execution_order(converted, sites, data[0]):
             if on_site is not None:
                 on_site(site)
@@ -315,7 +321,15 @@ def fit_sites_in_order(
                 for batch in data:
                     _run(converted, batch)
             module = converted.get_submodule(site)
-            result = fit(module, inputs[site], outputs[site])
+            saved.append(_state(module))
+            try:
+                _refuse_nonfinite(site, module, inputs[site], outputs[site], fitted=False)
+                result = fit(module, inputs[site], outputs[site])
+                _refuse_nonfinite(site, module, [], [], fitted=True)
+            except BaseException:
+                for kept in saved:  # nothing of a refused calibration stays in the model
+                    _restore(kept)
+                raise
             if isinstance(result, str):
                 report.sites.append(SiteFit(site, type(module).__name__, math.nan, math.nan, note=result))
                 continue
@@ -323,6 +337,48 @@ def fit_sites_in_order(
             report.sites.append(result)
         report.model_sqnr_after_db = _model_sqnr(reference, converted, data)
     return report
+
+
+def _state(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(t, t.detach().clone()) for t in (*module.parameters(), *module.buffers())]
+
+
+def _restore(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for tensor, before in state:
+            tensor.copy_(before)
+
+
+def _refuse_nonfinite(
+    site: str,
+    module: nn.Module,
+    inputs: list[torch.Tensor],
+    targets: list[torch.Tensor],
+    *,
+    fitted: bool,
+) -> None:
+    """The one check every calibration fit goes through (CheckFailedError, naming where): before the fit
+    (``fitted=False``), the activations it is fitted on hold a NaN or Inf (a fit over them compares
+    nothing there, whatever it produces); after it, a fitted parameter or statistic is not finite."""
+    for what, tensors in (("inputs", inputs), ("target outputs of the original", targets)):
+        found = next(((i, f) for i, t in enumerate(tensors) if (f := first_nonfinite(t)) is not None), None)
+        if found is not None:
+            i, (count, at, value) = found
+            raise CheckFailedError(
+                f"calibration of {site} ({type(module).__name__}): its {what} on the calibration data hold "
+                f"{value} at {at} in batch {i + 1} ({count} non-finite value{'s' if count != 1 else ''}): "
+                "check the calibration data for NaN/Inf; nothing written"
+            )
+    if not fitted:
+        return
+    named = [*module.named_parameters(), *module.named_buffers()]
+    bad = next(((n, f) for n, t in named if (f := first_nonfinite(t)) is not None), None)
+    if bad is not None:
+        name, (_, index, kind) = bad
+        raise CheckFailedError(
+            f"calibration of {site} ({type(module).__name__}) produced a non-finite {name} ({kind} at "
+            f"{index}) from finite data; nothing written"
+        )
 
 
 def calibrate_swapped_norms(

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -93,7 +92,8 @@ class RecalibrationReport:
     @property
     def ok(self) -> bool:
         """False when a statistic or a held-out output is not finite: the model must not be shipped."""
-        holdout_finite = self.holdout is None or all(math.isfinite(o.max_abs) for o in self.holdout.outputs)
+        # the one NaN/Inf rule of comparisons (normswap.validate.metrics.nonfinite_where)
+        holdout_finite = self.holdout is None or self.holdout.nonfinite is None
         return all(layer.finite for layer in self.layers) and holdout_finite
 
     @property

@@ -7,13 +7,14 @@ pipeline that also holds an architectural one is still held to the exact toleran
 inputs and on variants of them along the dims the original model accepts freely (batch, sequence length,
 spatial size; :mod:`normswap.validate.variants`), and every tensor output is compared, integer and bool
 ones by equality. A rewritten model that raises on a variant the original accepts is not silently wrong:
-the pass's validation says which shapes it was proven on and which it does not accept.
+the pass's validation says which shapes it was proven on and which it does not accept. Whether an exact
+pass kept the outputs is decided over all those inputs together by the one exact rule,
+:func:`normswap.validate.exact.judge_exact`, the rule ``validate --exact`` applies too.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from normswap.graph.capture import CapturedGraph
 from normswap.modules.copying import copy_model
 from normswap.passes.base import Pass, PassReport, RewriteKind, usable_capture
 from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
-from normswap.validate.metrics import TensorComparison, flatten_outputs
+from normswap.validate.exact import ExactRun, judge_exact, run_widened, widened_model
 from normswap.validate.variants import (
     InputVariant,
     accepted_variants,
@@ -208,18 +209,6 @@ def _returned(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def _moved(worst: TensorComparison) -> str:
-    if worst.mismatched is not None:
-        return (
-            f"{worst.name} ({worst.dtype}, compared for equality) differs in {worst.mismatched} of "
-            f"{math.prod(worst.shape)} values"
-        )
-    return (
-        f"{worst.name} moved by {worst.max_abs:.3g} "
-        f"({worst.max_rel:.3g} x max|ref|, tolerance {worst.tolerance:g})"
-    )
-
-
 class _PassCheck:
     """The check of one pass that made changes: outputs before vs after on each input, collected into
     the pass's ``validation`` dict and, for an exact pass, into at most one failure sentence."""
@@ -230,7 +219,7 @@ class _PassCheck:
         self.report = pass_report
         self.model = model
         self.snapshot = snapshot
-        self.wide: nn.Module | None = None  # the snapshot in the wider dtype, made at the first need
+        self.runs: list[tuple[dict[str, Any], ExactRun]] = []  # inputs to judge together
         self.verified: list[dict[str, Any]] = []
         self.failed: list[dict[str, Any]] = []
         self.not_accepted: list[dict[str, Any]] = []
@@ -262,6 +251,9 @@ class _PassCheck:
         if is_example:
             self.report.validation = comparison.to_dict()
         if not self.exact:
+            # a NaN or Inf fails every comparison (normswap.validate.metrics.nonfinite_where)
+            if comparison.nonfinite:
+                self.reasons.append(f"{self.name}: {comparison.nonfinite} {where}")
             return True, _kept(after)
         entry = {
             **variant.to_dict(),
@@ -269,55 +261,51 @@ class _PassCheck:
             "within_tolerance": comparison.within_tolerance,
             "worst_rel": comparison.worst_rel,
         }
-        passed = comparison.within_tolerance
         if not comparison.outputs:
             if self.failed and not self.failed[0]["compared"]:
                 return True, _kept(after)  # the example compared nothing already: said once
-            reason = (
+            self.failed.append(entry)
+            self.reasons.append(
                 f"{self.name}: the model returns no tensor to compare (returned {_returned(before)}) {where}: "
                 "an exact change cannot be verified"
             )
-        else:
-            if not passed and self.snapshot is not None:
-                verdict = self._rounding_verdict(before, after, variant)
-                entry["rounding"] = verdict
-                if is_example:
-                    self.report.validation["rounding"] = verdict
-                passed = verdict["within_rounding"]
-            failing = [o for o in comparison.outputs if not o.within_tolerance] or comparison.outputs
-            reason = f"{self.name}: {_moved(max(failing, key=lambda o: o.max_rel))} {where}"
-        if passed:
-            self.verified.append(entry)
-        else:
-            self.failed.append(entry)
-            self.reasons.append(reason)
+            return True, _kept(after)
+        # judged in finish(), over every input together (normswap.validate.exact.judge_exact)
+        self.runs.append((entry, ExactRun(where, before, after, variant.args, variant.kwargs)))
         return True, _kept(after)
 
-    def _rounding_verdict(self, before: Any, after: Any, variant: InputVariant) -> dict[str, Any]:
-        if self.wide is None:
-            assert self.snapshot is not None
-            try:
-                self.wide = copy_model(self.snapshot).to(_wider(self.snapshot))
-            except Exception as exc:  # a module that has no wider dtype: the table's verdict stands
-                return {
-                    "reference": f"none: the model does not convert to a wider dtype ({type(exc).__name__})",
-                    "within_rounding": False,
-                }
-        return rounding_verdict(
-            self.snapshot,
-            before,
-            after,
-            copy.deepcopy(variant.args),
-            copy.deepcopy(variant.kwargs),
-            reference_model=self.wide,
-        )
+    def _wide_outputs(self) -> list[Any] | str:
+        """The model before the pass in its wider dtype, run on every input judged."""
+        assert self.snapshot is not None
+        return run_widened(widened_model(self.snapshot), [(r.args, r.kwargs) for _, r in self.runs])
+
+    def _judge(self) -> None:
+        """The one exact rule over every input this pass was checked on."""
+        if not self.runs:
+            return
+        wide = self._wide_outputs if self.snapshot is not None else None
+        verdict = judge_exact([run for _, run in self.runs], wide)
+        if self.report.validation is not None:
+            self.report.validation["exact_passed"] = verdict.passed
+            if verdict.rounding is not None:
+                self.report.validation["rounding"] = verdict.rounding
+        for entry, run in self.runs:
+            if verdict.passed or run.label not in verdict.failed_labels:
+                self.verified.append(entry)
+            else:
+                self.failed.append(entry)
+        if not verdict.passed:
+            self.reasons.append(f"{self.name}: {verdict.reason}")
+        self.runs = []
 
     def finish(self, dropped: list[dict[str, Any]]) -> str | None:
-        """Record what was verified where; the failure sentence of an exact pass, or None."""
+        """Record what was verified where; the failure sentence of an exact pass (or of any pass whose
+        comparison holds a NaN or Inf), or None."""
         if self.report.validation is None:
             self.report.validation = ModelComparison().to_dict()
         if not self.exact:
-            return None
+            return self.reasons[0] if self.reasons else None
+        self._judge()
         shapes = ", ".join(format_shapes(v["shapes"]) for v in self.verified) or "none"
         limitations = [
             f"verified on shapes {shapes}; the converted model does not accept {format_shapes(v['shapes'])}, "
@@ -351,77 +339,3 @@ def _is_half(model: nn.Module) -> bool:
 def _is_fp32(model: nn.Module) -> bool:
     floats = [t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
     return bool(floats) and all(d == torch.float32 for d in floats)
-
-
-def _wider(model: nn.Module) -> torch.dtype:
-    """The dtype a model's rounding is judged in: fp32 for a half-precision model, fp64 for an fp32 one."""
-    return torch.float32 if _is_half(model) else torch.float64
-
-
-def _widened(value: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors narrower than ``dtype`` cast to it (inputs for the model in the wider dtype)."""
-    width = torch.finfo(dtype).bits
-
-    def widen(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and torch.finfo(t.dtype).bits < width:
-            return t.to(dtype)
-        return t
-
-    return pytree.tree_map(widen, value)
-
-
-def rounding_verdict(
-    before_model: nn.Module,
-    before: Any,
-    after: Any,
-    args: tuple | None,
-    kwargs: dict | None,
-    *,
-    reference_model: nn.Module | None = None,
-) -> dict[str, Any]:
-    """Judge an exact rewrite against the same function computed in a wider dtype: fp32 for a
-    half-precision model, fp64 for an fp32 one.
-
-    Two runs of two equal functions differ by their rounding, which on a deep net can exceed the table
-    (resnet18 in bf16 at 64x64: the unfolded model is itself 1.3e-2 x max|out| from fp32; timm's
-    tresnet_l in fp32 with random weights, 1.5e-5 x max|out| from fp64 at 128x128, more at 224). The
-    rewrite is exact when it moves the outputs no further from the wider function than twice the distance
-    the original model already has. Integer and bool outputs (argmax, ids) count the fraction of their
-    values that differ from the wider model's, under the same rule. ``reference_model`` is
-    ``before_model`` (or a model computing its function) already in the wider dtype, when the caller has
-    one.
-    """
-    dtype = _wider(before_model)
-    name = {torch.float32: "fp32", torch.float64: "fp64"}[dtype]
-    try:
-        wide = reference_model if reference_model is not None else copy_model(before_model).to(dtype)
-        reference = run_model(wide, _widened(args, dtype), _widened(kwargs, dtype))
-    except Exception as exc:  # e.g. an exported GraphModule asserts its half-precision dtypes
-        return {
-            "reference": f"none: the model before the pass does not run in {name} ({type(exc).__name__})",
-            "within_rounding": False,
-        }
-    worst_before, worst_after = 0.0, 0.0
-    for (_, ref), (_, old), (_, new) in zip(
-        flatten_outputs(reference, floating_only=False),
-        flatten_outputs(before, floating_only=False),
-        flatten_outputs(after, floating_only=False),
-        strict=True,
-    ):
-        if ref.numel() == 0:
-            continue
-        if not (ref.is_floating_point() or ref.is_complex()):
-            worst_before = max(worst_before, float((old != ref).double().mean()))
-            worst_after = max(worst_after, float((new != ref).double().mean()))
-            continue
-        ref, old, new = (torch.view_as_real(t) if t.is_complex() else t for t in (ref, old, new))
-        scale = float(ref.double().abs().max()) or 1.0
-        worst_before = max(worst_before, float((old.double() - ref.double()).abs().max()) / scale)
-        worst_after = max(worst_after, float((new.double() - ref.double()).abs().max()) / scale)
-    return {
-        "reference": f"the model in {name}",
-        "dtype": name,
-        "original_rel_error": worst_before,
-        "rewritten_rel_error": worst_after,
-        "within_rounding": worst_after <= 2 * worst_before,
-    }

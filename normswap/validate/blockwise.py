@@ -16,7 +16,9 @@ for folds; centering over the hidden dim for a recentered residual stream):
    original's output, so an error does not carry over and the first diverging block is named;
 3. the head (final norm, LM head) runs on the last activation in both: logits against logits.
 
-Every comparison is held to the exact tolerance of the dtype (:mod:`normswap.util.tolerance`). Blocks
+Every comparison is held to the exact tolerance of the dtype (:mod:`normswap.util.tolerance`); a NaN or
+Inf in either model's activation fails its stage and says where
+(:func:`normswap.validate.metrics.nonfinite_where`: a NaN in the original's is the original broken). Blocks
 are the children of the model's largest list of same-class modules (``model.layers``, ``transformer.h``).
 A block runs in the shell's block 0: layers configured differently by index (alternating sliding
 windows) run as block 0 is configured, in both models alike.
@@ -73,7 +75,21 @@ class BlockwiseReport:
         return next((stage for stage, c in self.stages if not c.within_tolerance), None)
 
     @property
+    def failure(self) -> str | None:
+        """The first stage outside the tolerance, and how far (or where it holds a NaN or Inf)."""
+        stage = next(((s, c) for s, c in self.stages if not c.within_tolerance), None)
+        if stage is None:
+            return None if self.stages else "no stage was compared"
+        name, c = stage
+        if c.nonfinite:
+            return f"{name}: {c.nonfinite}"
+        return f"{name}: {c.max_rel:.3g} x max|ref| (tolerance {c.tolerance:g})"
+
+    @property
     def worst_rel(self) -> float:
+        """The largest max_abs / max|ref| of the stages; NaN when a stage holds a NaN or Inf."""
+        if any(c.nonfinite for _, c in self.stages):
+            return float("nan")
         return max((c.max_rel for _, c in self.stages), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
@@ -81,12 +97,14 @@ class BlockwiseReport:
             "ok": self.ok,
             "blocks": self.blocks_path,
             "first_divergent": self.first_divergent,
+            "failure": self.failure,
             "stages": [
                 {
                     "stage": s,
                     "max_rel": c.max_rel,
                     "sqnr_db": c.sqnr_db,
                     "within_tolerance": c.within_tolerance,
+                    "nonfinite": c.nonfinite,
                 }
                 for s, c in self.stages
             ],

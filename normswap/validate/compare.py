@@ -26,16 +26,28 @@ class ModelComparison:
         return bool(self.outputs) and all(o.within_tolerance for o in self.outputs)
 
     @property
+    def nonfinite(self) -> str | None:
+        """Where the first output holding a NaN or Inf holds it; None when every output is finite."""
+        return next((o.nonfinite for o in self.outputs if o.nonfinite), None)
+
+    @property
     def worst_sqnr_db(self) -> float:
+        """The lowest SQNR; NaN when an output holds a NaN or Inf (then no SQNR is a number)."""
+        if self.nonfinite:
+            return float("nan")
         return min((o.sqnr_db for o in self.outputs), default=float("inf"))
 
     @property
     def worst_rel(self) -> float:
+        """The largest max_abs / max|ref|; NaN when an output holds a NaN or Inf."""
+        if self.nonfinite:
+            return float("nan")
         return max((o.max_rel for o in self.outputs), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "within_tolerance": self.within_tolerance,
+            "nonfinite": self.nonfinite,
             "worst_sqnr_db": self.worst_sqnr_db,
             "compared": len(self.outputs),
             "outputs": [asdict(o) for o in self.outputs],

@@ -5,6 +5,14 @@ and keeps their paths) are run on the same batches with forward hooks on every s
 module's outputs are compared in execution order, so the first layer whose output drifts past the
 threshold is where a rewrite starts to hurt; norm sites are listed on their own, in order, because
 they are what normswap changes.
+
+Outputs of a layer are compared only when they have the same shape (or a permutation of it: a .pt2 lifts
+a channel norm's op without its permutes): a module whose output shape differs between the two models (a
+Conv1d subclass whose forward reshapes comes back from a .pt2 as a plain Conv1d, hooked before the
+reshape) is listed as not compared, with the reason, never as divergent. A NaN or Inf in a layer's or an
+output's values fails that comparison and says where (:func:`normswap.validate.metrics.nonfinite_where`).
+With ``exact``, the verdict is the one exact rule of convert and validate
+(:func:`normswap.validate.exact.judge_exact`).
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from torch import nn
 
 from normswap.util.modes import modes_restored
 from normswap.util.tolerance import exact_tolerance
-from normswap.validate.metrics import TensorComparison, compare_tensors, flatten_outputs, sqnr_db
+from normswap.validate.exact import ExactRun, ExactVerdict, judge_exact, run_widened, widened_model
+from normswap.validate.metrics import TensorComparison, compare_tensors, flatten_outputs
 
 DEFAULT_MIN_SQNR_DB = 40.0
 
@@ -56,6 +65,9 @@ class ValidationReport:
     layers: list[LayerDivergence] = field(default_factory=list)
     first_divergent: str | None = None
     shared_modules: int = 0
+    # shared modules whose outputs were not compared, with the reason: {"path", "reason"}
+    skipped_layers: list[dict[str, str]] = field(default_factory=list)
+    exact_verdict: ExactVerdict | None = None  # with ``exact``: the one exact rule's verdict
 
     @property
     def norm_sites(self) -> list[LayerDivergence]:
@@ -63,10 +75,24 @@ class ValidationReport:
 
     @property
     def passed(self) -> bool:
-        """Exact: every output within the dtype's tolerance. Otherwise: every output above min SQNR."""
+        """Exact: the one exact rule (:func:`normswap.validate.exact.judge_exact`). Otherwise: every
+        output above min SQNR. Either way, an output holding a NaN or Inf fails."""
+        return self.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the comparison fails, in one sentence; None when it passes."""
+        nonfinite = next((o.comparison.nonfinite for o in self.outputs if o.comparison.nonfinite), None)
+        if nonfinite is not None:
+            return nonfinite
         if self.exact:
-            return all(o.comparison.within_tolerance for o in self.outputs)
-        return all(o.comparison.sqnr_db >= self.min_sqnr_db for o in self.outputs)
+            if self.exact_verdict is None:
+                return "no output was compared"
+            return None if self.exact_verdict.passed else self.exact_verdict.reason
+        low = [o.comparison for o in self.outputs if not o.comparison.sqnr_db >= self.min_sqnr_db]
+        if low:
+            return f"{low[0].name}: SQNR {low[0].sqnr_db:.3g} dB, below {self.min_sqnr_db:g} dB"
+        return None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,7 +100,10 @@ class ValidationReport:
             "exact": self.exact,
             "min_sqnr_db": self.min_sqnr_db,
             "passed": self.passed,
+            "failure": self.failure,
+            "exact_rule": self.exact_verdict.to_dict() if self.exact_verdict is not None else None,
             "first_divergent": self.first_divergent,
+            "skipped_layers": self.skipped_layers,
             "shared_modules": self.shared_modules,
             "outputs": [{**asdict(o.comparison), "top5_agreement": o.top5_agreement} for o in self.outputs],
             "layers": [asdict(layer) for layer in self.layers],
@@ -171,6 +200,15 @@ def validate_models(
             if on_batch is not None:
                 on_batch(i)
     report.outputs = _compare_outputs(ref_outputs, new_outputs)
+    if exact:
+        runs = [
+            ExactRun(f"on batch {i + 1}" if len(batches) > 1 else "on the inputs", ref, new, args, kwargs)
+            for i, ((args, kwargs), ref, new) in enumerate(
+                zip(batches, ref_outputs, new_outputs, strict=True)
+            )
+        ]
+        with modes_restored(original, inference=True):
+            report.exact_verdict = judge_exact(runs, lambda: run_widened(widened_model(original), batches))
     originals, convs = dict(original.named_modules()), dict(converted.named_modules())
     for path in order:
         if not new_layers[path] and type(convs[path]) is nn.Module:
@@ -181,6 +219,10 @@ def validate_models(
         layer = _compare_layer(
             path, ref_layers[path], new_layers[path], originals[path], convs[path], path in norms
         )
+        if isinstance(layer, str):  # outputs of different shapes: nothing to compare, said why
+            report.shared_modules -= 1
+            report.skipped_layers.append({"path": path, "reason": layer})
+            continue
         report.layers.append(layer)
         if report.first_divergent is None and _diverges(layer, exact, min_sqnr_db, ref_layers[path]):
             report.first_divergent = path
@@ -214,7 +256,8 @@ def _compare_layer(
     old: nn.Module,
     new: nn.Module,
     is_norm: bool,
-) -> LayerDivergence:
+) -> LayerDivergence | str:
+    """The figures of one shared module's outputs over every call; or why they cannot be compared."""
     common = dict(
         path=path,
         original_class=type(old).__name__,
@@ -229,24 +272,42 @@ def _compare_layer(
             # a .pt2 lifts a channel norm's op alone, without the permutes around it (timm LayerNorm2d)
             refs = aligned  # type: ignore[assignment]
             note = "compared in the converted module's layout (its output is a permutation of the original's)"
-    shapes_ok = len(refs) == len(news) and all(r.shape == n.shape for r, n in zip(refs, news, strict=False))
-    if not shapes_ok:
-        return LayerDivergence(**common, sqnr_db=math.nan, max_abs=math.nan, max_rel=math.nan, cosine=math.nan,
-                               note="outputs differ in number or shape")  # fmt: skip
-    ref = torch.cat([r.reshape(-1) for r in refs]).double()
-    out = torch.cat([n.reshape(-1) for n in news]).double()
-    diff = (ref - out).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    max_ref = float(ref.abs().max()) if ref.numel() else 0.0
-    denom = ref.norm() * out.norm()
+    if len(refs) != len(news):
+        return f"called {len(refs)} times in the original, {len(news)} in the converted model"
+    bad = next(((r, n) for r, n in zip(refs, news, strict=True) if r.shape != n.shape), None)
+    if bad is not None:
+        # never compare outputs of different shapes (a .pt2 hooks a Conv1d subclass before its reshape)
+        return (
+            f"its outputs differ in shape ({_shape(bad[0])} in the original, {_shape(bad[1])} in the "
+            f"converted {type(new).__name__}): the final outputs are compared, not this layer"
+        )
+    ref = torch.cat([r.reshape(-1) for r in refs]) if refs else torch.zeros(0)
+    out = torch.cat([n.reshape(-1) for n in news]) if news else torch.zeros(0)
+    c = compare_tensors(path, ref, out) if ref.numel() else None
+    if c is not None and c.nonfinite:
+        # where in the layer's own output (the flat index across calls says nothing): first such call
+        where = next(
+            w for r, n in zip(refs, news, strict=True) if (w := compare_tensors(path, r, n).nonfinite)
+        )
+        nan = math.nan
+        return LayerDivergence(**common, sqnr_db=nan, max_abs=nan, max_rel=nan, cosine=nan, note=where,
+                               layout_note=note)  # fmt: skip
+    if c is None:
+        return LayerDivergence(
+            **common, sqnr_db=math.inf, max_abs=0.0, max_rel=0.0, cosine=1.0, layout_note=note
+        )
     return LayerDivergence(
         **common,
-        sqnr_db=sqnr_db(ref, out),
-        max_abs=max_abs,
-        max_rel=max_abs / max_ref if max_ref > 0 else (0.0 if max_abs == 0 else math.inf),
-        cosine=float(ref @ out / denom) if denom > 0 else (1.0 if max_abs == 0 else 0.0),
+        sqnr_db=c.sqnr_db,
+        max_abs=c.max_abs,
+        max_rel=c.max_rel,
+        cosine=c.cosine,
         layout_note=note,
     )
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "x".join(str(d) for d in t.shape) or "scalar"
 
 
 def _to_layout(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:

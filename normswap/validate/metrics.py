@@ -3,6 +3,10 @@
 Exact rewrites are judged by max abs error relative to the reference's scale, with the dtype's row of
 the tolerance table (:mod:`normswap.util.tolerance`), and outputs that are not floating point (ids, argmax, bool masks) by equality;
 architectural ones by signal-to-noise ratio, ``20 log10(||ref|| / ||ref - out||)``.
+
+A NaN or Inf anywhere in either tensor fails the comparison, whichever rule judges it: nothing was
+compared there, and no figure (max abs, SQNR, cosine) measures it, so every figure is NaN and
+``nonfinite`` says where (:func:`nonfinite_where`, the one function every comparison calls).
 """
 
 from __future__ import annotations
@@ -17,9 +21,57 @@ from torch import nn
 
 from normswap.util.tolerance import exact_tolerance, within_exact_tolerance
 
+ORIGINAL = "the original's"
+CONVERTED = "the converted model's"
+
+
+def first_nonfinite(t: torch.Tensor) -> tuple[int, list[int], str] | None:
+    """(count, index of the first, "NaN"/"Inf"/"-Inf") of the non-finite values of ``t``; None if none
+    (integer and bool tensors are always finite)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return None
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    bad = ~torch.isfinite(t)
+    count = int(bad.sum())
+    if count == 0:
+        return None
+    flat = int(bad.reshape(-1).to(torch.uint8).argmax())
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape)] if t.ndim else []
+    value = float(t.reshape(-1)[flat])
+    kind = "NaN" if math.isnan(value) else ("Inf" if value > 0 else "-Inf")
+    return count, index, kind
+
+
+def nonfinite_where(
+    name: str,
+    reference: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    reference_label: str = ORIGINAL,
+    output_label: str = CONVERTED,
+) -> str | None:
+    """The one NaN/Inf rule of every comparison: None when both tensors are finite everywhere, else one
+    sentence saying which tensor holds what where ("the converted model's output.logits holds NaN at
+    [2, 1] (1 non-finite value)"). The reference is looked at first: a NaN in both at the same place is
+    still a failure, of the reference itself, since nothing was compared there."""
+    for label, tensor, broken in ((reference_label, reference, True), (output_label, output, False)):
+        found = first_nonfinite(tensor)
+        if found is None:
+            continue
+        count, index, kind = found
+        values = f"{count} non-finite value{'s' if count != 1 else ''}"
+        tail = ": nothing was compared there" if broken else ""
+        return f"{label} {name} holds {kind} at {index} ({values}){tail}"
+    return None
+
 
 def sqnr_db(reference: torch.Tensor, output: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB; ``inf`` when the two are identical."""
+    """Signal-to-quantization-noise ratio in dB; ``inf`` when the two are identical, NaN (not a number of
+    dB) when either holds a NaN or Inf: nothing measures the noise there."""
+    if nonfinite_where("", reference, output) is not None:
+        return math.nan
     ref = reference.detach().double()
     noise = (ref - output.detach().double()).norm()
     return _sqnr(float(ref.norm()) ** 2, float(noise) ** 2)
@@ -40,10 +92,22 @@ class TensorComparison:
     top1_agreement: float | None = None
     # integer and bool outputs: how many elements differ (they are compared for equality)
     mismatched: int | None = None
+    # where a NaN or Inf sits (nonfinite_where); the comparison then fails and its figures are NaN
+    nonfinite: str | None = None
 
 
-def compare_tensors(name: str, reference: torch.Tensor, output: torch.Tensor) -> TensorComparison:
+def compare_tensors(
+    name: str,
+    reference: torch.Tensor,
+    output: torch.Tensor,
+    *,
+    reference_label: str = ORIGINAL,
+    output_label: str = CONVERTED,
+) -> TensorComparison:
     """Every figure of ``output`` against ``reference`` (same shape).
+
+    A NaN or Inf in either fails it (:func:`nonfinite_where`, whose labels name the two in the
+    sentence): its figures are NaN, ``nonfinite`` says where.
 
     Integer and bool tensors are within tolerance only when equal, element for element (compared as
     they are, not through float64, which cannot tell large ids apart); the other figures still say how
@@ -64,9 +128,16 @@ def compare_tensors(name: str, reference: torch.Tensor, output: torch.Tensor) ->
         output = torch.view_as_real(output.detach().resolve_conj())
     if reference.shape != output.shape:
         raise ValueError(f"output {name!r} changed shape: {tuple(reference.shape)} -> {tuple(output.shape)}")
+    tol = exact_tolerance(dtype)
+    nonfinite = nonfinite_where(
+        name, reference, output, reference_label=reference_label, output_label=output_label
+    )
+    if nonfinite is not None:
+        nan = math.nan
+        return TensorComparison(name, tuple(reference.shape), str(dtype).replace("torch.", ""), nan, nan,
+                                nan, nan, nan, tol, False, nonfinite=nonfinite)  # fmt: skip
     sums = _Sums.of(reference.detach(), output.detach(), top1=reference.ndim >= 2 and reference.shape[-1] > 1)
     max_abs, max_ref = sums.max_abs, sums.max_ref
-    tol = exact_tolerance(dtype)
     # one root of the product: equal outputs give a cosine of exactly 1 (two roots can give 1 + 2e-16)
     product = sums.ref_sq * sums.out_sq
     denom = math.sqrt(product) if math.isfinite(product) else math.sqrt(sums.ref_sq) * math.sqrt(sums.out_sq)

@@ -24,7 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from normswap.validate.compare import run_model
-from normswap.validate.metrics import flatten_outputs
+from normswap.validate.metrics import flatten_outputs, nonfinite_where
 
 # A variant holds at most this many times the example's elements: enough to cross a size threshold the
 # example sits below, never enough to make the check cost more than a few example runs.
@@ -291,9 +291,14 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
 
 
-def all_finite(output: Any) -> bool:
-    """Whether every floating-point tensor of a model output is finite."""
-    return all(bool(torch.isfinite(t).all()) for _, t in flatten_outputs(output))
+def nonfinite_output(output: Any) -> str | None:
+    """Where the first floating-point tensor of the original's output holding a NaN or Inf holds it
+    (:func:`normswap.validate.metrics.nonfinite_where`); None when every one is finite."""
+    for name, t in flatten_outputs(output):
+        where = nonfinite_where(name, t, t)
+        if where is not None:
+            return where
+    return None
 
 
 @dataclass
@@ -323,10 +328,9 @@ def accepted_variants(model: torch.nn.Module, candidates: list[InputVariant]) ->
         except Exception as exc:  # a model rejects a shape in its own ways; any of them means "not free"
             probe.rejected.append({**variant.to_dict(), "reason": describe_error(exc)})
             continue
-        if not all_finite(output):
-            probe.rejected.append(
-                {**variant.to_dict(), "reason": "the original model's outputs are not finite"}
-            )
+        where = nonfinite_output(output)
+        if where is not None:  # the generated input is not one the original computes: said where
+            probe.rejected.append({**variant.to_dict(), "reason": where})
             continue
         probe.accepted.append(variant)
         probe.outputs.append(output)

@@ -16,6 +16,7 @@ from normswap_cli.options import (
     ModelArg,
     OpsetOpt,
     OutputOpt,
+    OverwriteOpt,
     ReportOpt,
     TrustPickleOpt,
     WeightsOpt,
@@ -166,6 +167,7 @@ def convert(
     inputs: InputsOpt = None,
     input_shape: InputShapeOpt = None,
     report: ReportOpt = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
     from normswap.api import ConvertConfig, convert, save
@@ -175,6 +177,7 @@ def convert(
     check_paths(
         {"MODEL": model, "--weights": weights, "--inputs": inputs, "--calibrate": calibrate},
         {"-o": output, "--report": report},
+        overwrite,
     )
     config = ConvertConfig(
         to=to,
@@ -195,6 +198,7 @@ def convert(
         calibration_batches=calibrate_batches,
         batch_size=batch_size,
         output=output,
+        overwrite=overwrite,
     )
     config.validate()  # option mistakes are said before the model is loaded
     custom_inputs = inputs is not None or bool(input_shape)
@@ -267,6 +271,7 @@ def _stream(model: str, output: Path, config: Any, report: Path | None) -> None:
             weight_norm_dim=config.weight_norm_dim,
             remove_weight_norm=config.remove_weight_norm,
             on_step=say,
+            overwrite=config.overwrite,
         )
     render.print_streamed(result)
     if report is not None:

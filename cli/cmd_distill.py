@@ -22,6 +22,7 @@ from normswap_cli.options import (
     InputsOpt,
     NormalizeOpt,
     OutputOpt,
+    OverwriteOpt,
     ReportOpt,
     TrustPickleOpt,
     WeightsOpt,
@@ -121,6 +122,7 @@ def distill(
             show_default=False,
         ),
     ] = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o (a .dcp
     output is a sharded torch.distributed.checkpoint folder). Runs data-parallel under torchrun."""
@@ -142,12 +144,11 @@ def distill(
             "--inputs": inputs,
         },
         {"-o": output, "--report": report, "--checkpoint-dir": checkpoint_dir},
+        overwrite,
     )
     sharded_output = output.suffix == SHARDED_SUFFIX
     if not sharded_output:
         check_output_format(output)
-    elif output.exists():
-        raise BadInputError(f"-o {output} exists: not written over")
     if temperature is not None and loss != "kl":
         raise BadInputError("--temperature applies to --loss kl")
     if (checkpoint_every is not None or resume) and checkpoint_dir is None:
@@ -204,7 +205,7 @@ def distill(
         written = False
         if result.ok:
             if sharded_output:
-                save_sharded(output, distilled, parallel)
+                save_sharded(output, distilled, parallel, overwrite)
                 render.out.print(f"wrote {output} (sharded, torch.distributed.checkpoint)", soft_wrap=True)
             else:
                 if parallel is not None:
@@ -216,7 +217,9 @@ def distill(
                         whole.load_state_dict(state)
                         distilled = whole
                 if main:
-                    save_trained(distilled, output, args, kwargs, batches, resolved is not None, converted)
+                    save_trained(
+                        distilled, output, args, kwargs, batches, resolved is not None, converted, overwrite
+                    )
             written = True
         if report is not None and main:
             write_json(

@@ -12,6 +12,7 @@ from normswap_cli.options import (
     InputsOpt,
     ModelArg,
     OpsetOpt,
+    OverwriteOpt,
     ReportOpt,
     TrustPickleOpt,
     WeightsOpt,
@@ -41,6 +42,7 @@ def export(
     inputs: InputsOpt = None,
     input_shape: InputShapeOpt = None,
     report: ReportOpt = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Export MODEL to ONNX and check the file in onnxruntime against PyTorch before writing it."""
     from normswap.api import save
@@ -49,7 +51,9 @@ def export(
     from normswap.load import check_writable, require_inputs
 
     check_paths(
-        {"MODEL": model, "--weights": weights, "--inputs": inputs}, {"-o": output, "--report": report}
+        {"MODEL": model, "--weights": weights, "--inputs": inputs},
+        {"-o": output, "--report": report},
+        overwrite,
     )
     if output.suffix.lower() != ".onnx":
         raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
@@ -72,6 +76,7 @@ def export(
             dynamic_batch=dynamic_batch,
             refuse_path=existing(model),
             target=target,
+            overwrite=overwrite,
         )
     render.print_saved(saved)
     if report is not None:

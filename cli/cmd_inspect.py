@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 from normswap_cli import render
-from normswap_cli.options import InputShapeOpt, InputsOpt, ModelArg, TrustPickleOpt, WeightsOpt
+from normswap_cli.options import InputShapeOpt, InputsOpt, ModelArg, OverwriteOpt, TrustPickleOpt, WeightsOpt
 from normswap_cli.shared import check_inputs_fit, check_paths, handles_errors, load, write_json
 
 
@@ -19,12 +19,13 @@ def inspect(
     inputs: InputsOpt = None,
     input_shape: InputShapeOpt = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the sites as JSON.")] = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """List every normalization in MODEL: kind, shape, eps, affine, and what feeds and reads it."""
     from normswap.discover import find_norms
     from normswap.load import resolve_inputs
 
-    check_paths({"MODEL": model, "--weights": weights, "--inputs": inputs}, {"--json": json_out})
+    check_paths({"MODEL": model, "--weights": weights, "--inputs": inputs}, {"--json": json_out}, overwrite)
     # a model directory is built on the meta device: its norms are found without reading a weight
     loaded = load(model, weights, trust_pickle, structure_only=True)
     resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)

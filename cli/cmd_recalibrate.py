@@ -14,6 +14,7 @@ from normswap_cli.options import (
     ModelArg,
     NormalizeOpt,
     OutputOpt,
+    OverwriteOpt,
     ReportOpt,
     TrustPickleOpt,
     WeightsOpt,
@@ -59,6 +60,7 @@ def recalibrate(
     inputs: InputsOpt = None,
     input_shape: InputShapeOpt = None,
     report: ReportOpt = None,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Re-estimate MODEL's BatchNorm statistics as averages over the batches of DATA; write it to -o."""
     from normswap.calibrate import recalibrate_batchnorm
@@ -68,6 +70,7 @@ def recalibrate(
     check_paths(
         {"MODEL": model, "--data": data, "--holdout": holdout, "--weights": weights, "--inputs": inputs},
         {"-o": output, "--report": report},
+        overwrite,
     )
     check_output_format(output)
     loaded = load(model, weights, trust_pickle)
@@ -93,7 +96,7 @@ def recalibrate(
 
     written = False
     if result.ok:
-        save_trained(recalibrated, output, args, kwargs, calibration, resolved is not None, model)
+        save_trained(recalibrated, output, args, kwargs, calibration, resolved is not None, model, overwrite)
         written = True
     if report is not None:
         write_json(

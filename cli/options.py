@@ -63,6 +63,15 @@ OpsetOpt = Annotated[
         "--opset", min=7, help="ONNX opset of a .onnx output (RMSNormalization needs 23) [exporter default]."
     ),
 ]
+OverwriteOpt = Annotated[
+    bool,
+    flag(
+        "--overwrite",
+        help="Replace outputs that exist (-o, --report, --json, --plot), atomically: the old output stays "
+        "whole until the new one is complete. Without it an existing output is refused before any work. "
+        "A symlink is never written through.",
+    ),
+]
 ReportOpt = Annotated[
     Path | None, typer.Option("--report", help="Also write the report as JSON to this file.")
 ]

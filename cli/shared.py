@@ -52,14 +52,17 @@ def load(model: str, weights: Path | None, trust_pickle: bool, structure_only: b
     return loaded
 
 
-def check_paths(reads: dict[str, Any], writes: dict[str, Any]) -> None:
-    """Refuse, before any work, an output that is an input or another output (keys name the options).
+def check_paths(reads: dict[str, Any], writes: dict[str, Any], overwrite: bool = False) -> None:
+    """Refuse, before any work, an output that is an input or another output (keys name the options), or
+    that breaks the output rule (:func:`normswap.load.paths.check_output`): an existing path without
+    ``--overwrite``, a symlink, a folder that is missing or not writable.
 
     A key in capitals (MODEL, ORIGINAL, CONVERTED) or a data option (--data, --calibrate, --holdout) holds a
-    spec: the file or folder it names, or the source file of its factory, is what it reads.
+    spec: the file or folder it names, or the source file of its factory, is what it reads. -o without a
+    suffix (a model directory) or with .dcp is a folder; --checkpoint-dir is a working folder, read and
+    written across runs, and no output.
     """
-    from normswap.load.paths import check_paths as check
-    from normswap.load.paths import source_paths
+    from normswap.load.paths import check_outputs, source_paths
 
     spec_labels = {"MODEL", "ORIGINAL", "CONVERTED", "--data", "--calibrate", "--holdout"}
     paths: dict[str, Any] = {}
@@ -68,7 +71,11 @@ def check_paths(reads: dict[str, Any], writes: dict[str, Any]) -> None:
             paths.update(source_paths(label, value))
         else:
             paths[label] = value
-    check(paths, writes)
+    outputs = {label: value for label, value in writes.items() if label != "--checkpoint-dir"}
+    output = outputs.get("-o")
+    folders = ["-o"] if output is not None and Path(output).suffix in ("", ".dcp") else []
+    working = {"--checkpoint-dir": writes.get("--checkpoint-dir")}
+    check_outputs(paths, outputs, overwrite=overwrite, directories=folders, working=working)
 
 
 def check_inputs_fit(model: Any, args: Any, kwargs: Any, what: str = "the model") -> None:
@@ -127,13 +134,22 @@ def check_output_before_work(model: Any, output: Path, args: Any, kwargs: Any, q
 
 
 def save_trained(
-    model: Any, output: Path, args: Any, kwargs: Any, data: Any, inputs_known: bool, source: str
+    model: Any,
+    output: Path,
+    args: Any,
+    kwargs: Any,
+    data: Any,
+    inputs_known: bool,
+    source: str,
+    overwrite: bool = False,
 ) -> None:
-    """Write a model whose parameters were re-estimated from DATA (never over its input file)."""
-    from normswap.load import save_model
+    """Write a model whose parameters were re-estimated from DATA (never over its input file), as convert
+    writes: a .onnx checked in onnxruntime, an existing -o replaced only with ``overwrite``."""
+    from normswap.api import save
 
     if not inputs_known and data.first is not None:
         # No example inputs given: a data batch shows export what the model takes.
         args, kwargs = data.first.args, data.first.kwargs
-    label = save_model(model, output, args or (), kwargs, refuse_path=existing(source))
-    render.out.print(f"wrote {output} ({label})", soft_wrap=True)
+    with render.stdout_kept(output.suffix.lower() == ".onnx"):
+        saved = save(model, output, args or (), kwargs, refuse_path=existing(source), overwrite=overwrite)
+    render.out.print(f"wrote {output} ({saved.format})", soft_wrap=True)

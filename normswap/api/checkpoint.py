@@ -43,6 +43,7 @@ from normswap.load.checkpoint_dir import (
     read_checkpoint_directory,
 )
 from normswap.load.checkpoint_write import copy_side_files
+from normswap.load.paths import check_output
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
 from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.base import PassReport
@@ -279,6 +280,7 @@ def convert_checkpoint(
     weight_norm_dim: int | str | None = "output",
     remove_weight_norm: bool = False,
     on_step: Callable[[str], None] | None = None,
+    overwrite: bool = False,
 ) -> StreamedConversion:
     """Stream one exact rewrite of the model directory ``source`` into the new directory ``output``, and
     verify it block by block against ``source`` before it takes its name.
@@ -309,10 +311,8 @@ def convert_checkpoint(
         raise BadInputError(f"cannot stream this conversion: {why}")
     output = Path(output)
     checkpoint = read_checkpoint_directory(source)
-    if output.exists() or output.is_symlink():
-        raise BadInputError(f"-o {output} exists; normswap never writes over a path: choose a new one")
-    if not output.parent.is_dir():
-        raise BadInputError(f"output directory does not exist: {output.parent}")
+    # the output rule (normswap.load.paths): an existing output only with overwrite, never a symlink
+    check_output("-o", output, overwrite=overwrite, directory=True)
     headers = _headers(checkpoint)
     say("analyzing the model built on the meta device (no weights read)")
     model = build_on_meta(checkpoint)
@@ -358,7 +358,7 @@ def convert_checkpoint(
             say("verifying block by block against the original")
             verification = verify_blocks(checkpoint, written, model, to, say)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
-        publish_directory(temp, output)
+        publish_directory(temp, output, overwrite=overwrite)
     except OSError as exc:
         shutil.rmtree(temp, ignore_errors=True)
         raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None

@@ -37,6 +37,7 @@ from normswap.load.checkpoint_dir import (
     transformers_config,
 )
 from normswap.load.checkpoint_write import copy_side_files
+from normswap.load.paths import check_output
 from normswap.load.safetensors_io import NAMES, ShardWriter
 from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.base import Change, PassReport, Refusal, Skip, build_context
@@ -264,10 +265,8 @@ def convert_checkpoint_sequential(
             "the sequential route writes a model directory: give an output path with no suffix"
         )
     checkpoint = read_checkpoint_directory(source)
-    if output.exists() or output.is_symlink():
-        raise BadInputError(f"-o {output} exists; normswap never writes over a path: choose a new one")
-    if not output.parent.is_dir():
-        raise BadInputError(f"output directory does not exist: {output.parent}")
+    # the output rule (normswap.load.paths): an existing output only with overwrite, never a symlink
+    check_output("-o", output, overwrite=config.overwrite, directory=True)
     meta = build_on_meta(checkpoint)
     blocks, count = _blocks(checkpoint, meta)
     args, kwargs = example_inputs(meta, checkpoint.config, device="cpu")
@@ -322,7 +321,7 @@ def convert_checkpoint_sequential(
         available = _available_memory() or 4 * _ACTIVATION_CAP
         budget = min(_ACTIVATION_CAP, int(_ACTIVATION_SHARE * available))
     temp = reserve_temp_dir(output)
-    store = ActivationStore(budget, parent=output.parent)
+    store = ActivationStore(budget, destination=output)
     writers: dict[str, ShardWriter] = {}
     try:
         writers = {
@@ -367,7 +366,7 @@ def convert_checkpoint_sequential(
         say("checking the written directory")
         _check_written(read_checkpoint_directory(temp))
         copied_files, not_copied = copy_side_files(checkpoint, temp)
-        publish_directory(temp, output)
+        publish_directory(temp, output, overwrite=config.overwrite)
     except OSError as exc:
         for writer in writers.values():
             writer.abandon()

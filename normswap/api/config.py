@@ -44,6 +44,8 @@ class ConvertConfig:
     - ``output``: the file the result will be saved to (suffix .pt2, .pt/.pth or .onnx). When given, the
       conversion checks before any work that the converted model can be written there, and
       :func:`normswap.save` writes there by default.
+    - ``overwrite``: replace ``output`` when it exists (atomically); without it an existing output is
+      refused before the work (:func:`normswap.load.paths.check_output`).
     """
 
     to: str | None = None
@@ -64,6 +66,7 @@ class ConvertConfig:
     calibration_batches: int | None = None
     batch_size: int | None = None
     output: str | Path | None = None
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if self.from_kinds is not None:
@@ -130,10 +133,13 @@ class ConvertConfig:
     def _check_output(self) -> None:
         from normswap.load import SAVE_FORMATS
         from normswap.load.checkpoint_write import is_directory_output
+        from normswap.load.paths import check_output
 
         output = self.output_path
         if output is None:
             return
+        # the output rule, before the model is loaded: an existing path, a symlink, a missing folder
+        check_output("-o", output, overwrite=self.overwrite, directory=is_directory_output(output))
         if is_directory_output(output):
             if (flag := self._graph_flag()) is not None:
                 raise BadInputError(

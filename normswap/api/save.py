@@ -52,6 +52,7 @@ def save(
     refuse_path: str | Path | None = None,
     source: CheckpointDirectory | None = None,
     target: str = "standard",
+    overwrite: bool | None = None,
 ) -> SavedOutput:
     """Save a conversion's model (or any model) to ``path``, atomically, in the format its suffix names.
 
@@ -65,6 +66,10 @@ def save(
     A path without a suffix is a Hugging Face model directory (a transformers model only), loaded back
     and compared with the model before it takes its name; ``source``, the directory the model came from
     (``LoadedModel.checkpoint``), gives its shard size and the files to copy (tokenizer, ...).
+
+    An existing ``path`` is refused unless ``overwrite`` (default: the conversion's
+    ``ConvertConfig.overwrite``, else False), and a symlink always is
+    (:func:`normswap.load.paths.check_output`); with it the output is replaced atomically.
     """
     from normswap.api.convert import ConversionResult
 
@@ -76,17 +81,33 @@ def save(
         path = path if path is not None else conversion.config.output_path
         if example_args is None and example_kwargs is None:
             example_args, example_kwargs = conversion.example_args, conversion.example_kwargs
+        if overwrite is None:
+            overwrite = conversion.config.overwrite
     else:
         model = result
     if path is None:
         raise BadInputError("save needs a path (or a ConvertConfig with output)")
     from normswap.load.checkpoint_write import is_directory_output
+    from normswap.load.paths import check_output
 
-    if is_directory_output(path):
-        saved = _write_directory(model, Path(path), example_args, example_kwargs, refuse_path, source)
+    replace = bool(overwrite)
+    directory = is_directory_output(path)
+    check_output("-o", path, overwrite=replace, directory=directory)
+    if directory:
+        saved = _write_directory(
+            model, Path(path), example_args, example_kwargs, refuse_path, source, replace
+        )
     else:
         saved = _write(
-            model, Path(path), example_args, example_kwargs, opset, dynamic_batch, refuse_path, target
+            model,
+            Path(path),
+            example_args,
+            example_kwargs,
+            opset,
+            dynamic_batch,
+            refuse_path,
+            target,
+            replace,
         )
     if conversion is not None:
         conversion.saved = saved
@@ -102,6 +123,7 @@ def _write(
     dynamic_batch: bool,
     refuse_path: str | Path | None,
     target: str = "standard",
+    overwrite: bool = False,
 ) -> SavedOutput:
     from normswap.graph.capture import capture_friendly, capture_notes
     from normswap.load import SAVE_FORMATS, save_model
@@ -125,9 +147,10 @@ def _write(
                 dynamic_batch=dynamic_batch,
                 refuse_path=refuse,
                 target=target,
+                overwrite=overwrite,
             )
         return SavedOutput(path=path, format="onnx", onnx=checked, notes=list(notes))
-    label = save_model(model, path, args, kwargs, refuse_path=refuse)
+    label = save_model(model, path, args, kwargs, refuse_path=refuse, overwrite=overwrite)
     notes = capture_notes(model, args, kwargs) if label == "pt2" else []
     return SavedOutput(path=path, format=label, notes=notes)
 
@@ -139,6 +162,7 @@ def _write_directory(
     kwargs: dict[str, Any] | None,
     refuse_path: str | Path | None,
     source: CheckpointDirectory | None,
+    overwrite: bool = False,
 ) -> SavedOutput:
     from normswap.load.checkpoint_dir import load_checkpoint_directory, read_checkpoint_directory
     from normswap.load.checkpoint_write import write_checkpoint_directory
@@ -161,7 +185,7 @@ def _write_directory(
         comparison = compare_models(model, reloaded, args, kwargs, floating_only=False)
         if not comparison.within_tolerance:
             worst = max(comparison.outputs, key=lambda o: o.max_rel, default=None)
-            what = (
+            what = comparison.nonfinite or (
                 "no output was compared" if worst is None else f"{worst.name}: {worst.max_rel:.3g} x max|ref|"
             )
             raise CheckFailedError(
@@ -169,5 +193,5 @@ def _write_directory(
             )
         return comparison.worst_rel
 
-    written = write_checkpoint_directory(model, path, source=source, verify=verify)
+    written = write_checkpoint_directory(model, path, source=source, verify=verify, overwrite=overwrite)
     return SavedOutput(path=path, format="directory", directory=written)

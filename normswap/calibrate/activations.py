@@ -7,10 +7,18 @@ the block moves on. While the tensors held in memory stay within ``budget`` byte
 a tensor that would exceed it goes into a safetensors file of its own in ``folder`` (plain tensors, no
 pickle) and is read back when it is asked for. So memory is the budget plus the tensors a block is
 working on, whatever the number of batches.
+
+The spill folder is a temp folder of normswap's one kind (:func:`normswap.load.save.reserve_temp_dir`:
+``.NAME.activations.normswap-tmp-HOST-PID-TOKEN`` beside the output): a run killed with SIGKILL leaves
+it behind, and the next run on this host removes it once that pid is gone. A write that fails there (a
+full disk) is one line, not a safetensors traceback.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 import shutil
 import tempfile
 from collections.abc import Hashable
@@ -18,14 +26,46 @@ from pathlib import Path
 
 import torch
 
+from normswap.errors import BadInputError
+from normswap.load.save import remove_stale_temps, reserve_temp_dir
+
+# the spill folder of a run without an output path (a library call): named as if for this path
+_NO_DESTINATION = "normswap"
+
+
+def spill_destination(destination: Path | None) -> Path:
+    """The path a spill folder is named for: ``OUT.activations`` beside the output, or one in the
+    system's temporary folder; temp folders are reserved (and stale ones removed) by this name."""
+    if destination is None:
+        return Path(tempfile.gettempdir()) / f"{_NO_DESTINATION}.activations"
+    return destination.with_name(destination.name + ".activations")
+
+
+def _spill_error(folder: Path, exc: Exception) -> BadInputError:
+    # safetensors reports an I/O error as text ("I/O error: No space left on device (os error 28)")
+    found = re.search(r"(?:code: |os error )(\d+)", str(exc))
+    code = getattr(exc, "errno", None) or (int(found.group(1)) if found else None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        reason = "no space left on device"
+    elif code is not None:
+        reason = os.strerror(code)
+    else:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return BadInputError(
+        f"cannot spill activations to {folder}: {reason}; free some space there or raise --activation-memory"
+    )
+
 
 class ActivationStore:
     """Tensors by key, in memory up to ``budget`` bytes, the others in files of a temporary folder made
-    on first need inside ``parent`` (default: the system's temporary folder). :meth:`close` removes it."""
+    on first need beside ``destination`` (the output; default: the system's temporary folder), named so
+    that a later run removes it if this one is killed. :meth:`close` removes it."""
 
-    def __init__(self, budget: int, parent: Path | None = None) -> None:
+    def __init__(self, budget: int, destination: Path | None = None) -> None:
         self.budget = budget
-        self.parent = parent
+        self._name = spill_destination(destination)
+        # what a killed earlier run left, removed whether or not this run spills
+        remove_stale_temps(self._name, directory=True)
         self._held: dict[Hashable, torch.Tensor] = {}
         self._files: dict[Hashable, Path] = {}
         self._folder: Path | None = None
@@ -37,7 +77,7 @@ class ActivationStore:
 
     def _file_for(self, key: Hashable) -> Path:
         if self._folder is None:
-            self._folder = Path(tempfile.mkdtemp(prefix=".normswap-activations-", dir=self.parent))
+            self._folder = reserve_temp_dir(self._name)
         self._written += 1
         return self._folder / f"{self._written}.safetensors"
 
@@ -54,7 +94,11 @@ class ActivationStore:
             self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
             return
         path = self._file_for(key)
-        save_file({"t": tensor}, str(path))
+        try:
+            save_file({"t": tensor}, str(path))
+        except Exception as exc:  # OSError, or safetensors' own SafetensorError around one
+            path.unlink(missing_ok=True)
+            raise _spill_error(path.parent, exc) from None
         self._files[key] = path
         self.spilled_bytes += size
 

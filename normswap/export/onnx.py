@@ -2,7 +2,8 @@
 
 The file is written to a temporary path, loaded in onnxruntime and run on the example inputs; only if
 its outputs agree with PyTorch's (tolerance by dtype: :func:`normswap.util.tolerance.onnx_tolerance`) is
-it moved to the destination. normswap's fused-norm ops become standard ops through
+it moved to the destination. A large model's weights go to an external data file ``OUT.onnx.data``
+(:mod:`normswap.load.onnx_file`), checked with the .onnx from the path and published with it. normswap's fused-norm ops become standard ops through
 :mod:`normswap.kernels.onnx_translation`.
 """
 
@@ -22,8 +23,9 @@ from torch.utils import _pytree as pytree
 from normswap.errors import BadInputError, CheckFailedError, shorten
 from normswap.export.onnx_opset import EXPORTER_OPSET, convert_down
 from normswap.export.onnx_ort import fuse_for_onnxruntime
-from normswap.load.paths import same_path
-from normswap.load.save import atomic_write
+from normswap.load.onnx_file import data_file, save_program
+from normswap.load.paths import check_output, same_path
+from normswap.load.save import atomic_write_onnx
 from normswap.util.modes import modes_restored
 from normswap.util.tolerance import onnx_tolerance
 from normswap.validate.metrics import TensorComparison, compare_tensors
@@ -47,6 +49,8 @@ class OnnxExport:
     checked_batch_sizes: list[int] = field(default_factory=list)
     note: str = ""
     target: str = "standard"
+    # the external data file beside the .onnx (its name), when the weights are too large to sit inside
+    external_data: str | None = None
     # --target onnxruntime: {"fused": {op type: count}, "left": [why a norm site kept standard ops]}
     onnxruntime_fusion: dict[str, Any] = field(default_factory=dict)
 
@@ -173,12 +177,17 @@ def export_onnx(
     dynamic_batch: bool = False,
     refuse_path: Path | None = None,
     target: str = "standard",
+    overwrite: bool = False,
+    external_data_bytes: int | None = None,
 ) -> OnnxExport:
     """Export ``model`` to ``path`` and check the file in onnxruntime; nothing is written if either fails.
 
     Raises :class:`BadInputError` when the export fails (naming the failing op when the exporter does)
     and :class:`CheckFailedError` when onnxruntime's outputs leave their tolerance (:func:`onnx_tolerance`).
     ``target="onnxruntime"`` writes the norms as ONNX Runtime's fused ops (:mod:`.onnx_ort`).
+    Weights above ``external_data_bytes`` (default :data:`normswap.load.onnx_file.EXTERNAL_DATA_BYTES`)
+    go to ``OUT.onnx.data`` beside the file. An existing ``path`` (or its data file) is refused unless
+    ``overwrite``.
     """
     from normswap.kernels.onnx_translation import LAYER_NORMALIZATION_OPSET, translation_table
 
@@ -189,6 +198,7 @@ def export_onnx(
         raise BadInputError(
             f"refusing to overwrite the input model {refuse_path}: choose another output path"
         )
+    check_output("-o", path, overwrite=overwrite)
     check_target(target)
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
@@ -213,18 +223,16 @@ def export_onnx(
             raise BadInputError(f"ONNX export failed: {_describe(exc)}") from None
         if program is None:
             raise BadInputError("ONNX export produced no program")
-        # weights inside the file: an external data file would be named after the temp file
-        program.save(str(temp), external_data=False)
-        if temp.with_name(temp.name + ".data").exists():
-            temp.with_name(temp.name + ".data").unlink()
-            raise BadInputError("the model's weights exceed the 2 GB limit of a single .onnx file")
+        # temp is named as the output, inside a temp folder: the data file's name inside it is final
+        if save_program(program, temp, external_data_bytes):
+            result.external_data = data_file(path).name
         if below:
             assert opset is not None
-            repaired = convert_down(temp, opset)
+            repaired = convert_down(temp, opset, external_data_bytes)
             if repaired:
                 result.note = f"converted down from opset {EXPORTER_OPSET}; {repaired} Split nodes given their sizes as inputs"
         if target == "onnxruntime":  # after any conversion: onnx's converter knows no contrib op
-            result.onnxruntime_fusion = asdict(fuse_for_onnxruntime(temp))
+            result.onnxruntime_fusion = asdict(fuse_for_onnxruntime(temp, external_data_bytes))
         result.opset, result.op_counts = _read_back(temp)
         if opset is not None and result.opset != opset:
             # torch.onnx falls back to the opset it built when converting down fails, with only a warning
@@ -246,7 +254,7 @@ def export_onnx(
             )
 
     with modes_restored(model, inference=True):  # exporting must not change the model
-        atomic_write(path, write)
+        atomic_write_onnx(path, write, overwrite=overwrite)
     return result
 
 

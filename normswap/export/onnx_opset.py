@@ -84,11 +84,14 @@ def _repair_splits(model: object, dims: dict[str, list[int | None]]) -> int:
     return repaired
 
 
-def convert_down(path: Path, opset: int) -> int:
+def convert_down(path: Path, opset: int, external_data_bytes: int | None = None) -> int:
     """Rewrite the file at ``path`` (written at opset 18 or more) at ``opset``; the number of Splits
-    repaired. BadInputError when onnx cannot convert it or the result is not a valid model."""
+    repaired. BadInputError when onnx cannot convert it or the result is not a valid model. Saved back
+    as it was written: weights above ``external_data_bytes`` in ``OUT.onnx.data``."""
     import onnx
     from onnx import version_converter
+
+    from normswap.load.onnx_file import save_proto
 
     model = onnx.load(str(path))
     repaired = _repair_splits(model, _static_dims(model))
@@ -116,5 +119,5 @@ def convert_down(path: Path, opset: int) -> int:
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0]
         raise BadInputError(f"the export converted to opset {opset} is not a valid model: {first}") from None
-    onnx.save(converted, str(path))
+    save_proto(converted, path, external_data_bytes)
     return repaired

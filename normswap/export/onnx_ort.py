@@ -304,10 +304,13 @@ def _drop_unused_constants(graph: Any) -> None:
         graph.initializer.extend(keep)
 
 
-def fuse_for_onnxruntime(path: Path) -> OrtFusion:
-    """Rewrite the .onnx file at ``path`` in place (see the module docstring); returns what it did."""
+def fuse_for_onnxruntime(path: Path, external_data_bytes: int | None = None) -> OrtFusion:
+    """Rewrite the .onnx file at ``path`` in place (see the module docstring); returns what it did. The
+    file is saved back as it was written: weights above ``external_data_bytes`` in ``OUT.onnx.data``."""
     import onnx
     from onnx import helper
+
+    from normswap.load.onnx_file import save_proto
 
     model = onnx.load(str(path))
     fusion = OrtFusion()
@@ -319,5 +322,5 @@ def fuse_for_onnxruntime(path: Path) -> OrtFusion:
         o.domain == MS_DOMAIN for o in model.opset_import
     ):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    onnx.save(model, str(path))
+    save_proto(model, path, external_data_bytes)
     return fusion

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError, describe
+from normswap.errors import BadInputError
 from normswap.load.checkpoint_dir import (
     CONFIG_FILE,
     INDEX_FILE,
@@ -210,15 +210,14 @@ def plan_directory(model: nn.Module) -> DirectoryPlan:
 
 def check_directory_output(model: nn.Module, path: str | Path) -> None:
     """Refuse, before any work, a directory output the model cannot be written to: not a transformers
-    model, an existing path, a missing parent folder."""
+    model, a missing parent folder. An existing path is the output rule's
+    (:func:`normswap.load.paths.check_output`, which every command and :func:`normswap.save` apply)."""
     path = Path(path)
     if not _is_pretrained(model):
         raise BadInputError(
             f"-o {path}: a model directory is written for a transformers model (save_pretrained); "
             f"this is a {type(model).__name__}: save as .pt2, .pt or .onnx"
         )
-    if path.exists() or path.is_symlink():
-        raise BadInputError(f"-o {path} exists; normswap never writes over a path: choose a new one")
     if not path.parent.is_dir():
         raise BadInputError(f"output directory does not exist: {path.parent}")
 
@@ -263,16 +262,20 @@ def write_checkpoint_directory(
     *,
     source: CheckpointDirectory | None = None,
     verify: Callable[[Path], float] | None = None,
+    overwrite: bool = False,
 ) -> WrittenDirectory:
     """Write ``model`` (a transformers model) as a model directory at ``path``, atomically.
 
     ``source``: the directory it was loaded from, whose shard size is kept and whose other files
     (tokenizer, README, ...) are copied. ``verify``: called with the complete temporary directory before
     it takes its name; it loads it back and compares it with ``model``, returning the max relative
-    difference, or raises, and then nothing is kept."""
-    from normswap.load.save import publish_directory, reserve_temp_dir
+    difference, or raises, and then nothing is kept. An existing ``path`` is refused unless
+    ``overwrite``; with it the new directory replaces the old one atomically."""
+    from normswap.load.paths import check_output
+    from normswap.load.save import publish_directory, reserve_temp_dir, write_error
 
     path = Path(path)
+    check_output("-o", path, overwrite=overwrite, directory=True)
     check_directory_output(model, path)
     plan = plan_directory(model)
     config = model.config
@@ -302,10 +305,10 @@ def write_checkpoint_directory(
         reload_error = verify(temp) if verify is not None else None
         copied, not_copied = copy_side_files(source, temp)
         shards = sorted(p.name for p in temp.glob("*.safetensors"))
-        publish_directory(temp, path)
+        publish_directory(temp, path, overwrite=overwrite)
     except OSError as exc:
         shutil.rmtree(temp, ignore_errors=True)
-        raise BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}") from None
+        raise write_error(path, exc) from None
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise

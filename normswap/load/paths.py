@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from normswap.errors import BadInputError
@@ -104,3 +104,66 @@ def check_paths(reads: Mapping[str, PathLike | None], writes: Mapping[str, PathL
             if same_path(path, other):
                 raise BadInputError(_show(label, path, other_label, other))
         seen.append((label, path))
+
+
+# An ONNX output with external data is two files: ``OUT.onnx`` and this beside it.
+ONNX_DATA_SUFFIX = ".data"
+
+
+def output_files(path: PathLike) -> list[Path]:
+    """The paths an output occupies: itself, and for a .onnx its external data file ``OUT.onnx.data``
+    (written for a large model, and replaced or removed with the .onnx)."""
+    path = Path(path)
+    if path.suffix.lower() == ".onnx":
+        return [path, path.with_name(path.name + ONNX_DATA_SUFFIX)]
+    return [path]
+
+
+def check_output(label: str, path: PathLike, *, overwrite: bool = False, directory: bool = False) -> None:
+    """The output rule, for one path a command writes (``label`` names its option in the refusal).
+
+    Refused (``BadInputError``), before any work: a symlink, even with ``overwrite`` (normswap never
+    writes through one); an existing path unless ``overwrite``; a file output where a folder is (even
+    with ``overwrite``: a .pt never replaces a folder of the user's; ``directory`` says the output is a
+    folder); a parent that is missing, not a folder, or not writable. The writers then write atomically
+    (a temp beside the path, renamed over it) and, without ``overwrite``, never replace a path that
+    appeared meanwhile. Which paths are inputs is :func:`check_paths`'s part.
+    """
+    path = Path(path)
+    for occupied in output_files(path):
+        if occupied.is_symlink():
+            raise BadInputError(
+                f"{label} {occupied} is a symlink: normswap never writes through one; choose another path"
+            )
+        if not occupied.exists():
+            continue
+        if not overwrite:
+            raise BadInputError(f"{label} {occupied} exists: pass --overwrite to replace it")
+        if occupied.is_dir() and not directory:
+            raise BadInputError(f"{label} {occupied} is a folder: choose a file path")
+    parent = path.parent
+    if not parent.exists():
+        raise BadInputError(f"{label} {path}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise BadInputError(f"{label} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise BadInputError(f"{label} {path}: folder {parent} is not writable")
+
+
+def check_outputs(
+    reads: Mapping[str, PathLike | None],
+    writes: Mapping[str, PathLike | None],
+    *,
+    overwrite: bool = False,
+    directories: Collection[str] = (),
+    working: Mapping[str, PathLike | None] | None = None,
+) -> None:
+    """Every path a command writes, checked before any model is loaded: none is an input or another
+    output (:func:`check_paths`), and each keeps the output rule (:func:`check_output`). ``directories``
+    names the labels in ``writes`` whose output is a folder; ``working`` holds folders a command reads
+    and writes across runs (``--checkpoint-dir``), which must not meet an input or an output but are
+    no output themselves."""
+    check_paths(reads, {**writes, **(working or {})})
+    for label, value in writes.items():
+        if value is not None:
+            check_output(label, value, overwrite=overwrite, directory=label in directories)

@@ -1,11 +1,15 @@
 """Write a rewritten model so that a failed command leaves nothing behind and never touches its input.
 
-Every output goes to a temp file next to the destination and is renamed over it only once complete;
-``os.replace`` within one directory is atomic, so readers see the old file or the new one, never half.
+Every output goes to a temp file (or folder) next to the destination and takes its name only once
+complete; a rename within one directory is atomic, so readers see the old output or the new one, never
+half. Without ``overwrite`` nothing is renamed over an existing path (:func:`place`); the output rule
+itself (refused before the work) is :func:`normswap.load.paths.check_output`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import importlib.util
 import os
@@ -23,7 +27,8 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError, describe
-from normswap.load.paths import same_path
+from normswap.load.paths import ONNX_DATA_SUFFIX, check_output, same_path
+from normswap.load.pt2_file import captured_pt2_problem, pt2_refusal, write_pt2
 
 if TYPE_CHECKING:
     from normswap.graph.capture import CapturedGraph
@@ -106,6 +111,12 @@ def _remove_stale_temps(path: Path, directory: bool = False) -> None:
             pass
 
 
+def remove_stale_temps(path: Path, directory: bool = False) -> None:
+    """Remove what killed earlier runs on this host left for ``path``: temp files, or folders when
+    ``directory`` (every temp and spill folder normswap makes is named by :func:`_temp_path`)."""
+    _remove_stale_temps(path, directory)
+
+
 def _reserve_temp_path(path: Path) -> Path:
     # The temp file keeps the final suffix: torch.export.save and ONNX writers act on it. Created with
     # O_EXCL and mode 0o666 so the umask applies, as it would to a file written directly.
@@ -121,15 +132,78 @@ def _reserve_temp_path(path: Path) -> Path:
     raise BadInputError(f"cannot create a temporary file next to {path}")
 
 
-def publish_directory(temp: Path, path: Path, label: str = "-o") -> None:
-    """Give the complete directory built in ``temp`` (from :func:`reserve_temp_dir`) its name ``path``;
-    refused if something took that name meanwhile: normswap never writes over a path. ``label`` names
-    the path in that refusal."""
-    if path.exists() or path.is_symlink():
-        raise BadInputError(
-            f"{label} {path} appeared while it was written; normswap never writes over a path"
-        )
-    os.rename(temp, path)
+# renameat2(2) flags (Linux): a rename that fails instead of replacing, and one that swaps two names.
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_AT_FDCWD = -100
+
+
+def _renameat2(source: Path, target: Path, flags: int) -> bool:
+    """renameat2 with ``flags``; False where the system or file system has no such call (then the
+    caller falls back to plain renames)."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    done = call(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), ctypes.c_uint(flags))
+    if done == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(target))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def place(temp: Path, path: Path, *, overwrite: bool = False, label: str = "-o") -> None:
+    """Give the complete file or folder ``temp`` (beside ``path``) its name ``path``.
+
+    Without ``overwrite`` an existing path is never replaced: one that appeared while the output was
+    written is refused (``label`` names it). With ``overwrite`` it is replaced atomically: a file by a
+    rename over it, a folder by swapping the two names (then the old one is removed), so the path holds
+    the old output or the new one, never a half of either. A symlink is never written through."""
+    if path.is_symlink():
+        raise BadInputError(f"{label} {path} is a symlink: normswap never writes through one")
+    if not overwrite:
+        try:
+            if _renameat2(temp, path, _RENAME_NOREPLACE):
+                return
+        except FileExistsError:
+            pass
+        if path.exists():
+            raise BadInputError(
+                f"{label} {path} appeared while it was written: pass --overwrite to replace it"
+            )
+        os.rename(temp, path)
+        return
+    if not path.exists() or (not temp.is_dir() and not path.is_dir()):
+        os.replace(temp, path)  # a file over a file (or nothing): atomic
+        return
+    if _renameat2(temp, path, _RENAME_EXCHANGE):
+        _remove(temp)  # temp now holds the old output
+        return
+    # No exchange here: the old output is moved aside under a temp name (a killed run leaves it for the
+    # next run to remove, as any temp), then the new one takes the name.
+    aside = _temp_path(path, _host(), os.getpid(), secrets.token_hex(4))
+    os.rename(path, aside)
+    try:
+        os.rename(temp, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+    _remove(aside)
+
+
+def publish_directory(temp: Path, path: Path, label: str = "-o", *, overwrite: bool = False) -> None:
+    """Give the complete directory built in ``temp`` (from :func:`reserve_temp_dir`) its name ``path``
+    (:func:`place`: replaced atomically with ``overwrite``, refused without it if it appeared meanwhile).
+    ``label`` names the path in that refusal."""
+    place(temp, path, overwrite=overwrite, label=label)
 
 
 def reserve_temp_dir(path: Path) -> Path:
@@ -149,10 +223,21 @@ def reserve_temp_dir(path: Path) -> Path:
     return temp
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def write_error(path: Path, exc: OSError) -> BadInputError:
+    """One line for a write that failed in the user's environment: a full disk, a quota, permissions."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return BadInputError(
+            f"no space left on device writing {path}: free some space or choose another folder"
+        )
+    return BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}")
+
+
+def atomic_write(path: Path, write: Callable[[Path], None], *, overwrite: bool = True) -> None:
     """Call ``write(temp_path)`` and move the result to ``path``; on any error remove the temp file.
 
-    Temp files that a killed earlier write of ``path`` left behind (same host, dead pid) are removed first.
+    ``overwrite``: replace an existing ``path`` (False: refuse one that appeared meanwhile; the output
+    rule is checked before the work by :func:`normswap.load.paths.check_output`). Temp files that a
+    killed earlier write of ``path`` left behind (same host, dead pid) are removed first.
     """
     path = Path(path)
     parent = path.parent
@@ -171,26 +256,39 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         ) from None
     try:
         write(temp)
-        os.replace(temp, path)
+        place(temp, path, overwrite=overwrite)
     except OSError as exc:
         # Disk full, permissions, a read-only mount: the user's environment, not a normswap bug.
         temp.unlink(missing_ok=True)
-        raise BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}") from None
+        raise write_error(path, exc) from None
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
 
 
-def _write_pt2(model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path) -> None:
-    from normswap.graph.capture import export_program
-
+def atomic_write_onnx(path: Path, write: Callable[[Path], None], *, overwrite: bool = True) -> None:
+    """An ONNX output, which is one file or two (``OUT.onnx`` and its external data ``OUT.onnx.data``):
+    ``write(file)`` writes ``file``, named ``OUT.onnx`` inside a hidden temp folder beside ``path`` (so
+    the reference to the data file names its final name), and may check it there; then the data file is
+    published first and the .onnx after it. A stale data file of an earlier output is removed when
+    the new .onnx has none. On any error the temp folder is removed."""
+    path = Path(path)
+    data = path.with_name(path.name + ONNX_DATA_SUFFIX)
+    _remove_stale_temps(path)
+    folder = reserve_temp_dir(path)
+    temp = folder / path.name
+    temp_data = folder / data.name
     try:
-        ep = export_program(model, example_args, example_kwargs, grow_unit_dims=True)
-    except Exception as exc:
-        raise BadInputError(
-            f"torch.export could not trace the model for .pt2 output ({describe(exc)}); save as .pt instead"
-        ) from None
-    torch.export.save(ep, temp)
+        write(temp)
+        if temp_data.exists():
+            place(temp_data, data, overwrite=overwrite)
+        place(temp, path, overwrite=overwrite)
+        if not temp_data.exists() and overwrite and data.exists() and not data.is_symlink():
+            data.unlink()  # the data file of the output just replaced
+    except OSError as exc:
+        raise write_error(path, exc) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class _StructurePickler(pickle.Pickler):
@@ -250,6 +348,12 @@ def check_writable(
         problem = pickle_problem(model)
         if problem is not None:
             raise BadInputError(f"-o {path}: the model cannot be pickled ({problem}); save as .pt2 instead")
+    elif (
+        label == "pt2" and captured is not None and captured.method == "export" and captured.graph is not None
+    ):
+        problem = captured_pt2_problem(captured.graph)
+        if problem is not None:
+            raise pt2_refusal(path, problem)
     elif captured is not None and captured.method != "export" and not captured.ran:
         # (an fx graph that ran on the inputs says nothing of export either way: the program is
         # exported when it is written, and an export that fails there writes nothing)
@@ -274,6 +378,7 @@ def _write_onnx(
 ) -> None:
     from normswap.graph.capture import capture_friendly
     from normswap.kernels.onnx_translation import LAYER_NORMALIZATION_OPSET, translation_table
+    from normswap.load.onnx_file import save_program
 
     # normswap's fused-norm ops become standard ONNX ops (LayerNormalization, RMSNormalization); the
     # table only adds translations, so models without fused norms export as before.
@@ -293,15 +398,9 @@ def _write_onnx(
         raise BadInputError(f"ONNX export of the model failed: {describe(exc)}") from None
     if program is None:
         raise BadInputError("ONNX export of the model produced no program")
-    # Initializers must stay inside the file: an external data file would be named after the temp file,
-    # and the reference to it would break on rename. The writer still goes external above 2 GB.
-    program.save(str(temp), external_data=False)
-    side_file = temp.with_name(temp.name + ".data")
-    if side_file.exists():
-        side_file.unlink()
-        raise BadInputError(
-            "the model's weights exceed the 2 GB limit of a single .onnx file; save as .pt2 instead"
-        )
+    # temp is named as the output inside a temp folder (atomic_write_onnx): a large model's external
+    # data file is named for the output, and published with it
+    save_program(program, temp)
 
 
 def save_model(
@@ -312,11 +411,13 @@ def save_model(
     *,
     refuse_path: Path | None = None,
     opset: int | None = None,
+    overwrite: bool = False,
 ) -> str:
     """Save ``model`` in the format its suffix names (.pt2, .pt/.pth, .onnx) and return that format's label.
 
     ``refuse_path`` is the input model file: writing over it would destroy the only copy of the original.
     ``opset`` is the ONNX opset for .onnx outputs (None: the exporter's default); other formats ignore it.
+    An existing ``path`` is refused unless ``overwrite`` (:func:`normswap.load.paths.check_output`).
     """
     path = Path(path)
     label = SAVE_FORMATS.get(path.suffix.lower())
@@ -327,14 +428,18 @@ def save_model(
         raise BadInputError(
             f"refusing to overwrite the input model {refuse_path}: choose another output path"
         )
+    check_output("-o", path, overwrite=overwrite)
 
     def write(temp: Path) -> None:
         if label == "pt2":
-            _write_pt2(model, example_args, example_kwargs, temp)
+            write_pt2(model, example_args, example_kwargs, temp, path)
         elif label == "onnx":
             _write_onnx(model, example_args, example_kwargs, temp, opset)
         else:
             _write_pickle(model, temp)
 
-    atomic_write(path, write)
+    if label == "onnx":
+        atomic_write_onnx(path, write, overwrite=overwrite)
+    else:
+        atomic_write(path, write, overwrite=overwrite)
     return label

@@ -229,7 +229,7 @@ def test_the_cli_writes_a_directory_and_refuses_an_existing_one(dirs, tmp_path):
     before = sorted(p.name for p in out.iterdir())
     again = runner.invoke(app, argv)
     assert again.exit_code == 2
-    assert "exists; normswap never writes over a path" in again.output
+    assert f"-o {out} exists: pass --overwrite to replace it" in again.output
     assert sorted(p.name for p in out.iterdir()) == before
     into_input = runner.invoke(
         app, ["convert", str(dirs["llama"]), "--fold-norm-affine", "-o", str(dirs["llama"])]

@@ -142,7 +142,9 @@ def test_atomic_write_os_error_becomes_bad_input(tmp_path: Path) -> None:
     target = tmp_path / "out.pt"
     with pytest.raises(BadInputError) as info:
         atomic_write(target, write)
-    assert str(info.value) == f"cannot write {target}: No space left on device"
+    assert str(info.value) == (
+        f"no space left on device writing {target}: free some space or choose another folder"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

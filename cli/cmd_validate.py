@@ -14,6 +14,7 @@ from normswap_cli.options import (
     ConvertedWeightsOpt,
     InputShapeOpt,
     InputsOpt,
+    OverwriteOpt,
     ReportOpt,
     TrustPickleOpt,
     WeightsOpt,
@@ -72,6 +73,7 @@ def validate(
             "result): compare through the centering.",
         ),
     ] = False,
+    overwrite: OverwriteOpt = False,
 ) -> None:
     """Compare CONVERTED with ORIGINAL on the same inputs: per output, per layer, per norm site."""
     from normswap.errors import BadInputError, CheckFailedError
@@ -87,6 +89,7 @@ def validate(
             "--data": data,
         },
         {"--plot": plot, "--report": report},
+        overwrite,
     )
     if blockwise and Path(original).is_dir() and Path(converted).is_dir():
         _validate_blockwise(original, converted, centered, report)

@@ -150,10 +150,14 @@ def validate(
         render.out.print(f"wrote {plot}")
     if report is not None:
         write_json(report, {"original": original, "converted": converted, **result.to_dict()})
-    if (exact or min_sqnr is not None) and not result.passed:
-        what = "exact tolerance" if exact else f"{min_sqnr:g} dB"
+    # a NaN or Inf in an output fails the comparison whatever was asked (nothing was compared there)
+    nonfinite = any(o.comparison.nonfinite for o in result.outputs)
+    if (exact or min_sqnr is not None or nonfinite) and not result.passed:
         where = f"; first divergent layer: {result.first_divergent}" if result.first_divergent else ""
-        raise CheckFailedError(f"outputs are not within the {what}{where}")
+        if not (exact or min_sqnr is not None):
+            raise CheckFailedError(f"{result.failure}{where}")
+        what = "exact tolerance" if exact else f"{min_sqnr:g} dB"
+        raise CheckFailedError(f"outputs are not within the {what}: {result.failure}{where}")
 
 
 def _norm_paths(model: Any, pair: tuple) -> list[str]:
@@ -213,7 +217,7 @@ def _validate_blockwise(
         )
     failed = [r for r in results if not r.ok]
     if failed:
-        raise CheckFailedError(f"{failed[0].first_divergent} is outside the exact tolerance")
+        raise CheckFailedError(f"outside the exact tolerance: {failed[0].failure}")
 
 
 def _shape_of(pair: tuple) -> str:

@@ -22,6 +22,13 @@ at once.
 Every problem with the data (no files, a file that is not an image, a batch whose layout differs from the
 others or from the model's example input) is one :class:`~normswap.errors.BadInputError` naming the batch
 or file.
+
+Every tensor of every batch, whatever its source, passes :func:`check_data_tensor` as it is read, the one
+rule for what data may hold: a plain dense tensor with values (not a Parameter or other subclass, not
+sparse, not on the meta device, not empty), each element its own memory (an expanded view, which a 1 kB
+file can declare with 10^7 rows, is refused before any work), and no NaN or Inf (a NaN pixel would make
+every fitted statistic NaN). Every command that reads data (convert --calibrate, --holdout, recalibrate,
+distill, the sequential route) reads it through :class:`CalibrationData`, so none needs a copy of the rule.
 """
 
 from __future__ import annotations
@@ -119,9 +126,12 @@ class CalibrationData:
         num_batches: int | None,
         example_args: tuple | None = None,
         example_kwargs: dict | None = None,
+        name: str | None = None,
     ) -> None:
         self._source = source
         self.description = description
+        # what messages call the source ("data file x.pt"): the description without its counts
+        self.name = name or description
         self.num_batches = num_batches
         self.first: ModelInputs | None = None
         self.notes: list[str] = []
@@ -140,7 +150,7 @@ class CalibrationData:
         reference: ModelInputs | None = None
         for index, batch in enumerate(_guarded(self._source, self.description)):
             inputs = self._fit_to_model(as_model_inputs(batch), index)
-            _check_not_empty(inputs, index)
+            _check_batch(inputs, index, self.name)
             if reference is None:
                 reference = inputs
                 self.first = inputs
@@ -229,14 +239,77 @@ def _guarded(source: Callable[[], Iterable[Any]], description: str) -> Iterator[
         index += 1
 
 
-def _check_not_empty(inputs: ModelInputs, index: int) -> None:
+def _check_batch(inputs: ModelInputs, index: int, source: str) -> None:
     tensors = inputs.tensors()
     if not tensors:
-        raise BadInputError(f"calibration batch {index} holds no tensors")
+        raise BadInputError(f"{source}: calibration batch {index} holds no tensors")
     for name, tensor in tensors:
-        if tensor.ndim == 0 or tensor.shape[0] == 0:
+        check_data_tensor(tensor, f"{source}: calibration batch {index}, {name}")
+        if tensor.ndim == 0:
             raise BadInputError(
-                f"calibration batch {index} has {name} of shape {tuple(tensor.shape)}: it holds no samples"
+                f"{source}: calibration batch {index}, {name} is a scalar: it holds no samples"
+            )
+
+
+def _self_overlapping(tensor: torch.Tensor) -> bool:
+    """Whether some elements share memory (an ``expand``ed or stride-0 view): its memory extent, the last
+    element's offset + 1, is below its element count."""
+    extent = 1 + sum(
+        (size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return extent < tensor.numel()
+
+
+def _position(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return tuple(reversed(index))
+
+
+def check_data_tensor(tensor: torch.Tensor, where: str, *, rows_per_batch: int | None = None) -> None:
+    """The one rule for a tensor of data (``where`` names it: the file or source, the batch, the input):
+    BadInputError unless it is a plain dense tensor with values, each element in memory of its own, all
+    of them finite. ``rows_per_batch``: the tensor is a whole file's, to be cut into batches of that many
+    rows; a bad value's message then names its batch too. Cheap next to the model's forward (one pass)."""
+    shape = tuple(tensor.shape)
+    if type(tensor) is not torch.Tensor:
+        what = (
+            "a torch.nn.Parameter (a model's weight)"
+            if isinstance(tensor, torch.nn.Parameter)
+            else f"a {type(tensor).__name__} (a tensor subclass)"
+        )
+        raise BadInputError(
+            f"{where} is {what}, not plain data: save plain tensors (tensor.detach().clone())"
+        )
+    if tensor.layout != torch.strided:
+        raise BadInputError(
+            f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor of shape {shape}: give dense "
+            "tensors (tensor.to_dense())"
+        )
+    if tensor.is_meta:
+        raise BadInputError(
+            f"{where} is on the meta device (a shape of {shape} without values): give real data"
+        )
+    if tensor.numel() == 0:
+        raise BadInputError(f"{where} has shape {shape}: it holds no values (a dimension of length 0)")
+    if _self_overlapping(tensor):
+        raise BadInputError(
+            f"{where} is an expanded view of shape {shape} over {tensor.untyped_storage().nbytes()} bytes (its "
+            "rows share memory, so it declares far more data than it holds): save real rows (tensor.contiguous())"
+        )
+    if tensor.is_floating_point() or tensor.is_complex():
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            bad = ~finite
+            first = int(bad.reshape(-1).nonzero()[0])
+            value = tensor.reshape(-1)[first].item()
+            index = _position(first, tensor.shape)
+            batch = f" (calibration batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
+            raise BadInputError(
+                f"{where} holds {int(bad.sum())} NaN/Inf value(s), the first ({value}) at index {list(index)}"
+                f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows"
             )
 
 
@@ -253,11 +326,12 @@ def _batches_from_payload(
 ) -> tuple[list[Any], str]:
     """Batches held by a loaded ``.pt`` payload or returned by a factory as a tensor or a sequence."""
     if isinstance(payload, torch.Tensor):
-        if payload.ndim == 0 or payload.shape[0] == 0:
-            raise BadInputError(
-                f"{what} holds a tensor of shape {tuple(payload.shape)}: no samples to calibrate on"
-            )
+        if payload.ndim == 0:
+            raise BadInputError(f"{what} holds a scalar tensor: no samples to calibrate on")
         size = batch_size or DEFAULT_BATCH_SIZE
+        # the whole tensor before it is cut: a stride-0 tensor of 10^7 rows is refused before 10^6 splits,
+        # and a NaN in rows a command does not read (a held-out file's later batches) is refused too
+        check_data_tensor(payload, what, rows_per_batch=size)
         batches = _split_rows(payload, size)
         return (
             batches,
@@ -287,8 +361,11 @@ def _batches_from_payload(
 
 def _tensor_file_data(path: Path, batch_size: int | None, strict: bool, **example: Any) -> CalibrationData:
     payload = read_tensor_file(path, what="data file")
-    batches, description = _batches_from_payload(payload, f"data file {path}", batch_size, strict)
-    return CalibrationData(lambda: batches, description=description, num_batches=len(batches), **example)
+    name = f"data file {path}"
+    batches, description = _batches_from_payload(payload, name, batch_size, strict)
+    return CalibrationData(
+        lambda: batches, description=description, num_batches=len(batches), name=name, **example
+    )
 
 
 def _import_data_factory(spec: str) -> Callable[[], Any]:
@@ -305,7 +382,9 @@ def _factory_data(spec: str, batch_size: int | None, strict: bool, **example: An
         raise BadInputError(f"{what} raised {_describe(exc)}") from None
     if isinstance(result, (torch.Tensor, tuple, list)):
         batches, description = _batches_from_payload(result, what, batch_size, strict)
-        return CalibrationData(lambda: batches, description=description, num_batches=len(batches), **example)
+        return CalibrationData(
+            lambda: batches, description=description, num_batches=len(batches), name=what, **example
+        )
     if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Iterable):
         raise BadInputError(
             f"{what} returned a value of type {type(result).__name__}: expected an iterable of batches (a DataLoader, a "
@@ -319,7 +398,7 @@ def _factory_data(spec: str, batch_size: int | None, strict: bool, **example: An
         known = len(result)  # type: ignore[arg-type]
     except TypeError:
         known = None
-    return CalibrationData(lambda: result, description=what, num_batches=known, **example)
+    return CalibrationData(lambda: result, description=what, num_batches=known, name=what, **example)
 
 
 def _image_kind(path: Path) -> str | None:
@@ -430,6 +509,7 @@ def _folder_data(
         num_batches=count,
         example_args=example_args,
         example_kwargs=example_kwargs,
+        name=f"data folder {folder}",
     )
 
 

@@ -134,7 +134,7 @@ def test_pt_file_lists_of_batches(tmp_path):
             {"batch_size": 2},
             "--batch-size applies to an image folder or a single tensor",
         ),
-        (torch.zeros(0, 3), {}, r"holds a tensor of shape \(0, 3\): no samples"),
+        (torch.zeros(0, 3), {}, r"has shape \(0, 3\): it holds no values"),
     ],
 )
 def test_bad_pt_files(tmp_path, payload, kwargs, message):
@@ -159,7 +159,7 @@ def test_batches_that_do_not_fit_are_named(tmp_path):
         _read(load_calibration_data(tmp_path / "rank3.pt", example_args=EXAMPLE))
     torch.save([torch.zeros(4, 2), torch.zeros(0, 2)], tmp_path / "empty.pt")
     with pytest.raises(
-        BadInputError, match=r"calibration batch 1 has args\[0\] of shape \(0, 2\): it holds no"
+        BadInputError, match=r"calibration batch 1, args\[0\] has shape \(0, 2\): it holds no values"
     ):
         _read(load_calibration_data(tmp_path / "empty.pt"))
 

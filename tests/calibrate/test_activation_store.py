@@ -16,7 +16,9 @@ from normswap.load import save as save_module
 
 
 def test_tensors_past_the_budget_go_to_disk_and_come_back_equal(tmp_path):
-    store = ActivationStore(budget=3 * 400, destination=tmp_path / "out")  # room for three (10, 10) fp32 tensors
+    store = ActivationStore(
+        budget=3 * 400, destination=tmp_path / "out"
+    )  # room for three (10, 10) fp32 tensors
     tensors = {("o", b): torch.randn(10, 10, generator=torch.Generator().manual_seed(b)) for b in range(5)}
     for key, tensor in tensors.items():
         store.put(key, tensor)
@@ -122,7 +124,9 @@ def test_a_full_disk_says_so(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     store = ActivationStore(budget=0, destination=tmp_path / "out")
-    with pytest.raises(BadInputError, match=r"^cannot spill activations to .*: no space left on device; free"):
+    with pytest.raises(
+        BadInputError, match=r"^cannot spill activations to .*: no space left on device; free"
+    ):
         store.put("h", torch.ones(3))
     store.close()
     assert list(tmp_path.iterdir()) == []

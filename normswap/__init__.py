@@ -3,6 +3,7 @@
 from normswap.api import ConversionResult, ConvertConfig, SavedOutput, Verdict, convert, save
 from normswap.discover import NormInventory, NormSite, find_norms
 from normswap.errors import BadInputError, CheckFailedError, NormswapError
+from normswap.load import load_model
 from normswap.passes import (
     FoldBatchNorm,
     Pipeline,
@@ -33,6 +34,7 @@ __all__ = [
     "convert",
     "find_norms",
     "fold_batchnorm",
+    "load_model",
     "save",
     "swap_norm",
 ]

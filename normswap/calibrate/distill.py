@@ -19,6 +19,11 @@ Both are computed in fp32 whatever the model's dtype. The optimizer is AdamW wit
 rate and no weight decay: the goal is the teacher's function, and decay would pull norm gains away from
 it.
 
+Settings: both models run with the settings :func:`normswap.graph.capture.capture_friendly` turns off
+for ``convert``'s capture (an HF config's ``use_cache``) off, unless the batches set them: the model
+``convert`` wrote returns no key/value cache, so the original's cache is not an output to match. The
+report says which were turned off; the configs are restored afterwards.
+
 Modes: the teacher runs in eval mode without gradients. The student runs with gradients but with every
 module's training flag off, so dropout is off and a BatchNorm normalizes with, and keeps, its running
 statistics: only parameters move. Switching off only the Dropout modules would not do: HF attention
@@ -36,6 +41,7 @@ memory to be cycled.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -59,6 +65,7 @@ from normswap.calibrate.distill_checkpoint import (
 from normswap.calibrate.distill_report import DistillReport
 from normswap.calibrate.parallel import TEACHER_SHARD_BYTES, DataParallel, parameter_bytes
 from normswap.errors import BadInputError
+from normswap.graph.capture import capture_friendly
 from normswap.validate import ModelComparison, compare_outputs
 from normswap.validate.metrics import flatten_outputs
 
@@ -325,7 +332,19 @@ def distill(
     grad_flags = {name: p.requires_grad for name, p in target.named_parameters()}
     student_modes, teacher_modes = _Modes(target), _Modes(teacher)
     start = time.perf_counter()
+    settings = contextlib.ExitStack()
     try:
+        # convert's rule for its capture, applied to every run of both models (module doc): one function
+        for model in (teacher, target):
+            off = settings.enter_context(
+                capture_friendly(model, train_batches[0].args, train_batches[0].kwargs)
+            )
+            for note in off:
+                text = (
+                    f"{note} for both models' runs, as for convert's capture (set it in the data to keep it)"
+                )
+                if text not in report.notes:
+                    report.notes.append(text)
         teacher_modes.all_eval()
         student_modes.all_eval()
         for name, p in target.named_parameters():
@@ -395,6 +414,7 @@ def distill(
         if reference is not None:
             report.after, report.holdout_loss_after = loop.holdout_figures(held_out, reference)
     finally:
+        settings.close()
         for name, p in target.named_parameters():
             p.requires_grad_(grad_flags.get(name, p.requires_grad))
         student_modes.restore()

@@ -162,6 +162,8 @@ def print_saved(saved: Any) -> None:
         result = saved.onnx
         ops = ", ".join(f"{name} {count}" for name, count in result.op_counts.items())
         out.print(f"ONNX opset {result.opset}: {sum(result.op_counts.values())} nodes ({ops})")
+        if getattr(result, "external_data", None):
+            out.print(f"weights in {result.external_data} beside the .onnx (ONNX external data: keep the two together)")
         if result.target == "onnxruntime":
             fused = result.onnxruntime_fusion.get("fused", {})
             done = ", ".join(f"{name} {count}" for name, count in fused.items()) or "none"

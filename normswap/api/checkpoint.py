@@ -40,6 +40,7 @@ from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
     example_inputs,
+    folder_file,
     read_checkpoint_directory,
 )
 from normswap.load.checkpoint_write import copy_side_files
@@ -263,7 +264,7 @@ def _write_config(checkpoint: CheckpointDirectory, temp: Path, plan: EditPlan) -
             "modules": modules,
         }
         (temp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    generation = checkpoint.path / "generation_config.json"
+    generation = folder_file(checkpoint.path, "generation_config.json")
     if generation.is_file():
         shutil.copyfile(generation, temp / generation.name)
 

@@ -10,6 +10,9 @@ the dtype the weights are stored in. Everything in it is untrusted until checked
 - Weights are read from safetensors only (plain tensors, no pickle); an index's shard names must be
   plain file names inside the directory, every shard must be a readable safetensors file, and every
   tensor the index names must be in its shard. ``pytorch_model.bin`` (a pickle) is refused.
+- Every file read from the directory (config, index, shards, ``normswap.json``, the side files copied into
+  an output) is opened through :func:`folder_file`: a symlink may point inside the folder, never out of
+  it, so that a ``tokenizer.json`` linked to a private file elsewhere is refused, not read and copied.
 - A model that the files do not fully cover (weights missing, unexpected or of the wrong shape) is
   refused: a model with some weights at their random init would pass every later check while being
   another model.
@@ -81,6 +84,37 @@ def is_checkpoint_directory(path: str | Path) -> bool:
     return path.is_dir() and (path / CONFIG_FILE).is_file()
 
 
+def folder_root(directory: Path) -> Path:
+    """The folder a model directory's files must resolve into: the directory itself (symlinks followed),
+    or, for a snapshot of the Hugging Face hub cache (``<repo>/snapshots/<revision>/``, whose files are
+    symlinks to ``../../blobs/<sha>``), the repository's cache folder ``<repo>``, which holds the blobs
+    of that repository alone."""
+    real = directory.resolve()
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        return real.parent.parent
+    return real
+
+
+def folder_file(directory: Path, name: str) -> Path:
+    """``directory / name``, the one way a file of a model folder is reached: BadInputError when the file,
+    through symlinks, lies outside the folder (:func:`folder_root`). A link inside the folder is fine."""
+    path = directory / name
+    real, root = path.resolve(), folder_root(directory)
+    if not real.is_relative_to(root):
+        raise BadInputError(
+            f"{path} is a symlink to {real}, outside the model folder {root}: normswap reads nothing from "
+            "outside a model folder; copy the file into it"
+        )
+    return path
+
+
+def _check_links(directory: Path) -> None:
+    """Every file at the folder's top (what normswap reads or copies into an output) inside it."""
+    for entry in directory.iterdir():
+        if entry.is_symlink() and entry.is_file():
+            folder_file(directory, entry.name)
+
+
 def _read_json(path: Path, what: str) -> Any:
     if path.stat().st_size > _MAX_JSON_BYTES:
         raise BadInputError(f"{path} is too large for a {what} ({path.stat().st_size} bytes)")
@@ -127,7 +161,7 @@ def _shard_path(directory: Path, name: Any) -> Path:
             f"{directory / INDEX_FILE} names a shard {name!r:.120} that is not a safetensors file name in the "
             "directory itself"
         )
-    path = directory / name
+    path = folder_file(directory, name)
     if not path.is_file():
         raise BadInputError(f"{directory / INDEX_FILE} names {name}, which is not in {directory}")
     return path
@@ -145,7 +179,7 @@ def shard_keys(path: Path) -> list[str]:
 
 
 def _weights(directory: Path) -> tuple[tuple[str, ...], dict[str, str]]:
-    index_path, single = directory / INDEX_FILE, directory / SINGLE_FILE
+    index_path, single = folder_file(directory, INDEX_FILE), folder_file(directory, SINGLE_FILE)
     if index_path.is_file():
         index = _read_json(index_path, "safetensors index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -176,7 +210,7 @@ def _weights(directory: Path) -> tuple[tuple[str, ...], dict[str, str]]:
 
 
 def _record(directory: Path) -> dict[str, Any] | None:
-    path = directory / RECORD_FILE
+    path = folder_file(directory, RECORD_FILE)
     if not path.is_file():
         return None
     record = _read_json(path, "normswap record")
@@ -192,7 +226,8 @@ def read_checkpoint_directory(path: str | Path) -> CheckpointDirectory:
     directory = Path(path)
     if not is_checkpoint_directory(directory):
         raise BadInputError(f"{directory} is not a model directory (no {CONFIG_FILE} in it)")
-    config = _read_json(directory / CONFIG_FILE, "model config")
+    _check_links(directory)
+    config = _read_json(folder_file(directory, CONFIG_FILE), "model config")
     if not isinstance(config, dict):
         raise BadInputError(f"{directory / CONFIG_FILE} is not a JSON object")
     architecture = _architecture(config, directory)

@@ -41,6 +41,7 @@ from normswap.load.checkpoint_dir import (
     RECORD_FORMAT,
     SINGLE_FILE,
     CheckpointDirectory,
+    folder_file,
     quiet_transformers,
 )
 
@@ -251,7 +252,8 @@ def copy_side_files(source: CheckpointDirectory | None, temp: Path) -> tuple[lis
         if not entry.is_file() or name.lower().endswith(_WEIGHT_SUFFIXES):
             skipped.append(name)  # folders (e.g. original/) and other weight files hold the unconverted model
             continue
-        shutil.copyfile(entry, temp / name)
+        # never through a symlink out of the model folder (a tokenizer.json linked to a private file)
+        shutil.copyfile(folder_file(source.path, name), temp / name)
         copied.append(name)
     return copied, skipped
 

@@ -274,3 +274,40 @@ def test_cli_resume_of_a_hostile_checkpoint_exits_2_and_runs_nothing(tmp_path):
     )
     assert "Traceback" not in result.output
     assert not marker.exists() and (folder / "run.json").is_file() and not (tmp_path / "b.pt2").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_resume_of_a_hostile_checkpoint_runs_nothing_on_any_process(tmp_path):
+    """Every process screens the checkpoint the same way before DCP reads it: all refuse, none runs it."""
+    import os
+    import subprocess
+    import sys
+
+    factories = tmp_path / "tiny.py"
+    factories.write_text(FACTORIES)
+    data = tmp_path / "data.pt"
+    torch.save(torch.randn(20, 8, generator=torch.Generator().manual_seed(0)), data)
+    ck = tmp_path / "ck"
+    common = [
+        "distill", f"{factories}:teacher", f"{factories}:student", "--data", str(data), "--batch-size", "4",
+        "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+    ]  # fmt: skip
+    first = CliRunner().invoke(app, [*common, "--steps", "2", "-o", str(tmp_path / "a.pt2")])
+    assert first.exit_code == 0, first.output
+    folder = ck / "step-00000002"
+    marker = tmp_path / "ran"
+    _write_hostile(folder, folder, "read tensor", marker)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += ["-m", "normswap_cli", *common, "--steps", "4", "--resume", "-o", str(tmp_path / "b.pt2")]
+    done = subprocess.run(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode != 0, done.stdout
+    refusal = f"error: --resume: {folder / '.metadata'} is refused: it declares"
+    assert done.stdout.count(refusal) == 2, done.stdout  # each process, one line
+    assert not marker.exists() and (folder / "run.json").is_file() and not (tmp_path / "b.pt2").exists()

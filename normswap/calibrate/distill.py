@@ -58,6 +58,7 @@ from normswap.calibrate.data import ModelInputs, as_model_inputs
 from normswap.calibrate.distill_checkpoint import (
     CheckpointPlan,
     batch_fingerprints,
+    check_checkpointable,
     load_checkpoint,
     model_fingerprint,
     save_checkpoint,
@@ -265,6 +266,8 @@ def distill(
         raise BadInputError(
             "the converted model shares parameters with the original: training it would change both"
         )
+    if checkpoints is not None:
+        check_checkpointable(target)
 
     train_batches, held_out, holdout_source, more = _read_batches(batches, steps, holdout)
     if not train_batches:

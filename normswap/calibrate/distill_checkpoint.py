@@ -314,18 +314,28 @@ def _json_value(value: Any, where: str) -> Any:
     )
 
 
+def _tensors_only(state: dict[str, Any]) -> None:
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise BadInputError(
+                f"--checkpoint-dir: the converted model's state {name} is a {type(value).__name__}, not a "
+                "tensor: a checkpoint holds tensors only (DCP would pickle it)"
+            )
+
+
+def check_checkpointable(model: nn.Module) -> None:
+    """Before any step: a model whose state holds a non-tensor (a module's extra state) is refused, since a
+    checkpoint holds tensors only (module doc)."""
+    _tensors_only(model.state_dict())
+
+
 def _split_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what DCP writes: the model's and the optimizer's tensors; what run.json holds: the optimizer's other
     values, i.e. its param_groups and any non-tensor entry of a parameter's state)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    for name, value in model_state.items():
-        if not isinstance(value, torch.Tensor):
-            raise BadInputError(
-                f"--checkpoint-dir: the converted model's state {name} is a {type(value).__name__}, not a "
-                "tensor: a checkpoint holds tensors only"
-            )
+    _tensors_only(model_state)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     state: dict[str, Any] = {}
     for fqn, entries in optimizer_state["state"].items():
@@ -390,11 +400,7 @@ def _finished(folder: Path) -> list[Path]:
 
 
 def _write_shared_folder(
-    path: Path,
-    parallel: DataParallel | None,
-    write: Any,
-    describe_run: dict[str, Any] | None = None,
-    overwrite: bool = False,
+    path: Path, parallel: DataParallel | None, write: Any, describe_run: dict[str, Any] | None = None
 ) -> None:
     """Every process writes into one hidden temp folder beside ``path``; process 0 adds ``run.json`` (when
     given) and renames it to ``path`` once all have written. On failure the temp folder is removed."""
@@ -417,8 +423,7 @@ def _write_shared_folder(
         if _main(parallel):
             if describe_run is not None:
                 (temp_path / RUN_FILE).write_text(json.dumps(describe_run, indent=2) + "\n")
-            label = "checkpoint" if describe_run is not None else "-o"
-            publish_directory(temp_path, path, label=label, overwrite=overwrite)
+            publish_directory(temp_path, path, label="checkpoint" if describe_run is not None else "-o")
         if parallel is not None:
             parallel.barrier()
     except BaseException:
@@ -555,16 +560,13 @@ def load_checkpoint(
     return step, losses, path
 
 
-def save_sharded(
-    path: Path, model: nn.Module, parallel: DataParallel | None, overwrite: bool = False
-) -> None:
+def save_sharded(path: Path, model: nn.Module, parallel: DataParallel | None) -> None:
     """Write the model's state dict as a DCP folder at ``path``, each process its own shards, atomically.
     Load it with ``torch.distributed.checkpoint.load`` into the same model (any number of processes), or
     turn it into one file with ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from normswap.load.paths import check_output
-
-    check_output("-o", path, overwrite=overwrite, directory=True)  # the output rule, as every output
+    if path.exists():
+        raise BadInputError(f"-o {path} exists: not written over")
     state = get_model_state_dict(model)
-    _write_shared_folder(path, parallel, lambda temp: _dcp_save(state, temp, parallel), overwrite=overwrite)
+    _write_shared_folder(path, parallel, lambda temp: _dcp_save(state, temp, parallel))

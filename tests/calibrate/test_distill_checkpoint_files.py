@@ -220,6 +220,36 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_naming_it(tmp_path):
     )
 
 
+class _WithExtraState(_Net):
+    """A module whose state_dict holds a non-tensor (its extra state), which DCP would pickle."""
+
+    def get_extra_state(self) -> dict:
+        return {"note": "kept"}
+
+    def set_extra_state(self, state: dict) -> None:
+        pass
+
+
+def test_a_model_with_non_tensor_state_is_refused_before_any_step(tmp_path):
+    teacher, _, data = _mlp_pair()
+    torch.manual_seed(1)
+    student = _WithExtraState()
+    steps: list[int] = []
+    with pytest.raises(
+        BadInputError, match=r"state _extra_state is a dict, not a tensor: a checkpoint holds"
+    ):
+        distill(
+            teacher,
+            student,
+            data,
+            steps=2,
+            lr=1e-2,
+            checkpoints=CheckpointPlan(tmp_path / "ck", every=1),
+            on_step=lambda done, *_: steps.append(done),
+        )
+    assert steps == [] and not (tmp_path / "ck").exists()
+
+
 # ---------------------------------------------------------------------------------------------------
 # The command line: exit 2, one line, nothing run, the checkpoint left in place
 

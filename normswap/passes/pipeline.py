@@ -261,6 +261,8 @@ class _PassCheck:
             "within_tolerance": comparison.within_tolerance,
             "worst_rel": comparison.worst_rel,
         }
+        if comparison.nonfinite:  # said where, as the failure of this input
+            entry["error"] = comparison.nonfinite
         if not comparison.outputs:
             if self.failed and not self.failed[0]["compared"]:
                 return True, _kept(after)  # the example compared nothing already: said once

@@ -81,28 +81,34 @@ def judge_exact(runs: Sequence[ExactRun], wide: Callable[[], list[Any] | str] | 
     sentence saying why there are none (then the table's verdict stands).
     """
     verdict = ExactVerdict(passed=True)
-    table_fails: list[str] = []  # one reason per output outside the table
+    table_fails: dict[str, str] = {}  # output name -> its reason, for each output outside the table
     worst: dict[str, tuple[TensorComparison, str]] = {}  # name -> (worst input's figures, its label)
     pooled: dict[str, list[float]] = {}  # name -> [max_abs, max_ref] over every input
     for run in runs:
         refs = flatten_outputs(run.reference, floating_only=False)
         outs = dict(flatten_outputs(run.output, floating_only=False))
         if not refs:
-            return ExactVerdict(False, f"the model returns no tensor to compare {run.label}")
+            return ExactVerdict(
+                False, f"the model returns no tensor to compare {run.label}", failed_labels=[run.label]
+            )
         for name, ref in refs:
             if name not in outs:
-                return ExactVerdict(False, f"the converted model has no output {name!r} {run.label}")
+                return ExactVerdict(
+                    False,
+                    f"the converted model has no output {name!r} {run.label}",
+                    failed_labels=[run.label],
+                )
             try:
                 c = compare_tensors(name, ref, outs[name])
             except ValueError as exc:  # an output changed shape
-                return ExactVerdict(False, f"{exc} {run.label}")
+                return ExactVerdict(False, f"{exc} {run.label}", failed_labels=[run.label])
             if c.nonfinite:
-                return ExactVerdict(False, f"{c.nonfinite} {run.label}", outputs=[c])
+                return ExactVerdict(False, f"{c.nonfinite} {run.label}", [c], failed_labels=[run.label])
             if not c.within_tolerance and run.label not in verdict.failed_labels:
                 verdict.failed_labels.append(run.label)
             if c.mismatched is not None:
                 if c.mismatched:
-                    table_fails.append(f"{_moved(c)} {run.label}")
+                    table_fails.setdefault(name, f"{_moved(c)} {run.label}")
             else:
                 so_far = pooled.setdefault(name, [0.0, 0.0])
                 so_far[0], so_far[1] = max(so_far[0], c.max_abs), max(so_far[1], c.max_ref)
@@ -114,22 +120,23 @@ def judge_exact(runs: Sequence[ExactRun], wide: Callable[[], list[Any] | str] | 
         if not within_exact_tolerance(max_abs, max_ref, _dtype(c.dtype)):
             # the pooled figures: the largest error against the largest reference value of all inputs
             rel = max_abs / max_ref if max_ref > 0 else math.inf
-            table_fails.append(f"{_moved(c, max_abs, rel)} {label}")
+            table_fails[name] = f"{_moved(c, max_abs, rel)} {label}"
     if not table_fails:
         return verdict
-    first = table_fails[0]
+    first = next(iter(table_fails.values()))
     if wide is None:
         return _failed(verdict, first)
     wide_outputs = wide()
     if isinstance(wide_outputs, str):
         verdict.rounding = {"reference": f"none: {wide_outputs}", "within_rounding": False}
         return _failed(verdict, f"{first} (no wider-dtype run to judge its rounding: {wide_outputs})")
-    verdict.rounding = r = _rounding(runs, wide_outputs)
+    verdict.rounding = r = _rounding(runs, wide_outputs, set(table_fails))
     if r["within_rounding"]:
         verdict.failed_labels = []
         return verdict
     if "nonfinite" in r:
         return _failed(verdict, f"{first}; {r['nonfinite']}")
+    first = table_fails.get(r["output"], first)  # the output furthest beyond its rounding
     inputs = f"{len(runs)} input{'s' if len(runs) != 1 else ''}"
     return _failed(
         verdict,
@@ -163,9 +170,9 @@ def _moved(c: TensorComparison, max_abs: float | None = None, max_rel: float | N
     return f"{c.name} moved by {max_abs:.3g} ({max_rel:.3g} x max|ref|, tolerance {c.tolerance:g})"
 
 
-def _rounding(runs: Sequence[ExactRun], wide_outputs: list[Any]) -> dict[str, Any]:
-    """Rule 2b: per output, the two models' error norms from the wider run, pooled over the runs; the
-    figures of the output with the largest ratio."""
+def _rounding(runs: Sequence[ExactRun], wide_outputs: list[Any], names: set[str]) -> dict[str, Any]:
+    """Rule 2b for the outputs ``names`` (those outside the table): per output, the two models' error
+    norms from the wider run, pooled over the runs; the figures of the output with the largest ratio."""
     sums: dict[str, list[float]] = {}  # name -> [||orig - W||^2, ||conv - W||^2, ||W||^2 or count]
     integer: set[str] = set()
     dtype_name = "a wider dtype"
@@ -173,7 +180,7 @@ def _rounding(runs: Sequence[ExactRun], wide_outputs: list[Any]) -> dict[str, An
         outs = dict(flatten_outputs(run.output, floating_only=False))
         refs = dict(flatten_outputs(run.reference, floating_only=False))
         for name, w in flatten_outputs(wide, floating_only=False):
-            if name not in refs or w.numel() == 0:
+            if name not in names or name not in refs or w.numel() == 0:
                 continue
             ref, out = refs[name], outs[name]
             where = nonfinite_where(name, w, w, reference_label="the wider-dtype run's")
@@ -197,7 +204,8 @@ def _rounding(runs: Sequence[ExactRun], wide_outputs: list[Any]) -> dict[str, An
             s[1] += float(((out.detach().double() - wd) ** 2).sum())
             s[2] += float((wd**2).sum())
     worst: tuple[float, str, float, float] | None = None
-    within = True
+    # an output the wider run does not return (or returns empty) cannot be judged by it
+    within = all(name in sums for name in names)
     for name, (orig_sq, conv_sq, scale) in sums.items():
         if name in integer:
             orig, conv = orig_sq / max(scale, 1.0), conv_sq / max(scale, 1.0)

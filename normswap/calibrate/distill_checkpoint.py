@@ -400,7 +400,11 @@ def _finished(folder: Path) -> list[Path]:
 
 
 def _write_shared_folder(
-    path: Path, parallel: DataParallel | None, write: Any, describe_run: dict[str, Any] | None = None
+    path: Path,
+    parallel: DataParallel | None,
+    write: Any,
+    describe_run: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Every process writes into one hidden temp folder beside ``path``; process 0 adds ``run.json`` (when
     given) and renames it to ``path`` once all have written. On failure the temp folder is removed."""
@@ -423,7 +427,8 @@ def _write_shared_folder(
         if _main(parallel):
             if describe_run is not None:
                 (temp_path / RUN_FILE).write_text(json.dumps(describe_run, indent=2) + "\n")
-            publish_directory(temp_path, path, label="checkpoint" if describe_run is not None else "-o")
+            label = "checkpoint" if describe_run is not None else "-o"
+            publish_directory(temp_path, path, label=label, overwrite=overwrite)
         if parallel is not None:
             parallel.barrier()
     except BaseException:
@@ -560,13 +565,16 @@ def load_checkpoint(
     return step, losses, path
 
 
-def save_sharded(path: Path, model: nn.Module, parallel: DataParallel | None) -> None:
+def save_sharded(
+    path: Path, model: nn.Module, parallel: DataParallel | None, overwrite: bool = False
+) -> None:
     """Write the model's state dict as a DCP folder at ``path``, each process its own shards, atomically.
     Load it with ``torch.distributed.checkpoint.load`` into the same model (any number of processes), or
     turn it into one file with ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    if path.exists():
-        raise BadInputError(f"-o {path} exists: not written over")
+    from normswap.load.paths import check_output
+
+    check_output("-o", path, overwrite=overwrite, directory=True)  # the output rule, as every output
     state = get_model_state_dict(model)
-    _write_shared_folder(path, parallel, lambda temp: _dcp_save(state, temp, parallel))
+    _write_shared_folder(path, parallel, lambda temp: _dcp_save(state, temp, parallel), overwrite=overwrite)

@@ -276,8 +276,9 @@ def test_convert_fused_with_inline_norms_fused_too(tmp_path):
     passes = {p["pass_name"]: p for p in json.loads(report.read_text())["passes"]}
     assert [c["details"]["source"] for c in passes["fuse_graph_norm"]["changes"]] == ["functional", "pattern"]
     result = _run(
-        "convert", f"{ZOO}:HandWrittenNet", "--input-shape", "3,16", "--fuse-inline", "-o", str(out)
-    )
+        "convert", f"{ZOO}:HandWrittenNet", "--input-shape", "3,16", "--fuse-inline", "-o", str(out),
+        "--overwrite",
+    )  # fmt: skip
     assert result.exit_code == 2
     assert "--fuse-inline fuses norms inside other forwards: give --to fused" in result.output
     pickled = tmp_path / "h.pt"

@@ -240,3 +240,45 @@ def test_a_cosine_fit_on_activations_holding_inf_refuses():
         match=r"calibration of 0 \(CosineLinear\): its inputs .* hold Inf at \[0, 0\] in batch 2",
     ):
         calibrate_cosine_layers(model, converted, sites, [x, bad])
+
+
+def test_batchnorm_recalibration_whose_held_out_outputs_hold_nan_is_not_ok():
+    from normswap.calibrate.batchnorm import recalibrate_batchnorm
+
+    class LogHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(x).log()  # NaN wherever the normalized value is negative
+
+    torch.manual_seed(0)
+    batches = [torch.randn(8, 3) for _ in range(3)]
+    _, report = recalibrate_batchnorm(LogHead().eval(), batches)
+    assert all(layer.finite for layer in report.layers)  # the statistics are finite ...
+    # ... but the held-out comparison holds NaN (in the outputs before and after): it fails, saying where
+    assert report.holdout.nonfinite.startswith("the original's output holds NaN at [")
+    assert not report.ok
+
+
+def test_a_fit_that_produces_a_nonfinite_parameter_from_finite_data_refuses_and_puts_back():
+    from normswap.calibrate.affine_fit import fit_sites_in_order
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)).eval()
+    converted = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)).eval()
+    converted.load_state_dict(model.state_dict())
+    before = {k: v.clone() for k, v in converted.state_dict().items()}
+
+    def diverging(module, inputs, targets):
+        with torch.no_grad():
+            module.weight[1] = math.inf
+        return "fitted"
+
+    with pytest.raises(
+        CheckFailedError,
+        match=r"calibration of 0 \(Linear\) produced a non-finite weight \(Inf at \[1, 0\]\) from finite data",
+    ):
+        fit_sites_in_order(model, converted, ["0", "2"], [torch.randn(3, 4)], diverging)
+    assert all(torch.equal(before[k], v) for k, v in converted.state_dict().items())

@@ -295,7 +295,10 @@ def _dcp_load(state: dict[str, Any], folder: Path, parallel: DataParallel | None
             raise _refuse(folder / ".metadata", f"it declares {read_item.dest_index.fqn} as a pickled object")
 
     reader = ScreenedReader(str(folder))
-    with _one_process_quietly(parallel), _dcp_errors(f"--resume: {folder} does not fit the converted model"):
+    with (
+        _one_process_quietly(parallel),
+        _dcp_errors(f"--resume: {folder} cannot be loaded into the converted model"),
+    ):
         dcp.load(state, storage_reader=reader, planner=TensorsOnly(), no_dist=parallel is None)
 
 
@@ -547,7 +550,7 @@ def load_checkpoint(
         missing = [name for name in entry["tensors"] if here is None or name not in here]
         if missing:
             raise BadInputError(
-                f"--resume: {path} does not fit the converted model: it holds optimizer state "
+                f"--resume: {path} cannot be loaded into the converted model: it holds optimizer state "
                 f"{fqn}.{missing[0]}, which this run's optimizer does not have"
             )
         wanted[fqn] = {name: here[name] for name in entry["tensors"]}

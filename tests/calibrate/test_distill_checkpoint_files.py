@@ -108,6 +108,33 @@ def test_a_pickled_payload_in_the_data_files_is_refused_before_it_runs(tmp_path,
     assert (folder / "run.json").is_file() and (folder / ".metadata").is_file()  # not removed as "older"
 
 
+def test_a_tampered_data_file_under_the_genuine_metadata_runs_nothing(tmp_path):
+    """.metadata byte for byte the genuine one; in the data file, the bytes of one item it declares are
+    replaced by a pickle that writes the marker (padded to the item's length): a pickled item if the format
+    has any (DCP reads those with ``torch.load(weights_only=False)``), else a tensor's."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    teacher, student, data, folder = _genuine(tmp_path)
+    before = (folder / ".metadata").read_bytes()
+    metadata = pickle.loads(before)
+    pickled = [k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    chosen = pickled[0] if pickled else next(iter(metadata.state_dict_metadata))
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(_WritesAMarker(marker))
+    for index, info in metadata.storage_data.items():
+        if index.fqn == chosen:
+            assert len(payload) <= info.length
+            with open(folder / info.relative_path, "r+b") as handle:
+                handle.seek(info.offset)
+                handle.write(payload.ljust(info.length, b"\0"))
+    with pytest.raises(
+        BadInputError, match=r"--resume: .*step-00000002 cannot be loaded into the converted model"
+    ):
+        _resume(teacher, student, data, folder.parent)
+    assert not marker.exists()
+    assert (folder / ".metadata").read_bytes() == before and (folder / "run.json").is_file()
+
+
 def _point_storage(folder: Path, rename) -> None:
     """Rewrite ``folder/.metadata`` so each storage file is ``rename(file name)``."""
     metadata = pickle.loads((folder / ".metadata").read_bytes())
@@ -215,9 +242,8 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_naming_it(tmp_path):
         )
     message = str(caught.value)
     assert "\n" not in message
-    assert message.startswith(
-        f"--resume: {plan.directory / 'step-00000002'} does not fit the converted model"
-    )
+    assert message.startswith(f"--resume: {plan.directory / 'step-00000002'} cannot be loaded into the")
+    assert "Size mismatch between saved torch.Size([16, 8]) and current: torch.Size([32, 8])" in message
 
 
 class _WithExtraState(_Net):

@@ -28,8 +28,8 @@ analysis of a large checkpoint read no weights.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError, describe
+from normswap.load.json_io import parse_json
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -118,20 +119,43 @@ def _check_links(directory: Path) -> None:
 def _read_json(path: Path, what: str) -> Any:
     if path.stat().st_size > _MAX_JSON_BYTES:
         raise BadInputError(f"{path} is too large for a {what} ({path.stat().st_size} bytes)")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"{path} is not a valid {what}: {describe(exc)}") from None
+    return parse_json(path.read_bytes(), str(path), what)
+
+
+def _find_key(config: dict[str, Any], key: str) -> tuple[str, Any] | None:
+    """(dotted place, value) of the first ``key`` anywhere in a config's nested objects, or None."""
+    stack: list[tuple[str, Any]] = [("", config)]
+    while stack:
+        place, value = stack.pop()
+        if isinstance(value, dict):
+            if key in value:
+                return (f"{place}.{key}" if place else key), value[key]
+            stack += [(f"{place}.{k}" if place else str(k), v) for k, v in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{place}[{i}]", v) for i, v in enumerate(value)]
+    return None
 
 
 def _architecture(config: dict[str, Any], path: Path) -> str:
     import transformers
 
-    if "auto_map" in config:
+    # anywhere in the config: transformers follows an auto_map in a sub-config (text_config) too
+    found = _find_key(config, "auto_map")
+    if found is not None:
+        where, value = found
+        keys = sorted(value) if isinstance(value, dict) else value
         raise BadInputError(
-            f"{path / CONFIG_FILE} asks for the repository's own Python code (auto_map: "
-            f"{sorted(config['auto_map'])}); normswap runs no code from a model directory: build the model "
-            "in a factory of your own (package.module:callable) and give that instead"
+            f"{path / CONFIG_FILE} asks for the repository's own Python code ({where}: {keys!r:.120}); "
+            "normswap runs no code from a model directory: build the model in a factory of your own "
+            "(package.module:callable) and give that instead"
+        )
+    found = _find_key(config, "quantization_config")
+    if found is not None:
+        where, value = found
+        method = value.get("quant_method") if isinstance(value, dict) else None
+        raise BadInputError(
+            f"{path / CONFIG_FILE} describes quantized weights ({where}: {method or value!r:.80}); normswap "
+            "rewrites full-precision weights only: give the unquantized model (or dequantize it first)"
         )
     names = config.get("architectures")
     if not isinstance(names, list) or len(names) != 1 or not isinstance(names[0], str):
@@ -232,7 +256,7 @@ def read_checkpoint_directory(path: str | Path) -> CheckpointDirectory:
         raise BadInputError(f"{directory / CONFIG_FILE} is not a JSON object")
     architecture = _architecture(config, directory)
     shards, weight_map = _weights(directory)
-    return CheckpointDirectory(
+    checkpoint = CheckpointDirectory(
         path=directory,
         config=config,
         architecture=architecture,
@@ -241,6 +265,69 @@ def read_checkpoint_directory(path: str | Path) -> CheckpointDirectory:
         shard_bytes={name: (directory / name).stat().st_size for name in shards},
         record=_record(directory),
     )
+    accept_model_folder(checkpoint)
+    return checkpoint
+
+
+def accept_model_folder(checkpoint: CheckpointDirectory) -> None:
+    """The one acceptance check of a model directory, run by every route before any work (it is part of
+    :func:`read_checkpoint_directory`): the model its config describes, built on the meta device (no
+    memory), must be exactly what the files hold: every tensor of the model stored once (tied ones
+    through one name), nothing stored that the model lacks, each with the model's shape, in a dtype
+    normswap reads. The streamed route writes the files' tensors and the in-memory route loads them, so
+    without this the one refuses what the other writes; and a config asking for a 4 TB model is refused
+    by its shapes here, before anything is allocated."""
+    from normswap.load.safetensors_io import read_header
+
+    model = build_on_meta(checkpoint)
+    expected = model.state_dict(keep_vars=True)
+    cls = type(model)
+    ignore_missing = [re.compile(p) for p in getattr(cls, "_keys_to_ignore_on_load_missing", None) or ()]
+    ignore_unexpected = [
+        re.compile(p) for p in getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ()
+    ]
+    stored = set(checkpoint.weight_map)
+    # a tied tensor appears under several names in the state dict and is stored under one of them
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in expected.items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    missing = [
+        names[0]
+        for names in by_tensor.values()
+        if not any(n in stored for n in names) and not any(p.search(names[0]) for p in ignore_missing)
+    ]
+    unexpected = sorted(n for n in stored - set(expected) if not any(p.search(n) for p in ignore_unexpected))
+    if missing or unexpected:
+        info = {"missing_keys": missing, "unexpected_keys": unexpected}
+        hint = _prefix_hint(missing, unexpected, checkpoint.architecture)
+        raise BadInputError(
+            f"{checkpoint.path}: the weights do not match the model: {_describe_mismatch(info)} (the "
+            f"{checkpoint.architecture} its {CONFIG_FILE} describes){hint}"
+        )
+    for shard in checkpoint.shards:
+        entries, _ = read_header(checkpoint.path / shard)
+        for name, entry in entries.items():
+            target = expected.get(name)
+            if target is None or checkpoint.weight_map.get(name) != shard:
+                continue
+            if tuple(target.shape) != entry.shape:
+                raise BadInputError(
+                    f"{checkpoint.path / shard}: {name} has shape {list(entry.shape)} where the model its "
+                    f"{CONFIG_FILE} describes has {list(target.shape)}"
+                )
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str], architecture: str) -> str:
+    """A note when the mismatch is a head: the files hold a model with (or without) the base-model prefix
+    that the architecture lacks (has), e.g. a GPT2LMHeadModel's files under 'architectures: GPT2Model'."""
+    if missing and unexpected and all("." in n for n in unexpected):
+        prefixes = {n.split(".", 1)[0] for n in unexpected}
+        if len(prefixes) <= 2 and any(n.split(".", 1)[1] in missing for n in unexpected if "." in n):
+            return (
+                f" (the files hold a model with a head or a base-model prefix {sorted(prefixes)}; "
+                f"'architectures' must name the class that saved them, not {architecture})"
+            )
+    return ""
 
 
 @contextlib.contextmanager
@@ -279,19 +366,47 @@ def transformers_config(checkpoint: CheckpointDirectory) -> Any:
         ) from None
 
 
-def stored_dtype(config: Any) -> torch.dtype | None:
+def stored_dtype(config: Any, where: str | Path = CONFIG_FILE) -> torch.dtype | None:
+    """The floating dtype a config says its weights are stored in (None: transformers' default);
+    BadInputError for one outside normswap's dtype table (float8: a quantized format)."""
+    from normswap.load.safetensors_io import DTYPES
+
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return None
+    if dtype not in DTYPES.values():
+        known = ", ".join(str(d).removeprefix("torch.") for d in DTYPES.values() if d.is_floating_point)
+        raise BadInputError(
+            f"{where}: dtype {str(dtype).removeprefix('torch.')} is not one normswap rewrites ({known})"
+        )
+    return dtype
 
 
 def build_on_meta(checkpoint: CheckpointDirectory) -> nn.Module:
     """The directory's model built from its config on the meta device (shapes and dtypes, no values),
     with normswap's recorded modules in place: what inspection and analysis need, no weight read."""
     config = transformers_config(checkpoint)
-    with quiet_transformers(), torch.device("meta"):
-        model = _model_class(checkpoint)._from_config(config, dtype=stored_dtype(config))
+    cls = _model_class(checkpoint)
+    # an architecture of another model family than the config's model_type (LlamaForCausalLM over a
+    # GPT-2 config) fails somewhere inside its constructor: say which two disagree instead
+    wanted = getattr(cls, "config_class", None)
+    if isinstance(wanted, type) and not isinstance(config, wanted):
+        raise BadInputError(
+            f"{checkpoint.path / CONFIG_FILE}: architecture {checkpoint.architecture} takes a "
+            f"{getattr(wanted, 'model_type', wanted.__name__)!r} config, but model_type is "
+            f"{getattr(config, 'model_type', None)!r}"
+        )
+    dtype = stored_dtype(config, checkpoint.path / CONFIG_FILE)
+    try:
+        with quiet_transformers(), torch.device("meta"):
+            model = cls._from_config(config, dtype=dtype)
+    except Exception as exc:
+        raise BadInputError(
+            f"transformers cannot build {checkpoint.architecture} from {checkpoint.path / CONFIG_FILE}: "
+            f"{describe(exc)}"
+        ) from None
     replace_recorded(model, checkpoint, device="meta")
     return model.eval()
 

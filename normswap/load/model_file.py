@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import io
-import json
 import pickle
 import pickletools
 import warnings
@@ -36,6 +35,7 @@ from normswap.load.checkpoint_dir import (
     read_checkpoint_directory,
 )
 from normswap.load.factory import load_factory, unpack_model_and_inputs
+from normswap.load.json_io import parse_json
 from normswap.load.program import load_program
 
 # A safetensors header larger than this is not a header but a misread length from some other format.
@@ -102,8 +102,8 @@ def _is_safetensors(path: Path) -> bool:
     if not header.lstrip().startswith(b"{"):
         return False
     try:
-        return isinstance(json.loads(header), dict)
-    except (UnicodeDecodeError, ValueError):
+        return isinstance(parse_json(header, str(path), "safetensors header"), dict)
+    except BadInputError:  # not JSON (or absurdly nested): not a safetensors file
         return False
 
 

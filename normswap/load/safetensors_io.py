@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from normswap.errors import BadInputError
+from normswap.load.json_io import parse_json
 
 _MAX_HEADER = 100 * 1024 * 1024
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -75,16 +76,20 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str
             raise BadInputError(
                 f"{path} is not a safetensors file (header length {length} of a {size}-byte file)"
             )
-        try:
-            header = json.loads(handle.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadInputError(f"{path} is not a safetensors file (its header is not JSON: {exc})") from None
+        header = parse_json(handle.read(length), str(path), "safetensors file header")
     if not isinstance(header, dict):
         raise BadInputError(f"{path} is not a safetensors file (its header is not an object)")
     metadata = header.pop("__metadata__", None) or {}
     base = 8 + length
     entries: dict[str, TensorEntry] = {}
     for name, info in header.items():
+        dtype = info.get("dtype") if isinstance(info, dict) else None
+        if isinstance(dtype, str) and dtype not in DTYPES:
+            # the one dtype table: a tensor in another (F8_E4M3, a quantized format) is named, not misread
+            raise BadInputError(
+                f"{path}: {name!r:.80} is stored as {dtype:.20}, a dtype normswap does not read "
+                f"({', '.join(DTYPES)})"
+            )
         try:
             dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             ok = dtype in DTYPES and all(type(d) is int and d >= 0 for d in shape)

@@ -5,6 +5,7 @@ in-memory one (``convert DIR --to fused -o OUT``) refuse the same folders with t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -110,3 +111,99 @@ def test_a_hub_cache_snapshot_reads_its_blobs_and_nothing_beyond_its_repository(
     (snapshot / "tokenizer.json").symlink_to(other / "x")
     with pytest.raises(BadInputError, match=r"outside the model folder .*models--org--tiny"):
         read_checkpoint_directory(snapshot)
+
+
+# --- what the folder describes and holds: one acceptance check, both routes -----------------------
+
+
+def _config(change: dict) -> object:
+    def damage(model: Path) -> None:
+        config = json.loads((model / "config.json").read_text())
+        config.update(change)
+        (model / "config.json").write_text(json.dumps(config))
+
+    return damage
+
+
+def _float8_shard(model: Path) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shard = (
+        model
+        / json.loads((model / "model.safetensors.index.json").read_text())["weight_map"][
+            "transformer.h.0.mlp.c_fc.weight"
+        ]
+    )
+    tensors = load_file(shard)
+    name = "transformer.h.0.mlp.c_fc.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _recipe(model: Path) -> None:
+    huge = {"normalized_shape": [2**40], "eps": 1e-5, "elementwise_affine": True, "bias": True}
+    recipe = {"class": "LayerNorm", "kwargs": {**huge, "casting": "none", "weight_offset": 0.0}}
+    record = {"format": "normswap-checkpoint", "version": 1, "modules": {"transformer.ln_f": recipe}}
+    (model / "normswap.json").write_text(json.dumps(record))
+
+
+FOLDERS = {
+    "deep-config": (
+        lambda m: (m / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+        "config.json is not a valid model config: it nests lists/objects too deeply to be one",
+    ),
+    "deep-record": (
+        lambda m: (m / "normswap.json").write_text("[" * 100_000 + "]" * 100_000),
+        "normswap.json is not a valid normswap record: it nests lists/objects too deeply",
+    ),
+    "float8-tensor": (_float8_shard, "is stored as F8_E4M3, a dtype normswap does not read"),
+    "float8-config": (
+        _config({"torch_dtype": "float8_e4m3fn", "dtype": "float8_e4m3fn"}),
+        "config.json: dtype float8_e4m3fn is not one normswap rewrites",
+    ),
+    "architecture": (
+        _config({"architectures": ["LlamaForCausalLM"]}),
+        "config.json: architecture LlamaForCausalLM takes a 'llama' config, but model_type is 'gpt2'",
+    ),
+    "nested-auto-map": (
+        _config({"text_config": {"auto_map": {"AutoModel": "x.Y"}}}),
+        "asks for the repository's own Python code (text_config.auto_map: ['AutoModel'])",
+    ),
+    "more-layers-in-files": (
+        _config({"n_layer": 1}),
+        "the weights do not match the model: 11 unexpected (e.g. transformer.h.1.attn.c_attn.weight)",
+    ),
+    "unknown-model-type": (
+        _config({"model_type": "no-such-model"}),
+        "has model type `no-such-model` but Transformers does not recognize this architecture",
+    ),
+    "quantized": (
+        _config({"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}),
+        "config.json describes quantized weights (quantization_config: 'bitsandbytes')",
+    ),
+    "headless": (
+        _config({"architectures": ["GPT2Model"]}),
+        "the files hold a model with a head or a base-model prefix ['transformer']",
+    ),
+    "4-TB-config": (
+        _config({"n_embd": 2**26, "vocab_size": 2**24}),
+        "transformer.wpe.weight has shape [1024, 64] where the model its config.json describes has [1024, 67108864]",
+    ),
+    "4-TB-recipe": (
+        _recipe,
+        "transformer.ln_f.bias has shape [64] where the model its config.json describes has [1099511627776]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FOLDERS))
+def test_both_routes_refuse_the_same_folders_with_the_same_reason(gpt2, tmp_path, case):
+    damage, reason = FOLDERS[case]
+    model = _copy(gpt2, tmp_path)
+    damage(model)
+    lines = [
+        _refused(["convert", str(model), *route, "-o", str(tmp_path / "out")], tmp_path / "out", reason)
+        for route in (STREAMED, IN_MEMORY)
+    ]
+    assert lines[0] == lines[1]

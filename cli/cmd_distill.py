@@ -28,6 +28,7 @@ from normswap_cli.options import (
     WeightsOpt,
     flag,
 )
+from normswap_cli.render_training import print_distillation
 from normswap_cli.shared import (
     check_inputs_fit,
     check_output_before_work,
@@ -200,7 +201,7 @@ def distill(
             )
         notes = batches.notes + result.notes
         render.out.print(batches.description, soft_wrap=True)
-        render.print_distillation(result, notes)
+        print_distillation(result, notes)
 
         written = False
         if result.ok:

@@ -19,6 +19,7 @@ from normswap_cli.options import (
     TrustPickleOpt,
     WeightsOpt,
 )
+from normswap_cli.render_training import print_recalibration
 from normswap_cli.shared import (
     check_inputs_fit,
     check_output_before_work,
@@ -92,7 +93,7 @@ def recalibrate(
         )
     notes = calibration.notes + result.notes
     render.out.print(calibration.description, soft_wrap=True)
-    render.print_recalibration(result, notes)
+    print_recalibration(result, notes)
 
     written = False
     if result.ok:

@@ -6,8 +6,8 @@ at module level or inside a function, and any string constant that names a norms
 unit is the subpackage (``normswap/graph/...`` is ``graph``), a top-level module (``normswap/errors.py``
 is ``errors``), the package's own ``__init__`` (``normswap``) and the CLI (``cli``).
 
-:data:`LAYERS` lists the layers, lowest first; a unit may import only units of lower layers. README.md
-draws the same table in its layout section.
+:data:`LAYERS` lists the layers, lowest first; a unit may import only units of lower layers.
+docs/layout.md draws the same table.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_no_import_cycle_between_subpackages() -> None:
 def test_every_unit_has_a_layer() -> None:
     units = {_unit(_module_of(path)[0]) for path in _source_files()}
     missing = sorted(u for u in units if u not in TIER)
-    assert not missing, f"add these to LAYERS in tests/test_layering.py (and README's layout): {missing}"
+    assert not missing, f"add these to LAYERS in tests/test_layering.py (and docs/layout.md): {missing}"
 
 
 def test_dependencies_run_down_the_layers() -> None:

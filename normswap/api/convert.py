@@ -263,6 +263,9 @@ def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str
 
     sites = [c.site for p in result.report.passes if p.pass_name == "swap_norm" for c in p.changes]
     batches = _calibration_batches(result.config, result.example_args, result.example_kwargs)
+    from normswap.calibrate.data import check_token_ids
+
+    check_token_ids(original, batches, f"--calibrate {result.config.calibration_data}")
     fit_sites = calibrate_swapped_norms
     cosine = result.pass_report("cosine_layers")
     if cosine is not None:  # --to cosine: the layers' scales, refitted on the data the same way

@@ -550,3 +550,46 @@ def load_calibration_data(
             "package.module:callable)"
         )
     return _factory_data(str(spec), batch_size, strict, **example)
+
+
+def _vocabulary(model: Any) -> int | None:
+    """The number of token ids the model's input embedding takes (a Hugging Face model's), or None."""
+    get = getattr(model, "get_input_embeddings", None)
+    if not callable(get):
+        return None
+    try:
+        size = getattr(get(), "num_embeddings", None)
+    except Exception:  # a model without one raises NotImplementedError
+        return None
+    return size if isinstance(size, int) else None
+
+
+def check_token_ids(model: Any, batches: Iterable[Any], source: str) -> None:
+    """Token ids of every batch inside the model's vocabulary: an id past it (or negative) fails inside
+    the embedding as an IndexError with no word of which batch; an id tensor that is not integer fails
+    there too. The one check of data against a model, for the routes that hold the model when they
+    read the data (the model may be on the meta device: only its embedding's size is read)."""
+    vocab = _vocabulary(model)
+    if vocab is None:
+        return
+    main = getattr(model, "main_input_name", "input_ids")
+    for index, batch in enumerate(batches):
+        inputs = as_model_inputs(batch)
+        label, ids = f"kwargs[{main!r}]", inputs.kwargs.get(main)
+        if ids is None and inputs.args:
+            label, ids = "args[0]", inputs.args[0]
+        if not isinstance(ids, torch.Tensor):
+            continue
+        where = f"{source}: calibration batch {index}, {label}"
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise BadInputError(
+                f"{where} is {str(ids.dtype).removeprefix('torch.')}: token ids must be integers "
+                "(save them as int64)"
+            )
+        bad = (ids < 0) | (ids >= vocab)
+        if bool(bad.any()):
+            first = int(bad.reshape(-1).nonzero()[0])
+            raise BadInputError(
+                f"{where} holds token id {int(ids.reshape(-1)[first])} at index "
+                f"{list(_position(first, ids.shape))}, outside the model's vocabulary [0, {vocab})"
+            )

@@ -180,3 +180,28 @@ def test_the_rule_is_the_loaders_whatever_the_source(tmp_path):
 def files_ids(root: Path) -> Path:
     torch.save(torch.arange(12).reshape(3, 4), root / "ids.pt")
     return root / "ids.pt"
+
+
+@pytest.mark.parametrize("route", [[], ["--sequential"]], ids=["in-memory", "sequential"])
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [(300, "holds token id 300 at index [1, 2]"), (-1, "holds token id -1 at index [1, 2]")],
+    ids=["past-vocab", "negative"],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_on_both_routes(files, tmp_path, route, value, reason):
+    ids = torch.randint(0, 300, (8, 6), generator=torch.Generator().manual_seed(0))
+    ids[5, 2] = value  # batch 1, its row 1
+    torch.save(ids, tmp_path / "ids.pt")
+    argv = [
+        "convert",
+        str(files / "llama-float32"),
+        "--to",
+        "layernorm",
+        "--calibrate",
+        str(tmp_path / "ids.pt"),
+    ]
+    _refused(
+        [*argv, "--batch-size", "4", *route, "-o", str(tmp_path / "out")],
+        tmp_path,
+        f"calibration batch 1, kwargs['input_ids'] {reason}, outside the model's vocabulary [0, 300)",
+    )

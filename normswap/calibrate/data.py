@@ -34,7 +34,6 @@ distill, the sequential route) reads it through :class:`CalibrationData`, so non
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,8 @@ from typing import Any
 
 import torch
 
+from normswap.calibrate.data_images import image_files, image_geometry, load_image
+from normswap.calibrate.data_rules import check_data_tensor, position
 from normswap.errors import BadInputError
 from normswap.errors import describe as _describe
 from normswap.load.factory import import_callable
@@ -53,15 +54,6 @@ DEFAULT_BATCH_SIZE = 32
 NORMALIZATIONS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
 }
-
-# What torchvision.io.decode_image reads, told apart by magic bytes so a folder is checked before decoding.
-_IMAGE_SIGNATURES: tuple[tuple[bytes, int, str], ...] = (
-    (b"\xff\xd8\xff", 0, "JPEG"),
-    (b"\x89PNG\r\n\x1a\n", 0, "PNG"),
-    (b"GIF87a", 0, "GIF"),
-    (b"GIF89a", 0, "GIF"),
-    (b"WEBP", 8, "WEBP"),
-)
 
 
 @dataclass(frozen=True)
@@ -251,68 +243,6 @@ def _check_batch(inputs: ModelInputs, index: int, source: str) -> None:
             )
 
 
-def _self_overlapping(tensor: torch.Tensor) -> bool:
-    """Whether some elements share memory (an ``expand``ed or stride-0 view): its memory extent, the last
-    element's offset + 1, is below its element count."""
-    extent = 1 + sum(
-        (size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    return extent < tensor.numel()
-
-
-def _position(flat: int, shape: torch.Size) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        index.append(flat % size)
-        flat //= size
-    return tuple(reversed(index))
-
-
-def check_data_tensor(tensor: torch.Tensor, where: str, *, rows_per_batch: int | None = None) -> None:
-    """The one rule for a tensor of data (``where`` names it: the file or source, the batch, the input):
-    BadInputError unless it is a plain dense tensor with values, each element in memory of its own, all
-    of them finite. ``rows_per_batch``: the tensor is a whole file's, to be cut into batches of that many
-    rows; a bad value's message then names its batch too. Cheap next to the model's forward (one pass)."""
-    shape = tuple(tensor.shape)
-    if type(tensor) is not torch.Tensor:
-        what = (
-            "a torch.nn.Parameter (a model's weight)"
-            if isinstance(tensor, torch.nn.Parameter)
-            else f"a {type(tensor).__name__} (a tensor subclass)"
-        )
-        raise BadInputError(
-            f"{where} is {what}, not plain data: save plain tensors (tensor.detach().clone())"
-        )
-    if tensor.layout != torch.strided:
-        raise BadInputError(
-            f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor of shape {shape}: give dense "
-            "tensors (tensor.to_dense())"
-        )
-    if tensor.is_meta:
-        raise BadInputError(
-            f"{where} is on the meta device (a shape of {shape} without values): give real data"
-        )
-    if tensor.numel() == 0:
-        raise BadInputError(f"{where} has shape {shape}: it holds no values (a dimension of length 0)")
-    if _self_overlapping(tensor):
-        raise BadInputError(
-            f"{where} is an expanded view of shape {shape} over {tensor.untyped_storage().nbytes()} bytes (its "
-            "rows share memory, so it declares far more data than it holds): save real rows (tensor.contiguous())"
-        )
-    if tensor.is_floating_point() or tensor.is_complex():
-        finite = torch.isfinite(tensor)
-        if not bool(finite.all()):
-            bad = ~finite
-            first = int(bad.reshape(-1).nonzero()[0])
-            value = tensor.reshape(-1)[first].item()
-            index = _position(first, tensor.shape)
-            batch = f" (calibration batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
-            raise BadInputError(
-                f"{where} holds {int(bad.sum())} NaN/Inf value(s), the first ({value}) at index {list(index)}"
-                f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows"
-            )
-
-
 # ---------------------------------------------------------------------------------------------------
 # Sources
 
@@ -401,69 +331,6 @@ def _factory_data(spec: str, batch_size: int | None, strict: bool, **example: An
     return CalibrationData(lambda: result, description=what, num_batches=known, name=what, **example)
 
 
-def _image_kind(path: Path) -> str | None:
-    with path.open("rb") as f:
-        head = f.read(16)
-    for magic, offset, kind in _IMAGE_SIGNATURES:
-        if head[offset : offset + len(magic)] == magic:
-            return kind
-    return None
-
-
-def _image_files(folder: Path) -> list[Path]:
-    files = []
-    for root, dirs, names in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        files += [Path(root) / n for n in sorted(names) if not n.startswith(".")]
-    if not files:
-        raise BadInputError(f"data folder {folder} holds no files")
-    for path in files:
-        if not path.is_file():
-            raise BadInputError(f"data folder {folder}: {path.relative_to(folder)} is not a regular file")
-        if _image_kind(path) is None:
-            raise BadInputError(
-                f"data folder {folder}: {path.relative_to(folder)} is not a JPEG, PNG, GIF or WEBP image"
-            )
-    return files
-
-
-def _image_geometry(example_args: tuple | None, folder: Path) -> tuple[int, int, int]:
-    """(channels, H, W) of the model's first example input, which image batches must match."""
-    first = example_args[0] if example_args else None
-    if not isinstance(first, torch.Tensor) or first.ndim != 4 or first.shape[1] not in (1, 3):
-        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else None
-        got = (
-            f"the model's example input is {shape}" if shape is not None else "the model has no example input"
-        )
-        raise BadInputError(
-            f"data folder {folder}: images need the model's input size as a (N, 1 or 3, H, W) tensor, but "
-            f"{got}; pass --input-shape 1,3,H,W"
-        )
-    return int(first.shape[1]), int(first.shape[2]), int(first.shape[3])
-
-
-def load_image(path: Path, channels: int, height: int, width: int) -> torch.Tensor:
-    """One image as a float tensor (channels, height, width) in [0, 1]: resized to cover, centre-cropped."""
-    from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.v2 import functional as TF
-
-    mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
-    try:
-        image = decode_image(str(path), mode=mode)
-    except Exception as exc:
-        raise BadInputError(f"cannot decode image {path}: {_describe(exc)}") from None
-    if image.ndim == 4:  # an animated GIF: its first frame
-        image = image[0]
-    h, w = image.shape[-2:]
-    # Scale so the image covers H x W with the aspect ratio kept, then crop the centre: no distortion.
-    scale = max(height / h, width / w)
-    size = [max(height, math.ceil(h * scale - 1e-6)), max(width, math.ceil(w * scale - 1e-6))]
-    if size != [h, w]:
-        image = TF.resize(image, size, antialias=True)
-    image = TF.center_crop(image, [height, width])
-    return image.float().div_(255.0)
-
-
 def _folder_data(
     folder: Path,
     batch_size: int | None,
@@ -475,10 +342,10 @@ def _folder_data(
         import torchvision  # noqa: F401
     except ImportError:
         raise BadInputError("reading an image folder needs torchvision: pip install torchvision") from None
-    channels, height, width = _image_geometry(example_args, folder)
-    files = _image_files(folder)
+    channels, height, width = image_geometry(example_args, folder)
+    files = image_files(folder)
     size = batch_size or DEFAULT_BATCH_SIZE
-    first = example_args[0]  # type: ignore[index]  # _image_geometry checked it is a 4-D tensor
+    first = example_args[0]  # type: ignore[index]  # image_geometry checked it is a 4-D tensor
     dtype = first.dtype if first.is_floating_point() else torch.float32
     stats = None
     if normalize is not None:
@@ -591,5 +458,5 @@ def check_token_ids(model: Any, batches: Iterable[Any], source: str) -> None:
             first = int(bad.reshape(-1).nonzero()[0])
             raise BadInputError(
                 f"{where} holds token id {int(ids.reshape(-1)[first])} at index "
-                f"{list(_position(first, ids.shape))}, outside the model's vocabulary [0, {vocab})"
+                f"{list(position(first, ids.shape))}, outside the model's vocabulary [0, {vocab})"
             )

@@ -1,0 +1,71 @@
+"""The one rule for what a tensor of data may hold, whichever command reads it and from whatever source:
+a plain dense tensor with values, each element in memory of its own, all of them finite.
+:class:`normswap.calibrate.data.CalibrationData` applies it to every tensor of every batch."""
+
+from __future__ import annotations
+
+import torch
+
+from normswap.errors import BadInputError
+
+
+def _self_overlapping(tensor: torch.Tensor) -> bool:
+    """Whether some elements share memory (an ``expand``ed or stride-0 view): its memory extent, the last
+    element's offset + 1, is below its element count."""
+    extent = 1 + sum(
+        (size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    return extent < tensor.numel()
+
+
+def position(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        index.append(flat % size)
+        flat //= size
+    return tuple(reversed(index))
+
+
+def check_data_tensor(tensor: torch.Tensor, where: str, *, rows_per_batch: int | None = None) -> None:
+    """The one rule for a tensor of data (``where`` names it: the file or source, the batch, the input):
+    BadInputError unless it is a plain dense tensor with values, each element in memory of its own, all
+    of them finite. ``rows_per_batch``: the tensor is a whole file's, to be cut into batches of that many
+    rows; a bad value's message then names its batch too. Cheap next to the model's forward (one pass)."""
+    shape = tuple(tensor.shape)
+    if type(tensor) is not torch.Tensor:
+        what = (
+            "a torch.nn.Parameter (a model's weight)"
+            if isinstance(tensor, torch.nn.Parameter)
+            else f"a {type(tensor).__name__} (a tensor subclass)"
+        )
+        raise BadInputError(
+            f"{where} is {what}, not plain data: save plain tensors (tensor.detach().clone())"
+        )
+    if tensor.layout != torch.strided:
+        raise BadInputError(
+            f"{where} is a {str(tensor.layout).removeprefix('torch.')} tensor of shape {shape}: give dense "
+            "tensors (tensor.to_dense())"
+        )
+    if tensor.is_meta:
+        raise BadInputError(
+            f"{where} is on the meta device (a shape of {shape} without values): give real data"
+        )
+    if tensor.numel() == 0:
+        raise BadInputError(f"{where} has shape {shape}: it holds no values (a dimension of length 0)")
+    if _self_overlapping(tensor):
+        raise BadInputError(
+            f"{where} is an expanded view of shape {shape} over {tensor.untyped_storage().nbytes()} bytes (its "
+            "rows share memory, so it declares far more data than it holds): save real rows (tensor.contiguous())"
+        )
+    if tensor.is_floating_point() or tensor.is_complex():
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            bad = ~finite
+            first = int(bad.reshape(-1).nonzero()[0])
+            value = tensor.reshape(-1)[first].item()
+            index = position(first, tensor.shape)
+            batch = f" (calibration batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
+            raise BadInputError(
+                f"{where} holds {int(bad.sum())} NaN/Inf value(s), the first ({value}) at index {list(index)}"
+                f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows"
+            )

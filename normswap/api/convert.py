@@ -244,6 +244,8 @@ def _record_consent(result: ConversionResult) -> None:
 
 
 def _calibration_batches(config: ConvertConfig, args: tuple, kwargs: dict) -> list[Any]:
+    from normswap.calibrate import CalibrationData
+
     data = config.calibration_data
     if isinstance(data, (str, Path)):
         from normswap.calibrate import load_calibration_data
@@ -253,7 +255,17 @@ def _calibration_batches(config: ConvertConfig, args: tuple, kwargs: dict) -> li
         )
     elif config.batch_size is not None:
         raise BadInputError("batch_size splits calibration data read from a file or folder, not batches")
-    return list(itertools.islice(data or (), config.calibration_batches))
+    elif not isinstance(data, CalibrationData):
+        # batches handed over as Python objects are held to the same data rule as a file's
+        given = data
+        data = CalibrationData(
+            lambda: given,
+            description="calibration_data",
+            num_batches=None,
+            example_args=args,
+            example_kwargs=kwargs,
+        )
+    return list(itertools.islice(data, config.calibration_batches))
 
 
 def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str], None]) -> Calibration:

@@ -205,3 +205,19 @@ def test_token_ids_outside_the_vocabulary_are_refused_on_both_routes(files, tmp_
         tmp_path,
         f"calibration batch 1, kwargs['input_ids'] {reason}, outside the model's vocabulary [0, 300)",
     )
+
+
+def test_batches_given_to_the_library_are_held_to_the_same_rule():
+    """``ConvertConfig(calibration_data=[...])``: batches handed over as objects, not a file, are checked
+    by the same rule before any fit runs."""
+    import normswap
+    from normswap.load import load_model
+
+    model = load_model(CONV).model.eval()
+    good, bad = _images(0)[:4], _images(1)[:4].clone()
+    bad[2, 0, 1, 1] = float("inf")
+    config = normswap.ConvertConfig(to="groupnorm", groups=1, calibration_data=[good, bad])
+    with pytest.raises(
+        BadInputError, match=r"calibration_data: calibration batch 1, args\[0\] holds 1 NaN/Inf"
+    ):
+        normswap.convert(model, config, (good,))

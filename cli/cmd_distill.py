@@ -175,7 +175,9 @@ def distill(
             check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
         if main and not sharded_output:
             check_output_before_work(student.model, output, args, kwargs, quiet=quiet)
-        batches, held_out = data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
+        batches, held_out = data_and_holdout(
+            data, holdout, args, kwargs, batch_size, normalize, model=teacher.model
+        )
         with render.progress(disable=quiet) as progress:
             task = progress.add_task("distilling", total=steps)
             distilled, result = distill_model(

@@ -80,7 +80,9 @@ def recalibrate(
     if resolved is not None:
         check_inputs_fit(loaded.model, args, kwargs)
     check_output_before_work(loaded.model, output, args, kwargs, quiet=report is not None)
-    calibration, held_out = data_and_holdout(data, holdout, args, kwargs, batch_size, normalize)
+    calibration, held_out = data_and_holdout(
+        data, holdout, args, kwargs, batch_size, normalize, model=loaded.model
+    )
     with render.progress(disable=report is not None) as progress:
         task = progress.add_task("calibrating", total=None)
         recalibrated, result = recalibrate_batchnorm(

@@ -113,7 +113,7 @@ def validate(
 
         resolved = resolve_inputs(reference, inputs_file=inputs, input_shapes=input_shape)
         args, kwargs = resolved if resolved is not None else (None, None)
-        source, _ = data_and_holdout(data, None, args, kwargs, batch_size, None)
+        source, _ = data_and_holdout(data, None, args, kwargs, batch_size, None, model=reference.model)
         pairs = [(b.args, b.kwargs) for b in itertools.islice(source, batches)]
         if not pairs:
             raise BadInputError(f"--data {data} yields no batch")

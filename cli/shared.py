@@ -91,9 +91,16 @@ def existing(spec: str) -> Path | None:
 
 
 def data_and_holdout(
-    data: str, holdout: str | None, args: Any, kwargs: Any, batch_size: int | None, normalize: str | None
+    data: str,
+    holdout: str | None,
+    args: Any,
+    kwargs: Any,
+    batch_size: int | None,
+    normalize: str | None,
+    model: Any = None,
 ) -> tuple[Any, Any]:
-    """The batches of --data, and the first batch of --holdout when given (read with the same options)."""
+    """The batches of --data, and the first batch of --holdout when given (read with the same options);
+    ``model``'s token ids checked against its vocabulary as they are read."""
     from normswap.calibrate import load_calibration_data
     from normswap.errors import BadInputError
 
@@ -102,6 +109,7 @@ def data_and_holdout(
         "example_kwargs": kwargs,
         "batch_size": batch_size,
         "normalize": normalize,
+        "model": model,
     }
     source = load_calibration_data(data, **options)
     held_out = None

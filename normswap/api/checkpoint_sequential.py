@@ -246,9 +246,9 @@ def convert_checkpoint_sequential(
     fit, fed the same tensors). BadInputError for a conversion or model the route cannot take (a model
     with no list of blocks of one class, flags other than the swap), CheckFailedError when nothing
     could be swapped; nothing is written then, nor on any failure."""
-    from normswap.api.convert import _calibration_batches
+    from normswap.api.convert import calibration_batches
     from normswap.calibrate.activations import ActivationStore
-    from normswap.calibrate.data import ModelInputs, as_model_inputs, check_token_ids
+    from normswap.calibrate.data import ModelInputs, as_model_inputs
     from normswap.calibrate.sequential import calibrate_blocks
     from normswap.passes.swap_norm import build_layout_norm
     from normswap.validate.blockwise import BlockShell
@@ -270,8 +270,8 @@ def convert_checkpoint_sequential(
     meta = build_on_meta(checkpoint)
     blocks, count = _blocks(checkpoint, meta)
     args, kwargs = example_inputs(meta, checkpoint.config, device="cpu")
-    batches = [as_model_inputs(b) for b in _calibration_batches(config, args, kwargs)]
-    check_token_ids(meta, batches, f"--calibrate {config.calibration_data}")
+    # the meta model's embedding size is all the token-id check reads
+    batches = [as_model_inputs(b) for b in calibration_batches(config, meta, args, kwargs)]
     del meta
     if not batches:
         raise BadInputError(f"--calibrate {config.calibration_data}: no batches to calibrate on")

@@ -243,20 +243,21 @@ def _record_consent(result: ConversionResult) -> None:
         )
 
 
-def _calibration_batches(config: ConvertConfig, args: tuple, kwargs: dict) -> list[Any]:
-    from normswap.calibrate import CalibrationData
+def calibration_batches(config: ConvertConfig, model: nn.Module, args: tuple, kwargs: dict) -> list[Any]:
+    """The calibration batches, read through the one data loader whatever their source: a file, a
+    folder or a factory named by ``config``, or batches handed over as Python objects, are held to the
+    same data rule, and token ids to ``model``'s vocabulary."""
+    from normswap.calibrate import CalibrationData, load_calibration_data
+    from normswap.calibrate.data import token_vocabulary
 
     data = config.calibration_data
     if isinstance(data, (str, Path)):
-        from normswap.calibrate import load_calibration_data
-
         data = load_calibration_data(
-            data, example_args=args, example_kwargs=kwargs, batch_size=config.batch_size
+            data, example_args=args, example_kwargs=kwargs, batch_size=config.batch_size, model=model
         )
     elif config.batch_size is not None:
         raise BadInputError("batch_size splits calibration data read from a file or folder, not batches")
     elif not isinstance(data, CalibrationData):
-        # batches handed over as Python objects are held to the same data rule as a file's
         given = data
         data = CalibrationData(
             lambda: given,
@@ -265,6 +266,7 @@ def _calibration_batches(config: ConvertConfig, args: tuple, kwargs: dict) -> li
             example_args=args,
             example_kwargs=kwargs,
         )
+        data.vocabulary = token_vocabulary(model)
     return list(itertools.islice(data, config.calibration_batches))
 
 
@@ -274,10 +276,7 @@ def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str
     from normswap.validate.compare import compare_models
 
     sites = [c.site for p in result.report.passes if p.pass_name == "swap_norm" for c in p.changes]
-    batches = _calibration_batches(result.config, result.example_args, result.example_kwargs)
-    from normswap.calibrate.data import check_token_ids
-
-    check_token_ids(original, batches, f"--calibrate {result.config.calibration_data}")
+    batches = calibration_batches(result.config, original, result.example_args, result.example_kwargs)
     fit_sites = calibrate_swapped_norms
     cosine = result.pass_report("cosine_layers")
     if cosine is not None:  # --to cosine: the layers' scales, refitted on the data the same way

@@ -127,6 +127,8 @@ class CalibrationData:
         self.num_batches = num_batches
         self.first: ModelInputs | None = None
         self.notes: list[str] = []
+        # (size, input name) of the model's token ids when the reader knows the model (token_vocabulary)
+        self.vocabulary: tuple[int, str] | None = None
         self._example = (
             ModelInputs(tuple(example_args or ()), dict(example_kwargs or {}))
             if example_args is not None or example_kwargs is not None
@@ -143,6 +145,8 @@ class CalibrationData:
         for index, batch in enumerate(_guarded(self._source, self.description)):
             inputs = self._fit_to_model(as_model_inputs(batch), index)
             _check_batch(inputs, index, self.name)
+            if self.vocabulary is not None:
+                _check_ids(self.vocabulary, inputs, index, self.name)
             if reference is None:
                 reference = inputs
                 self.first = inputs
@@ -388,6 +392,7 @@ def load_calibration_data(
     batch_size: int | None = None,
     normalize: str | None = None,
     ignore_inapplicable: bool = False,
+    model: Any = None,
 ) -> CalibrationData:
     """Open ``spec`` (a folder of images, a ``.pt`` file or a factory) as a stream of checked batches.
 
@@ -396,8 +401,22 @@ def load_calibration_data(
     ``batch_size`` (default 32) splits an image folder or a single tensor; anything that yields its own
     batches refuses it rather than ignore it. ``normalize`` names a mean/std from :data:`NORMALIZATIONS`.
     ``ignore_inapplicable`` drops those two where they do not apply instead of refusing: for a second
-    source read with the options given for the first (a held-out batch).
+    source read with the options given for the first (a held-out batch). ``model``: the model the data
+    is for; its token ids (an HF model's) are then checked against its vocabulary as each batch is read.
     """
+    data = _open_data(spec, example_args, example_kwargs, batch_size, normalize, ignore_inapplicable)
+    data.vocabulary = None if model is None else token_vocabulary(model)
+    return data
+
+
+def _open_data(
+    spec: str | Path,
+    example_args: tuple | None,
+    example_kwargs: dict | None,
+    batch_size: int | None,
+    normalize: str | None,
+    ignore_inapplicable: bool,
+) -> CalibrationData:
     if batch_size is not None and batch_size < 1:
         raise BadInputError(f"--batch-size must be at least 1, got {batch_size}")
     if normalize is not None and normalize not in NORMALIZATIONS:
@@ -431,32 +450,29 @@ def _vocabulary(model: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
-def check_token_ids(model: Any, batches: Iterable[Any], source: str) -> None:
-    """Token ids of every batch inside the model's vocabulary: an id past it (or negative) fails inside
-    the embedding as an IndexError with no word of which batch; an id tensor that is not integer fails
-    there too. The one check of data against a model, for the routes that hold the model when they
-    read the data (the model may be on the meta device: only its embedding's size is read)."""
+def token_vocabulary(model: Any) -> tuple[int, str] | None:
+    """(vocabulary size, the name of the token-id input) of a model that takes token ids, else None."""
     vocab = _vocabulary(model)
-    if vocab is None:
+    return None if vocab is None else (vocab, getattr(model, "main_input_name", "input_ids"))
+
+
+def _check_ids(vocabulary: tuple[int, str], inputs: ModelInputs, index: int, source: str) -> None:
+    vocab, main = vocabulary
+    label, ids = f"kwargs[{main!r}]", inputs.kwargs.get(main)
+    if ids is None and inputs.args:
+        label, ids = "args[0]", inputs.args[0]
+    if not isinstance(ids, torch.Tensor):
         return
-    main = getattr(model, "main_input_name", "input_ids")
-    for index, batch in enumerate(batches):
-        inputs = as_model_inputs(batch)
-        label, ids = f"kwargs[{main!r}]", inputs.kwargs.get(main)
-        if ids is None and inputs.args:
-            label, ids = "args[0]", inputs.args[0]
-        if not isinstance(ids, torch.Tensor):
-            continue
-        where = f"{source}: calibration batch {index}, {label}"
-        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise BadInputError(
-                f"{where} is {str(ids.dtype).removeprefix('torch.')}: token ids must be integers "
-                "(save them as int64)"
-            )
-        bad = (ids < 0) | (ids >= vocab)
-        if bool(bad.any()):
-            first = int(bad.reshape(-1).nonzero()[0])
-            raise BadInputError(
-                f"{where} holds token id {int(ids.reshape(-1)[first])} at index "
-                f"{list(position(first, ids.shape))}, outside the model's vocabulary [0, {vocab})"
-            )
+    where = f"{source}: calibration batch {index}, {label}"
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise BadInputError(
+            f"{where} is {str(ids.dtype).removeprefix('torch.')}: token ids must be integers "
+            "(save them as int64)"
+        )
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        first = int(bad.reshape(-1).nonzero()[0])
+        raise BadInputError(
+            f"{where} holds token id {int(ids.reshape(-1)[first])} at index "
+            f"{list(position(first, ids.shape))}, outside the model's vocabulary [0, {vocab})"
+        )

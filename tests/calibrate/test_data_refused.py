@@ -221,3 +221,35 @@ def test_batches_given_to_the_library_are_held_to_the_same_rule():
         BadInputError, match=r"calibration_data: calibration batch 1, args\[0\] holds 1 NaN/Inf"
     ):
         normswap.convert(model, config, (good,))
+
+
+@pytest.mark.parametrize("command", ["distill", "distill-holdout", "validate"])
+def test_token_ids_outside_the_vocabulary_are_refused_by_every_command(files, tmp_path, command):
+    """The check runs in the data loader for every command that hands it the model, not per command."""
+    ids = torch.randint(0, 300, (8, 6), generator=torch.Generator().manual_seed(0))
+    # batch 1, its row 1; a held-out file gives its first batch only
+    ids[1 if command == "distill-holdout" else 5, 2] = 300
+    torch.save(ids, tmp_path / "bad_ids.pt")
+    model, bad, good = str(files / "llama-float32"), str(tmp_path / "bad_ids.pt"), str(files / "ids.pt")
+    argv = {
+        "distill": ["distill", model, model, "--data", bad, "--steps", "1", "-o", str(tmp_path / "out.pt")],
+        "distill-holdout": [
+            "distill",
+            model,
+            model,
+            "--data",
+            good,
+            "--holdout",
+            bad,
+            "--steps",
+            "1",
+            "-o",
+            str(tmp_path / "out.pt"),
+        ],
+        "validate": ["validate", model, model, "--data", bad],
+    }[command]
+    _refused(
+        [*argv, "--batch-size", "4"],
+        tmp_path,
+        "kwargs['input_ids'] holds token id 300 at index [1, 2], outside the model's vocabulary [0, 300)",
+    )

@@ -41,6 +41,7 @@ from normswap.calibrate.data import ModelInputs
 from normswap.calibrate.dcp_io import dcp_load, dcp_save
 from normswap.calibrate.parallel import DataParallel
 from normswap.errors import BadInputError
+from normswap.load.json_io import parse_json
 
 RUN_FILE = "run.json"
 # 2: the optimizer's non-tensor values are in run.json; format 1 had DCP pickle them
@@ -301,9 +302,9 @@ def save_checkpoint(
 def _same_run(folder: Path, run: dict[str, Any]) -> bool:
     """Whether the checkpoint in ``folder`` belongs to ``run``: only those are removed as older."""
     try:
-        record = json.loads((folder / RUN_FILE).read_text())
+        record = parse_json((folder / RUN_FILE).read_bytes(), str(folder / RUN_FILE), "checkpoint record")
         saved, step = record["run"], int(record["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, BadInputError):
         return False
     if not isinstance(saved, dict):
         return False
@@ -355,7 +356,9 @@ def load_checkpoint(
         raise BadInputError(f"--resume: {plan.directory} holds no finished checkpoint (step-*/{RUN_FILE})")
     path = finished[-1]
     try:
-        record = json.loads((path / RUN_FILE).read_text())
+        record = parse_json(
+            (path / RUN_FILE).read_bytes(), f"--resume: {path / RUN_FILE}", "checkpoint record"
+        )
         step, losses, saved_run = int(record["step"]), [float(v) for v in record["losses"]], record["run"]
         if not isinstance(saved_run, dict):
             raise TypeError(f"its run is a {type(saved_run).__name__}, not a record")

@@ -208,7 +208,7 @@ def _expressions(value: Any) -> Iterator[Any]:
 def _check_program_json(path: Path, member: str, data: bytes) -> None:
     try:
         program = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _refusal(path, member, f"is not valid JSON ({type(exc).__name__})") from None
     for expression in _expressions(program):
         problem = _expression_problem(expression)

@@ -272,7 +272,8 @@ def _load_teacher(
     import dataclasses
 
     from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
-    from normswap.load.checkpoint_dir import example_inputs, is_checkpoint_directory
+    from normswap.load.checkpoint_dir import is_checkpoint_directory
+    from normswap.load.config_inputs import example_inputs
 
     if parallel is None or not is_checkpoint_directory(original):
         return load(original, weights, trust_pickle), None

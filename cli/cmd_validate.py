@@ -180,7 +180,8 @@ def _validate_blockwise(
     inputs) are held and compared on the example inputs."""
     from normswap.api.checkpoint_checks import VERIFY_SHAPES
     from normswap.errors import CheckFailedError
-    from normswap.load.checkpoint_dir import build_on_meta, example_inputs, read_checkpoint_directory
+    from normswap.load.checkpoint_dir import build_on_meta, read_checkpoint_directory
+    from normswap.load.config_inputs import example_inputs
     from normswap.validate import blockwise
 
     relate = blockwise.centered if centered else blockwise.identity

@@ -39,11 +39,11 @@ from normswap.load.checkpoint_dir import (
     SINGLE_FILE,
     CheckpointDirectory,
     build_on_meta,
-    example_inputs,
-    folder_file,
     read_checkpoint_directory,
 )
 from normswap.load.checkpoint_write import copy_side_files
+from normswap.load.config_inputs import example_inputs
+from normswap.load.folder_files import folder_file
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
 from normswap.load.save import publish_directory, reserve_temp_dir

@@ -9,7 +9,8 @@ from collections.abc import Callable
 import torch
 
 from normswap.errors import CheckFailedError
-from normswap.load.checkpoint_dir import CheckpointDirectory, example_inputs
+from normswap.load.checkpoint_dir import CheckpointDirectory
+from normswap.load.config_inputs import example_inputs
 from normswap.load.safetensors_io import TensorEntry, read_header, read_tensor
 from normswap.passes.tensor_edits import EditPlan
 from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise

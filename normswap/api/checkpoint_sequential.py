@@ -32,11 +32,11 @@ from normswap.errors import BadInputError, CheckFailedError, describe
 from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
-    example_inputs,
     read_checkpoint_directory,
     transformers_config,
 )
 from normswap.load.checkpoint_write import copy_side_files
+from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import NAMES, ShardWriter
 from normswap.load.save import publish_directory, reserve_temp_dir

@@ -11,7 +11,7 @@ the dtype the weights are stored in. Everything in it is untrusted until checked
   plain file names inside the directory, every shard must be a readable safetensors file, and every
   tensor the index names must be in its shard. ``pytorch_model.bin`` (a pickle) is refused.
 - Every file read from the directory (config, index, shards, ``normswap.json``, the side files copied into
-  an output) is opened through :func:`folder_file`: a symlink may point inside the folder, never out of
+  an output) is opened through :func:`normswap.load.folder_files.folder_file`: a symlink may point inside the folder, never out of
   it, so that a ``tokenizer.json`` linked to a private file elsewhere is refused, not read and copied.
 - A model that the files do not fully cover (weights missing, unexpected or of the wrong shape) is
   refused: a model with some weights at their random init would pass every later check while being
@@ -28,7 +28,6 @@ analysis of a large checkpoint read no weights.
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,7 +38,8 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError, describe
-from normswap.load.json_io import parse_json
+from normswap.load.folder_files import check_links, folder_file, read_json
+from normswap.load.safetensors_io import stored_dtype
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -47,8 +47,6 @@ INDEX_FILE = "model.safetensors.index.json"
 RECORD_FILE = "normswap.json"
 RECORD_FORMAT = "normswap-checkpoint"
 
-# A config or an index this large is not one: refuse it before parsing it.
-_MAX_JSON_BYTES = 64 * 1024 * 1024
 _PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -83,43 +81,6 @@ def is_checkpoint_directory(path: str | Path) -> bool:
     """Whether ``path`` is a directory holding a ``config.json``: what the user means as a HF model."""
     path = Path(path)
     return path.is_dir() and (path / CONFIG_FILE).is_file()
-
-
-def folder_root(directory: Path) -> Path:
-    """The folder a model directory's files must resolve into: the directory itself (symlinks followed),
-    or, for a snapshot of the Hugging Face hub cache (``<repo>/snapshots/<revision>/``, whose files are
-    symlinks to ``../../blobs/<sha>``), the repository's cache folder ``<repo>``, which holds the blobs
-    of that repository alone."""
-    real = directory.resolve()
-    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
-        return real.parent.parent
-    return real
-
-
-def folder_file(directory: Path, name: str) -> Path:
-    """``directory / name``, the one way a file of a model folder is reached: BadInputError when the file,
-    through symlinks, lies outside the folder (:func:`folder_root`). A link inside the folder is fine."""
-    path = directory / name
-    real, root = path.resolve(), folder_root(directory)
-    if not real.is_relative_to(root):
-        raise BadInputError(
-            f"{path} is a symlink to {real}, outside the model folder {root}: normswap reads nothing from "
-            "outside a model folder; copy the file into it"
-        )
-    return path
-
-
-def _check_links(directory: Path) -> None:
-    """Every file at the folder's top (what normswap reads or copies into an output) inside it."""
-    for entry in directory.iterdir():
-        if entry.is_symlink() and entry.is_file():
-            folder_file(directory, entry.name)
-
-
-def _read_json(path: Path, what: str) -> Any:
-    if path.stat().st_size > _MAX_JSON_BYTES:
-        raise BadInputError(f"{path} is too large for a {what} ({path.stat().st_size} bytes)")
-    return parse_json(path.read_bytes(), str(path), what)
 
 
 def _find_key(config: dict[str, Any], key: str) -> tuple[str, Any] | None:
@@ -205,7 +166,7 @@ def shard_keys(path: Path) -> list[str]:
 def _weights(directory: Path) -> tuple[tuple[str, ...], dict[str, str]]:
     index_path, single = folder_file(directory, INDEX_FILE), folder_file(directory, SINGLE_FILE)
     if index_path.is_file():
-        index = _read_json(index_path, "safetensors index")
+        index = read_json(index_path, "safetensors index")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise BadInputError(f"{index_path} has no 'weight_map' of tensor names to shard files")
@@ -237,7 +198,7 @@ def _record(directory: Path) -> dict[str, Any] | None:
     path = folder_file(directory, RECORD_FILE)
     if not path.is_file():
         return None
-    record = _read_json(path, "normswap record")
+    record = read_json(path, "normswap record")
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         raise BadInputError(f"{path} is not a record normswap wrote (its 'format' is not {RECORD_FORMAT!r})")
     if not isinstance(record.get("modules", {}), dict):
@@ -250,8 +211,8 @@ def read_checkpoint_directory(path: str | Path) -> CheckpointDirectory:
     directory = Path(path)
     if not is_checkpoint_directory(directory):
         raise BadInputError(f"{directory} is not a model directory (no {CONFIG_FILE} in it)")
-    _check_links(directory)
-    config = _read_json(folder_file(directory, CONFIG_FILE), "model config")
+    check_links(directory)
+    config = read_json(folder_file(directory, CONFIG_FILE), "model config")
     if not isinstance(config, dict):
         raise BadInputError(f"{directory / CONFIG_FILE} is not a JSON object")
     architecture = _architecture(config, directory)
@@ -364,24 +325,6 @@ def transformers_config(checkpoint: CheckpointDirectory) -> Any:
         raise BadInputError(
             f"transformers cannot read {checkpoint.path / CONFIG_FILE}: {describe(exc)}"
         ) from None
-
-
-def stored_dtype(config: Any, where: str | Path = CONFIG_FILE) -> torch.dtype | None:
-    """The floating dtype a config says its weights are stored in (None: transformers' default);
-    BadInputError for one outside normswap's dtype table (float8: a quantized format)."""
-    from normswap.load.safetensors_io import DTYPES
-
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        return None
-    if dtype not in DTYPES.values():
-        known = ", ".join(str(d).removeprefix("torch.") for d in DTYPES.values() if d.is_floating_point)
-        raise BadInputError(
-            f"{where}: dtype {str(dtype).removeprefix('torch.')} is not one normswap rewrites ({known})"
-        )
-    return dtype
 
 
 def build_on_meta(checkpoint: CheckpointDirectory) -> nn.Module:
@@ -545,58 +488,3 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
             if checkpoint.weight_map.get(name) == shard:
                 fill_tensor(checkpoint.path / shard, name, entry, expected[name])
     return model.eval()
-
-
-# The image size given to a convolutional vision model whose config fixes none (HF's ResNet, RegNet,
-# MobileNet: they take any size): ImageNet's, which every such architecture's strides divide.
-_ANY_IMAGE_SIZE = 224
-
-
-def _convolutional(vision: dict[str, Any]) -> bool:
-    """A vision config of a convolutional net that fixes no input size (stages of conv widths)."""
-    return any(key in vision for key in ("hidden_sizes", "depths", "depth_multiplier"))
-
-
-def example_inputs(
-    model: nn.Module,
-    config: dict[str, Any],
-    *,
-    batch: int = 1,
-    length: int = 16,
-    device: torch.device | str | None = None,
-) -> tuple[tuple, dict[str, Any]]:
-    """Inputs that a model of this directory takes, made from its config: ``batch`` x ``length`` token ids
-    (any vocab id) for a text model, ``batch`` images of the configured size for a vision model (224 for a
-    convolutional one whose config fixes no size), raw audio for ``length`` frames for a speech encoder, on
-    ``device`` (default: the model's). BadInputError otherwise."""
-    if device is None:
-        device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    name = getattr(model, "main_input_name", "input_ids")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else config
-    if name == "input_ids" and isinstance(text.get("vocab_size"), int) and text["vocab_size"] > 0:
-        length = min(length, int(text.get("max_position_embeddings") or text.get("n_positions") or length))
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, text["vocab_size"], (batch, length), generator=generator)
-        return (), {"input_ids": ids.to(device)}
-    size, channels = vision.get("image_size"), vision.get("num_channels", 3)
-    if name == "pixel_values" and size is None and _convolutional(vision):
-        size = _ANY_IMAGE_SIZE
-    if name == "pixel_values" and size is not None:
-        height, width = (size, size) if isinstance(size, int) else tuple(size)
-        dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
-        generator = torch.Generator().manual_seed(0)
-        pixels = torch.rand(batch, int(channels), int(height), int(width), generator=generator).to(
-            device, dtype
-        )
-        return (), {"pixel_values": pixels}
-    if name == "input_values" and isinstance(config.get("conv_stride"), list):
-        # raw audio (wav2vec2, HuBERT): enough samples for ``length`` frames after the conv feature encoder
-        samples = (length + 1) * math.prod(config["conv_stride"]) + sum(config.get("conv_kernel") or [])
-        dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
-        audio = torch.randn(batch, samples, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-        return (), {"input_values": audio}
-    raise BadInputError(
-        f"cannot make example inputs for a model whose main input is {name!r} from its config: give --inputs "
-        "or --input-shape"
-    )

@@ -41,9 +41,9 @@ from normswap.load.checkpoint_dir import (
     RECORD_FORMAT,
     SINGLE_FILE,
     CheckpointDirectory,
-    folder_file,
     quiet_transformers,
 )
+from normswap.load.folder_files import folder_file
 
 # Files of the input directory not copied: the weights (rewritten), what save_pretrained writes anew, and
 # other weight formats that would hold the unconverted model.

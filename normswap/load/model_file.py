@@ -29,11 +29,11 @@ from normswap.errors import BadInputError, describe, first_line
 from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
-    example_inputs,
     is_checkpoint_directory,
     load_checkpoint_directory,
     read_checkpoint_directory,
 )
+from normswap.load.config_inputs import example_inputs
 from normswap.load.factory import load_factory, unpack_model_and_inputs
 from normswap.load.json_io import parse_json
 from normswap.load.program import load_program

@@ -245,3 +245,19 @@ class ShardWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def stored_dtype(config: Any, where: str | Path = "config.json") -> torch.dtype | None:
+    """The floating dtype a config says its weights are stored in (None: transformers' default);
+    BadInputError for one outside normswap's dtype table (float8: a quantized format)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return None
+    if dtype not in DTYPES.values():
+        known = ", ".join(str(d).removeprefix("torch.") for d in DTYPES.values() if d.is_floating_point)
+        raise BadInputError(
+            f"{where}: dtype {str(dtype).removeprefix('torch.')} is not one normswap rewrites ({known})"
+        )
+    return dtype

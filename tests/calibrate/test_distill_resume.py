@@ -220,7 +220,7 @@ def test_a_checkpoint_whose_metadata_names_other_code_is_refused_before_it_runs(
 @pytest.mark.parametrize(
     ("record", "reason"),
     [
-        ("not json", "is not a checkpoint record"),
+        ("not json", "is not a valid checkpoint record"),
         ('{"format": 1, "step": "two", "losses": [], "run": {}}', "is not a checkpoint record"),
         ('{"format": 1, "step": 2, "losses": [0.1, 0.2], "run": [1]}', "its run is a list, not a record"),
         (

@@ -3,8 +3,7 @@ the result, save it. What runs, in which order, and when a result is refused is 
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from normswap_cli import render
@@ -22,7 +21,7 @@ from normswap_cli.options import (
     WeightsOpt,
     flag,
 )
-from normswap_cli.shared import check_paths, existing, handles_errors, load, write_json
+from normswap_cli.shared import check_paths, handles_errors, write_json
 
 ToOpt = Annotated[
     str | None,
@@ -171,8 +170,8 @@ def convert(
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
     from normswap.api import ConvertConfig, convert, save
-    from normswap.errors import BadInputError, CheckFailedError
-    from normswap.load import SAVE_FORMATS, require_inputs
+    from normswap.errors import CheckFailedError
+    from normswap.load import SAVE_FORMATS
 
     check_paths(
         {"MODEL": model, "--weights": weights, "--inputs": inputs, "--calibrate": calibrate},
@@ -199,40 +198,24 @@ def convert(
         batch_size=batch_size,
         output=output,
         overwrite=overwrite,
+        sequential=sequential,
+        activation_memory=activation_memory,
     )
     config.validate()  # option mistakes are said before the model is loaded
-    custom_inputs = inputs is not None or bool(input_shape)
-    if sequential and not _directory_to_directory(model, output):
-        raise BadInputError(
-            "--sequential converts a model directory into a model directory (-o with no suffix)"
-        )
-    if activation_memory is not None and not sequential and not _directory_to_directory(model, output):
-        raise BadInputError(
-            "--activation-memory applies to the block-by-block calibration of a model directory"
-        )
-    if _directory_to_directory(model, output) and (sequential or config.calibration_data is not None):
-        from normswap.api.checkpoint_sequential import sequential_route
-
-        note = sequential_route(model, config, asked=sequential, custom_inputs=custom_inputs)
-        if note is not None:
-            render.out.print(f"note: {note}", soft_wrap=True)
-            _sequential(model, config, activation_memory, report)
-            return
-    if _directory_to_directory(model, output):
-        from normswap.api.checkpoint import directory_route
-
-        fallback = directory_route(model, config, custom_inputs=custom_inputs)
-        if fallback is None:
-            _stream(model, output, config, report)
-            return
-        render.out.print(f"note: {fallback}", soft_wrap=True)
-    loaded = load(model, weights, trust_pickle)
-    args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
     quiet = report is not None
+    # the library chooses the route (in memory, streamed, block by block) and judges the result
     with render.status("converting", quiet) as say:
-        result = convert(loaded.model, config, args, kwargs, on_step=say)
+        result = convert(
+            model,
+            config,
+            weights=weights,
+            trust_pickle=trust_pickle,
+            inputs=inputs,
+            input_shapes=input_shape,
+            on_step=say,
+        )
     render.print_conversion(result)
-    if result.ok:
+    if result.ok and result.model is not None:
         label = SAVE_FORMATS.get(output.suffix, "directory")
         what = {
             "onnx": f"exporting {output} to ONNX and checking it in onnxruntime",
@@ -240,53 +223,9 @@ def convert(
             "directory": f"writing the model directory {output} and loading it back",
         }.get(label, f"writing {output}")
         with render.stdout_kept(label == "onnx"), render.status(what, quiet):
-            saved = save(result, opset=opset, refuse_path=existing(model), source=loaded.checkpoint)
+            saved = save(result, opset=opset)
         render.print_saved(saved)
     if report is not None:
         write_json(report, {"model": model, **result.to_dict()})
     if not result.ok:
         raise CheckFailedError(result.refusal or "nothing written")
-
-
-def _directory_to_directory(model: str, output: Path) -> bool:
-    from normswap.load.checkpoint_dir import is_checkpoint_directory
-    from normswap.load.checkpoint_write import is_directory_output
-
-    return is_checkpoint_directory(model) and is_directory_output(output)
-
-
-def _stream(model: str, output: Path, config: Any, report: Path | None) -> None:
-    """A model directory rewritten shard by shard, verified block by block (normswap.api.checkpoint)."""
-    from normswap.api.checkpoint import convert_checkpoint
-
-    with render.status("streaming the checkpoint", report is not None) as say:
-        result = convert_checkpoint(
-            model,
-            output,
-            fold_norm_affine=config.fold_norm_affine,
-            to=config.to,
-            exact=config.exact,
-            fold_bn=config.fold_bn,
-            add_weight_norm=config.add_weight_norm,
-            weight_norm_dim=config.weight_norm_dim,
-            remove_weight_norm=config.remove_weight_norm,
-            on_step=say,
-            overwrite=config.overwrite,
-        )
-    render.print_streamed(result)
-    if report is not None:
-        write_json(report, {"model": model, **result.to_dict()})
-
-
-def _sequential(model: str, config: Any, activation_memory: float | None, report: Path | None) -> None:
-    """Norms swapped and calibrated block by block (normswap.api.checkpoint_sequential)."""
-    from normswap_cli.render_sequential import print_sequential
-
-    from normswap.api.checkpoint_sequential import convert_checkpoint_sequential
-
-    budget = None if activation_memory is None else int(activation_memory * 1e9)
-    with render.status("calibrating block by block", report is not None) as say:
-        result = convert_checkpoint_sequential(model, config, activation_memory=budget, on_step=say)
-    print_sequential(result)
-    if report is not None:
-        write_json(report, {"model": model, **result.to_dict()})

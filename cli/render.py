@@ -122,9 +122,17 @@ def print_inventory(inventory: Any, model: str) -> None:
 
 
 def print_conversion(result: Any) -> None:
-    """A :class:`normswap.ConversionResult`: changes, skips, figures, notes and calibration."""
-    print_pipeline(result.report)
-    print_capture_notes(result.graph_notes, captured_what(result.graph_method), ANALYSIS_ONLY)
+    """A :class:`normswap.ConversionResult`, whichever route ran: changes, skips, figures, notes and
+    calibration; for a directory written as it went, what was written and how it was verified."""
+    if result.route == "streamed":
+        print_streamed(result.report.passes[0], result.written_directory)
+    elif result.route == "block by block":
+        from normswap_cli.render_sequential import print_sequential
+
+        print_sequential(result.written_directory)
+    else:
+        print_pipeline(result.report)
+        print_capture_notes(result.graph_notes, captured_what(result.graph_method), ANALYSIS_ONLY)
     for note in result.notes:
         out.print(f"note: {note}", soft_wrap=True)
     if result.calibration is not None:
@@ -185,10 +193,10 @@ def print_saved(saved: Any) -> None:
         print_capture_notes(saved.notes, f"{saved.path} exported", NO_CACHE)
 
 
-def print_streamed(result: Any) -> None:
-    """A :class:`normswap.api.checkpoint.StreamedConversion`: what changed, what was refused and why, how
-    the tensors were written, and the block-by-block verification."""
-    report = result.report
+def print_streamed(report: Any, result: Any) -> None:
+    """A streamed conversion: its pass's ``report`` (what changed, what was refused and why) and, when it
+    was written, the :class:`normswap.api.checkpoint.StreamedConversion`: how the tensors were written,
+    and the verification against the source."""
     out.print(
         f"{report.pass_name} (exact, streamed): {len(report.changes)} changed, {len(report.skips)} skipped"
     )
@@ -198,6 +206,8 @@ def print_streamed(result: Any) -> None:
             soft_wrap=True,
         )
     print_inside_changes(report)
+    if result is None:
+        return
     out.print(
         f"{result.edited_tensors} tensors computed in float64 (largest group {result.largest_group_bytes / 1e6:.1f} MB), "
         f"{result.copied_tensors} copied as bytes, into {len(result.shards)} shards",

@@ -112,6 +112,19 @@ def stored_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return found
 
 
+def stream(source: Path, output: Path, **options: Any) -> Any:
+    """The streamed route of ``normswap.convert`` (a model directory into a model directory, one rewrite
+    that streams): what it wrote (a StreamedConversion); its refusal raised as the CLI exits on it."""
+    from normswap import ConvertConfig, convert
+    from normswap.errors import CheckFailedError
+
+    result = convert(source, ConvertConfig(output=output, **options))
+    assert result.route == "streamed", result.notes
+    if not result.ok:
+        raise CheckFailedError(result.refusal)
+    return result.written_directory
+
+
 def convert_in_memory(source: Path, options: dict, output: Path) -> Any:
     """What the in-memory route does with ``source`` (loaded, converted with ``options``, saved to the
     directory ``output``), for comparison with a stream: its ConversionResult."""

@@ -1,10 +1,10 @@
 """Convert a Hugging Face model directory without holding the model: analysis on the meta device, the
 rewrite streamed shard by shard, one group of tensors at a time.
 
-:func:`convert_checkpoint` reads the directory's config and shard headers, builds the model on the meta
-device, lets the pass decide every site on its captured graph (:mod:`normswap.passes.tensor_edits`),
-lays every output shard out from the input's (same files, same tensors, same dtypes; an untied copy
-goes beside its source), then copies each untouched tensor as bytes and computes each edit group in
+:func:`plan_checkpoint` reads the directory's config and shard headers, builds the model on the meta
+device and lets the pass decide every site on its captured graph (:mod:`normswap.passes.tensor_edits`);
+:func:`write_checkpoint` lays every output shard out from the input's (same files, same tensors, same
+dtypes; an untied copy goes beside its source), then copies each untouched tensor as bytes and computes each edit group in
 float64 from the input files, writing its tensors into their ranges. Peak memory is the largest group
 (a norm and the linears that read it, or one residual writer), whatever the model's size.
 
@@ -20,13 +20,14 @@ import json
 import shutil
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from normswap.api.checkpoint_checks import check_rewritten_layers, reader, verify_blocks
 from normswap.api.config import ConvertConfig
@@ -50,13 +51,14 @@ from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.base import PassReport
 from normswap.passes.tensor_edits import EditPlan, TensorEdit, plan_edits
 from normswap.passes.tensor_edits_weight_norm import WeightNormValueError
+from normswap.passes.weight_norm import RemoveWeightNorm
 from normswap.validate.blockwise import BlockwiseReport
 from normswap.validate.metrics import TensorComparison
 
 
 @dataclass
 class StreamedConversion:
-    """What :func:`convert_checkpoint` did: the pass's report, the output's shards, how many tensors were
+    """What :func:`write_checkpoint` did: the pass's report, the output's shards, how many tensors were
     copied as bytes and how many computed, the largest group's bytes, and the files copied."""
 
     path: Path
@@ -269,80 +271,72 @@ def _write_config(checkpoint: CheckpointDirectory, temp: Path, plan: EditPlan) -
         shutil.copyfile(generation, temp / generation.name)
 
 
-def convert_checkpoint(
-    source: str | Path,
-    output: str | Path,
-    *,
-    fold_norm_affine: bool = False,
-    to: str | None = None,
-    exact: bool = False,
-    fold_bn: bool = False,
-    add_weight_norm: str | Sequence[str] | None = None,
-    weight_norm_dim: int | str | None = "output",
-    remove_weight_norm: bool = False,
-    on_step: Callable[[str], None] | None = None,
-    overwrite: bool = False,
-) -> StreamedConversion:
-    """Stream one exact rewrite of the model directory ``source`` into the new directory ``output``, and
-    verify it block by block against ``source`` before it takes its name.
+@dataclass
+class PlannedStream:
+    """A model directory's rewrite decided on the meta device, before anything is written: the pass's
+    report says every change and skip, as the in-memory route's does."""
 
-    ``fold_norm_affine=True``, ``fold_bn=True``, ``add_weight_norm`` (``"all"`` or module paths, along
-    ``weight_norm_dim``), ``remove_weight_norm=True``, or ``to="rmsnorm", exact=True``. Nothing is written when
-    a LayerNorm that ``to`` asked for cannot be made RMSNorm exactly (:class:`CheckFailedError`, the
-    report says why) or when the verification finds a block outside the exact tolerance. Memory: the
-    largest edit group plus the meta model and its graph; the verification holds one model's
-    embeddings, head and block. A BatchNorm fold, and weight norm added or removed, are verified layer
-    by layer instead (each rewritten layer's function against what it replaces:
-    :func:`~normswap.api.checkpoint_checks.check_rewritten_layers`), which needs no list of blocks: the
-    convolutional and speech models that hold them have none of one class."""
+    checkpoint: CheckpointDirectory
+    headers: dict[str, tuple[dict[str, TensorEntry], dict[str, str]]]
+    model: nn.Module
+    plan: EditPlan
+
+    @property
+    def report(self) -> PassReport:
+        assert self.plan.report is not None
+        return self.plan.report
+
+
+def plan_checkpoint(
+    source: str | Path, config: ConvertConfig, on_step: Callable[[str], None] | None = None
+) -> PlannedStream:
+    """Decide ``config``'s one exact rewrite of the model directory ``source`` as per-tensor edits, on a
+    model built on the meta device (no weight read but the BatchNorm statistics a fold checks)."""
     say = on_step or (lambda _: None)
-    from normswap.passes.tensor_edits import streamable
-
-    adding = add_weight_norm is not None
-    why = streamable(
-        fold_norm_affine,
-        to,
-        exact,
-        [],
-        fold_bn=fold_bn,
-        add_weight_norm=adding,
-        remove_weight_norm=remove_weight_norm,
-    )
+    why = stream_problem(config)
     if why is not None:
         raise BadInputError(f"cannot stream this conversion: {why}")
-    output = Path(output)
     checkpoint = read_checkpoint_directory(source)
-    # the output rule (normswap.load.paths): an existing output only with overwrite, never a symlink
-    check_output("-o", output, overwrite=overwrite, directory=True)
     headers = _headers(checkpoint)
     say("analyzing the model built on the meta device (no weights read)")
     model = build_on_meta(checkpoint)
-    weight_norm = _weight_norm_pass(add_weight_norm, weight_norm_dim, remove_weight_norm)
+    weight_norm = (
+        RemoveWeightNorm()
+        if config.remove_weight_norm
+        else config.weight_norm_pass()
+        if config.add_weight_norm is not None
+        else None
+    )
     # a weight-norm pass reads parameters only: no graph, so no inputs (an audio model's are not made)
     args, kwargs = ((), {}) if weight_norm is not None else example_inputs(model, checkpoint.config)
-    stored = set(checkpoint.weight_map)
     plan = plan_edits(
         model,
         args,
         kwargs,
-        stored,
-        fold_norm_affine=fold_norm_affine,
-        recenter=to is not None,
-        fold_bn=fold_bn,
+        set(checkpoint.weight_map),
+        fold_norm_affine=config.fold_norm_affine,
+        recenter=config.to is not None,
+        fold_bn=config.fold_bn,
         read=reader(checkpoint),
         weight_norm=weight_norm,
     )
-    assert plan.report is not None
-    # as in memory: under --exact a LayerNorm that --to rmsnorm asked for and cannot get exactly fails the
-    # run; a norm whose affine cannot be folded stays as it is (the fold is exact either way)
-    if exact and to is not None and plan.report.skips:
-        first = plan.report.skips[0]
-        raise CheckFailedError(
-            f"--exact: {len(plan.report.skips)} norms cannot be rewritten exactly (first: {first.site}: "
-            f"{first.reason}); nothing written"
-        )
-    if not plan.edits:
-        raise CheckFailedError("no norm could be rewritten; nothing written")
+    return PlannedStream(checkpoint, headers, model, plan)
+
+
+def write_checkpoint(
+    planned: PlannedStream, config: ConvertConfig, on_step: Callable[[str], None] | None = None
+) -> StreamedConversion:
+    """Stream ``planned`` into ``config.output`` and verify it against the source before it takes its
+    name: block by block, or each rewritten layer against what it replaces (a BatchNorm fold, weight
+    norm: the convolutional and speech models that hold them have no list of blocks of one class).
+    CheckFailedError when the verification fails; nothing is written then, nor on any failure. Memory:
+    the largest edit group plus the meta model; the verification holds one block's worth."""
+    say = on_step or (lambda _: None)
+    checkpoint, headers, plan = planned.checkpoint, planned.headers, planned.plan
+    output = config.output_path
+    assert output is not None
+    # the output rule (normswap.load.paths): an existing output only with overwrite, never a symlink
+    check_output("-o", output, overwrite=config.overwrite, directory=True)
     temp = reserve_temp_dir(output)
     try:
         say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
@@ -352,14 +346,16 @@ def convert_checkpoint(
         written = read_checkpoint_directory(temp)
         verification: list[BlockwiseReport] = []
         fold_checks: list[TensorComparison] = []
-        if plan.folds or plan.layers:
+        if not plan.edits:
+            say("nothing to rewrite: every tensor copied as bytes")  # the input's bytes: nothing to verify
+        elif plan.folds or plan.layers:
             say(f"verifying {len(plan.folds) + len(plan.layers)} rewritten layers against the originals")
             fold_checks = check_rewritten_layers(checkpoint, written, plan)
         else:
             say("verifying block by block against the original")
-            verification = verify_blocks(checkpoint, written, model, to, say)
+            verification = verify_blocks(checkpoint, written, planned.model, config.to, say)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
-        publish_directory(temp, output, overwrite=overwrite)
+        publish_directory(temp, output, overwrite=config.overwrite)
     except OSError as exc:
         shutil.rmtree(temp, ignore_errors=True)
         raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None
@@ -371,7 +367,7 @@ def convert_checkpoint(
         raise
     return StreamedConversion(
         path=output,
-        report=plan.report,
+        report=planned.report,
         shards=shards,
         copied_tensors=copied,
         edited_tensors=edited,
@@ -383,14 +379,6 @@ def convert_checkpoint(
         verification=verification,
         fold_checks=fold_checks,
     )
-
-
-def _weight_norm_pass(add: str | Sequence[str] | None, dim: int | str | None, remove: bool) -> Any:
-    if remove:
-        from normswap.passes import RemoveWeightNorm
-
-        return RemoveWeightNorm()
-    return None if add is None else ConvertConfig(add_weight_norm=add, weight_norm_dim=dim).weight_norm_pass()
 
 
 def _available_memory() -> int | None:
@@ -408,16 +396,15 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bool = False) -> str | None:
-    """How ``normswap convert DIR ... -o OUTDIR`` runs: None when it streams (:func:`convert_checkpoint`),
-    else the message saying why it runs in memory; BadInputError when it cannot stream and the model
-    would not fit in memory (weights about three times: the model, the converted copy, temporaries)."""
+def stream_problem(config: ConvertConfig, custom_inputs: bool = False) -> str | None:
+    """Why ``config`` cannot be streamed (None when it can): the options no stream takes, then the
+    rewrites one stream runs (:func:`normswap.passes.tensor_edits.streamable`)."""
+    from normswap.passes.tensor_edits import streamable
+
     other = config.given(
         "--fuse-add", "--fuse-inline", "--defer-rms", "--calibrate", "--from", "--allow-lossy"
     ) + (["--inputs/--input-shape"] if custom_inputs else [])
-    from normswap.passes.tensor_edits import STREAMED, streamable
-
-    why = streamable(
+    return streamable(
         config.fold_norm_affine,
         config.to,
         config.exact,
@@ -426,6 +413,16 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
         add_weight_norm=config.add_weight_norm is not None,
         remove_weight_norm=config.remove_weight_norm,
     )
+
+
+def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bool = False) -> str | None:
+    """How a model directory converted into a model directory runs: None when it streams
+    (:func:`plan_checkpoint`), else the message saying why it runs in memory; BadInputError when it
+    cannot stream and the model would not fit in memory (weights about three times: the model, the
+    converted copy, temporaries)."""
+    from normswap.passes.tensor_edits import STREAMED
+
+    why = stream_problem(config, custom_inputs)
     if why is None:
         return None
     checkpoint = read_checkpoint_directory(source)

@@ -19,7 +19,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,7 @@ from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import NAMES, ShardWriter
 from normswap.load.save import publish_directory, reserve_temp_dir
-from normswap.passes.base import Change, PassReport, Refusal, Skip, build_context
+from normswap.passes.base import Change, PassReport, Skip, build_context
 from normswap.passes.tensor_edits import EditPlan
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class _Plan:
     sites: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, list[tuple[str, str, tuple[int, ...]]]] = field(default_factory=dict)
     recipes: dict[str, Any] = field(default_factory=dict)
-    skips: list[tuple[str, str]] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)  # in the shell: a block's are block 0's
 
 
 def _plan_swap(shell_model: nn.Module, config: ConvertConfig, args: tuple, kwargs: dict) -> tuple[Any, _Plan]:
@@ -165,10 +165,9 @@ def _plan_swap(shell_model: nn.Module, config: ConvertConfig, args: tuple, kwarg
     ctx = build_context(shell_model, args, kwargs, fx_first=swap.fx_analysis)
     state = swap.prepare(ctx)
     plan = _Plan()
-    for site in swap.candidates(ctx, state):
-        decided = swap.check(site, ctx, state)
-        if isinstance(decided, (str, Refusal)):
-            plan.skips.append((site.path, decided if isinstance(decided, str) else decided.reason))
+    for site, decided in swap.decide(ctx, state):
+        if isinstance(decided, Skip):
+            plan.skips.append(decided)
             continue
         prototype = build_layout_norm(swap.target_kind, site, site.module, decided.sample, swap.groups)
         recipe = module_recipe(prototype)
@@ -283,7 +282,7 @@ def convert_checkpoint_sequential(
     say("deciding the swap on the model with one block")
     swap, plan = _plan_swap(shell.model, config, args, kwargs)
     if not plan.sites:
-        first = plan.skips[0][1] if plan.skips else "no norm of another kind found"
+        first = plan.skips[0].reason if plan.skips else "no norm of another kind found"
         raise CheckFailedError(f"no norm could be swapped ({first}); nothing written")
     shell_block = f"{blocks}.0."
     inside = [p[len(shell_block) :] for p in plan.sites if p.startswith(shell_block)]
@@ -296,8 +295,8 @@ def convert_checkpoint_sequential(
     new_tensors = {full: plan.tensors[p] for p in plan.sites for full in full_paths(p)}
     recorded = {**checkpoint.replaced_modules}
     recorded.update({full: plan.recipes[p] for p in plan.sites for full in full_paths(p)})
-    report = PassReport(swap.name, swap.kind, graph_method=None)
-    report.skips = [Skip(swap.name, full, reason) for path, reason in plan.skips for full in full_paths(path)]
+    report = swap.new_report()
+    report.skips = [replace(skip, site=full) for skip in plan.skips for full in full_paths(skip.site)]
 
     def build(path: str, old: nn.Module, sample: torch.Tensor | None) -> nn.Module:
         # a block's norm: the shell's site of the same local path (model.layers.7.x -> model.layers.0.x)

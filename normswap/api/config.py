@@ -46,6 +46,9 @@ class ConvertConfig:
       :func:`normswap.save` writes there by default.
     - ``overwrite``: replace ``output`` when it exists (atomically); without it an existing output is
       refused before the work (:func:`normswap.load.paths.check_output`).
+    - ``sequential``: a model directory converted into a model directory with an architectural ``to`` and
+      ``calibration_data`` is swapped and calibrated block by block (taken unasked when the model does
+      not fit in memory); ``activation_memory``: GB of activations it holds before spilling to disk.
     """
 
     to: str | None = None
@@ -67,6 +70,8 @@ class ConvertConfig:
     batch_size: int | None = None
     output: str | Path | None = None
     overwrite: bool = False
+    sequential: bool = False
+    activation_memory: float | None = None
 
     def __post_init__(self) -> None:
         if self.from_kinds is not None:

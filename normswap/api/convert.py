@@ -62,7 +62,8 @@ class ConversionResult:
     """What one conversion did: the converted model, every pass's changes, skips and figures, and the
     verdict. :meth:`to_dict` is the JSON report of ``normswap convert --report`` (less its "model")."""
 
-    model: nn.Module
+    # None where the route never held the model (streamed, block by block)
+    model: nn.Module | None
     report: PipelineReport
     config: ConvertConfig
     verdict: Verdict = Verdict.OK
@@ -77,13 +78,23 @@ class ConversionResult:
     # sentences for the user beyond the report (what consent was used for)
     notes: list[str] = field(default_factory=list)
     # exact rewrites: outputs the model returns only when asked (output_hidden_states=True) that the
-    # converted model does not keep (normswap.validate.inside_outputs)
-    outputs_not_preserved: list[str] = field(default_factory=list)
+    # converted model does not keep (normswap.validate.inside_outputs); None when not measured (a route
+    # that never holds the model, or a rewrite that is not exact): the passes' inside_changes say it then
+    outputs_not_preserved: list[str] | None = None
     # the inputs the conversion was checked on: an exported output is captured on them
     example_args: tuple = ()
     example_kwargs: dict[str, Any] = field(default_factory=dict)
     # set by normswap.save once the result is written
     saved: SavedOutput | None = None
+    # which route ran: "in memory", "streamed" (a model directory rewritten tensor by tensor, written as
+    # it goes) or "block by block" (swapped and calibrated one block at a time, written as it goes)
+    route: str = "in memory"
+    # what a streamed or block-by-block route wrote (normswap.api.checkpoint / checkpoint_sequential)
+    written_directory: Any = None
+    # where the model came from, when normswap loaded it: the model file (never written over) and the
+    # model directory (its shard size and side files shape a directory output)
+    source_path: Path | None = None
+    source_checkpoint: Any = None
 
     @property
     def ok(self) -> bool:
@@ -102,7 +113,8 @@ class ConversionResult:
         output = self.config.output_path
         data: dict[str, Any] = {
             "output": None if output is None else str(output),
-            "written": self.saved is not None,
+            "route": self.route,
+            "written": self.saved is not None or self.written_directory is not None,
             **self.report.to_dict(),
             "verdict": self.verdict.value,
             "refusal": self.refusal,
@@ -113,12 +125,68 @@ class ConversionResult:
             data.update(self.calibration.to_dict())
         if self.saved is not None:
             data.update(self.saved.to_dict())
+        if self.written_directory is not None:
+            written = self.written_directory.to_dict()
+            written.pop("report", None)  # the pass's report is the "passes" above, as on every route
+            written.pop("route", None)
+            if "calibration" in written:  # where the in-memory route's calibration is
+                data["calibration"] = written.pop("calibration")
+            data[self.route.replace(" ", "_")] = written
         data["graph_notes"] = self.graph_notes
         data["outputs_not_preserved"] = self.outputs_not_preserved
+        data["notes"] = self.notes
         return data
 
 
 def convert(
+    source: nn.Module | str | Path,
+    config: ConvertConfig,
+    example_args: tuple | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    weights: str | Path | None = None,
+    trust_pickle: bool = False,
+    inputs: str | Path | None = None,
+    input_shapes: list[str] | None = None,
+    on_step: Callable[[str], None] | None = None,
+) -> ConversionResult:
+    """Rewrite the norms of ``source`` as ``config`` asks, checking each pass against the model before it.
+
+    ``source`` is a model in memory, a model file or factory spec (``.pt2``, ``pkg.module:fn``, a
+    pickled module with ``trust_pickle``; ``weights`` loads a state dict into it) or a Hugging Face model
+    directory. The route follows from the source, the config and the output (normswap.api.routes): a
+    directory converted into a directory is streamed tensor by tensor when its rewrite streams, swapped
+    and calibrated block by block when it does not fit in memory, else converted in memory like any
+    model. Whatever the route, the result has the same report, the same verdict and the same rules.
+
+    ``example_args``/``example_kwargs`` are inputs the model runs on (for a file: else ``inputs``, a
+    tensor file, or ``input_shapes``, else its recorded or config-made inputs): the graph is captured
+    and every pass validated on them (and, for exact passes, on variants along the model's free dims).
+    ``on_step`` hears what is being done ("capturing a graph of the model", "fold_batchnorm:
+    rewriting"), for a progress display. Raises :class:`~normswap.errors.BadInputError` for a config or
+    inputs that cannot work and :class:`~normswap.errors.CheckFailedError` for a config the exact
+    policy refuses outright; every check that needs the conversion itself is in the result's verdict.
+    """
+    if not isinstance(source, nn.Module):
+        from normswap.api.routes import convert_source
+
+        return convert_source(
+            source,
+            config,
+            example_args,
+            example_kwargs,
+            weights=weights,
+            trust_pickle=trust_pickle,
+            inputs=inputs,
+            input_shapes=input_shapes,
+            on_step=on_step,
+        )
+    if weights is not None or inputs is not None or input_shapes:
+        raise BadInputError("weights, inputs and input_shapes apply to a model read from a file or folder")
+    return convert_model(source, config, example_args, example_kwargs, on_step=on_step)
+
+
+def convert_model(
     model: nn.Module,
     config: ConvertConfig,
     example_args: tuple | None = None,
@@ -126,15 +194,7 @@ def convert(
     *,
     on_step: Callable[[str], None] | None = None,
 ) -> ConversionResult:
-    """Rewrite ``model``'s norms as ``config`` asks, checking each pass against the model before it.
-
-    ``example_args``/``example_kwargs`` are inputs the model runs on: the graph is captured and every
-    pass validated on them (and, for exact passes, on variants along the model's free dims). ``on_step``
-    hears what is being done ("capturing a graph of the model", "fold_batchnorm: rewriting"), for a
-    progress display. Raises :class:`~normswap.errors.BadInputError` for a config or inputs that cannot
-    work and :class:`~normswap.errors.CheckFailedError` for a config the exact policy refuses outright;
-    every check that needs the conversion itself is in the result's verdict.
-    """
+    """The in-memory route of :func:`convert`: ``model`` itself, checked on the example inputs."""
     from normswap.graph.capture import capture_graph
     from normswap.load.inputs import check_inputs_fit
     from normswap.util.modes import modes_restored
@@ -179,6 +239,16 @@ def convert(
             _record_consent(result)
         if config.calibration_data is not None and lossy is None:
             result.calibration = _calibrate(model, result, say)
+    judge(result, lossy)
+    return result
+
+
+def judge(result: ConversionResult, lossy: str | None = None) -> None:
+    """The verdict of a conversion from its report, the same on every route: an exact rewrite that moved
+    the outputs, then the exact policy (a norm ``--to`` asked for with no exact rewrite), then a lossy
+    swap without consent (``lossy``, in memory only: the other routes take no lossy fallback). A run that
+    changed nothing is done, and says so."""
+    report, config = result.report, result.config
     not_exact = _not_exact_under_policy(report, config.to) if config.exact else None
     if not report.ok:
         result.verdict = Verdict.EXACT_FAILURE
@@ -189,7 +259,14 @@ def convert(
         result.verdict, result.refusal = Verdict.NOT_EXACT_UNDER_POLICY, not_exact
     elif lossy is not None:
         result.verdict, result.refusal = Verdict.LOSSY_WITHOUT_CONSENT, lossy
-    return result
+    elif not report.changed:
+        skipped = sum(len(p.skips) for p in report.passes)
+        why = (
+            f"all {skipped} candidate sites were skipped, each for the reason given"
+            if skipped
+            else "no site to rewrite"
+        )
+        result.notes.append(f"nothing to change: {why}; the output is the model as it was")
 
 
 def _check_writable(

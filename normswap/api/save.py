@@ -77,7 +77,15 @@ def save(
     if conversion is not None:
         if not conversion.ok:
             raise CheckFailedError(conversion.refusal or "the conversion was refused; nothing written")
+        if conversion.model is None:
+            raise BadInputError(
+                f"this conversion ran {conversion.route} and wrote {conversion.config.output_path} as it went: "
+                "there is no model in memory to save"
+            )
         model: nn.Module = conversion.model
+        # the model's own file is never written over; its directory shapes a directory output
+        refuse_path = refuse_path if refuse_path is not None else conversion.source_path
+        source = source if source is not None else conversion.source_checkpoint
         path = path if path is not None else conversion.config.output_path
         if example_args is None and example_kwargs is None:
             example_args, example_kwargs = conversion.example_args, conversion.example_kwargs

@@ -9,8 +9,11 @@ Every pass, whether it edits the module tree (fold BatchNorm, swap a norm), only
 3. **check** each into a typed plan, or a :class:`Refusal` (or a plain reason) that the report shows;
 4. **apply** each plan, which returns the :class:`Change`.
 
-Only :meth:`Pass.__call__` runs those steps, and only it decides what a pass may not decide for
-itself: copying vs in-place, the context a pass is given (``needs``), and the report. That is why a
+Steps 2 and 3 are run by one driver, :meth:`Pass.decide`, for every route: :meth:`Pass.__call__`
+applies its plans to a module, the streamed route (:mod:`normswap.passes.tensor_edits`) turns them into
+per-tensor edits, the block-by-block route into a shell block's norms; a refusal keeps its typed cause
+on every route. Only :meth:`Pass.__call__` decides what a pass may not decide for itself in memory:
+copying vs in-place, the context a pass is given (``needs``), and the report. That is why a
 pass cannot mutate its input unless asked, cannot forget a skip, and cannot leave state behind: state
 between check and apply travels in the plan (typed, built by ``check``), state shared by sites in the
 prepared object (typed, built once per run), never in string-keyed caches or by recomputing it.
@@ -34,7 +37,7 @@ forward as it was), never a half-rewritten one; no method of a live object is re
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -229,6 +232,19 @@ class Pass(ABC, Generic[SiteT, PlanT, StateT]):
         (a parameters-only pass captures nothing; an exported-graph pass edits its own export)."""
         return self.needs is Needs.GRAPH
 
+    def decide(self, ctx: PassContext, state: StateT) -> Iterator[tuple[SiteT, PlanT | Skip]]:
+        """The pass's decision, the one driver every route runs (in memory, streamed, block by block):
+        each candidate site with its plan, or the :class:`Skip` that refuses it, with its typed cause
+        when :meth:`check` gave one. A route turns plans into its own edits; none repeats this loop."""
+        for site in self.candidates(ctx, state):
+            plan = self.check(site, ctx, state)
+            if isinstance(plan, Refusal):
+                yield site, Skip(self.name, site.path, plan.reason, plan.cause)
+            elif isinstance(plan, str):
+                yield site, Skip(self.name, site.path, plan)
+            else:
+                yield site, plan
+
     def new_report(self) -> PassReport:
         """An empty report of this pass, for every route that runs its decision (in memory, streamed)."""
         return PassReport(self.name, self.kind, inside_changes=self.inside_changes)
@@ -251,14 +267,11 @@ class Pass(ABC, Generic[SiteT, PlanT, StateT]):
         if ctx is None:
             return model, report
         state = self.prepare(ctx)
-        for site in self.candidates(ctx, state):
-            plan = self.check(site, ctx, state)
-            if isinstance(plan, Refusal):
-                report.skips.append(Skip(self.name, site.path, plan.reason, plan.cause))
-            elif isinstance(plan, str):
-                report.skips.append(Skip(self.name, site.path, plan))
+        for _site, decided in self.decide(ctx, state):
+            if isinstance(decided, Skip):
+                report.skips.append(decided)
             else:
-                report.changes.append(self.apply(plan, ctx, state))
+                report.changes.append(self.apply(decided, ctx, state))
         if self.needs is not Needs.EXPORTED_GRAPH:
             return ctx.model, report
         if not report.changes:

@@ -383,8 +383,8 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
     kind = RewriteKind.EXACT
     inside_changes = (
         "each folded norm's output is the normalized value without its gain and shift (they moved into "
-        "the layers that read it): a hook on the norm sees other values; hidden states and outputs do not "
-        "change"
+        "the layers that read it): a hook on the norm, and a hidden state that is a norm's output (a "
+        "Hugging Face model's last one, after its final norm), see other values; the outputs do not change"
     )
 
     def prepare(self, ctx: PassContext) -> NormPatterns:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from normswap.modules.recipes import module_recipe
-from normswap.passes.base import Change, PassReport, Refusal, Skip, build_context
+from normswap.passes.base import Change, PassReport, Skip, SkipCause, build_context
 from normswap.passes.fold_norm_affine import AffinePlan, FoldNormAffine, fold_affine_into_linear
 from normswap.passes.recenter_layernorm import RecenterLayerNorm, center_along
 from normswap.passes.swap_norm import build_norm
@@ -227,15 +227,13 @@ def _plan_fold(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
     report = rewrite.new_report()
     plan = EditPlan(report=report)
     state = rewrite.prepare(ctx)
-    for site in rewrite.candidates(ctx, state):
-        checked = rewrite.check(site, ctx, state)
-        if isinstance(checked, (str, Refusal)):
-            reason = checked if isinstance(checked, str) else checked.reason
-            report.skips.append(Skip(rewrite.name, site.path, reason))
+    for site, checked in rewrite.decide(ctx, state):
+        if isinstance(checked, Skip):
+            report.skips.append(checked)
             continue
         edit = _fold_edit(checked, stored)
         if isinstance(edit, str):
-            report.skips.append(Skip(rewrite.name, site.path, edit))
+            report.skips.append(Skip(rewrite.name, site.path, edit, SkipCause.UNSUPPORTED))
             continue
         plan.edits.append(edit)
         into = ", ".join(r.path for r in checked.readers)
@@ -267,11 +265,9 @@ def _plan_recenter(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
     streams = rewrite.prepare(ctx)
     aliases = _aliases(model)
     done: set[str] = set()
-    for site in rewrite.candidates(ctx, streams):
-        checked = rewrite.check(site, ctx, streams)
-        if isinstance(checked, (str, Refusal)):
-            reason = checked if isinstance(checked, str) else checked.reason
-            report.skips.append(Skip(rewrite.name, site.path, reason))
+    for site, checked in rewrite.decide(ctx, streams):
+        if isinstance(checked, Skip):
+            report.skips.append(checked)
             continue
         assert streams is not None
         for i in checked.streams:

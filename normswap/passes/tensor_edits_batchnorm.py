@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from normswap.modules.recipes import build_from_recipe, module_recipe
-from normswap.passes.base import Change, PassContext, PassReport, Refusal, Skip
+from normswap.passes.base import Change, PassContext, PassReport, Skip, SkipCause
 from normswap.passes.fold_batchnorm import FoldBatchNorm, FoldPlan
 from normswap.passes.fold_batchnorm_layers import class_name, layer_text
 from normswap.passes.fold_batchnorm_match import bn_eps, bn_statistics_problem
@@ -179,16 +179,15 @@ def plan_batchnorm_folds(
     groups: list[FoldedGroup] = []
     recorded: dict[str, Any] = {}
     written: set[str] = set()
-    for site in rewrite.candidates(ctx, None):
-        checked = rewrite.check(site, ctx, None)
-        if isinstance(checked, (str, Refusal)):
-            report.skips.append(Skip(rewrite.name, site.path, getattr(checked, "reason", checked)))
+    for site, checked in rewrite.decide(ctx, None):
+        if isinstance(checked, Skip):
+            report.skips.append(checked)
             continue
         group = _group_of(checked, model, stored, read)
         if not isinstance(group, str) and group.weight in written:
             group = f"{group.layer} takes another BatchNorm's fold already; a stream writes each tensor once"
         if isinstance(group, str):
-            report.skips.append(Skip(rewrite.name, site.path, group))
+            report.skips.append(Skip(rewrite.name, site.path, group, SkipCause.UNSUPPORTED))
             continue
         written.add(group.weight)
         reads, compute, writes = _edit_parts(group)

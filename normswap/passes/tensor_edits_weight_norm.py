@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from normswap.modules.recipes import build_from_recipe, module_recipe
-from normswap.passes.base import Change, PassReport, Refusal, Skip, parameters_context
+from normswap.passes.base import Change, PassReport, Skip, SkipCause, parameters_context
 from normswap.passes.tensor_edits_batchnorm import STREAM_LAYERS, Tensors, layer_filled, layer_probe
 from normswap.passes.weight_norm import (
     AddPlan,
@@ -143,14 +143,13 @@ def plan_weight_norm(
     edits: list[Any] = []
     groups: list[WeightNormGroup] = []
     recorded: dict[str, Any] = {}
-    for site in rewrite.candidates(ctx, None):
-        checked = rewrite.check(site, ctx, None)
-        if isinstance(checked, (str, Refusal)):
-            report.skips.append(Skip(rewrite.name, site.path, getattr(checked, "reason", checked)))
+    for site, checked in rewrite.decide(ctx, None):
+        if isinstance(checked, Skip):
+            report.skips.append(checked)
             continue
         group = _group(checked, adding, stored)
         if isinstance(group, str):
-            report.skips.append(Skip(rewrite.name, site.path, group))
+            report.skips.append(Skip(rewrite.name, site.path, group, SkipCause.UNSUPPORTED))
             continue
         shapes = _shapes(group)
         anchor = group.before[-1]  # new tensors go where the layer's weight was

@@ -80,7 +80,7 @@ def test_the_cli_calibrates_block_by_block_and_reports_each_block(dirs, tmp_path
     result = runner.invoke(app, [*args, "--report", str(report)])
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
-    assert data["route"] == "sequential" and len(data["report"]["changes"]) == 5
+    assert data["route"] == "block by block" and len(data["passes"][0]["changes"]) == 5
     blocks = data["calibration"]["blocks"]
     assert [b["block"] for b in blocks] == [0, 1] and data["calibration"]["activations_spilled"] > 0
     assert data["calibration"]["model_sqnr_after_db"] > data["calibration"]["model_sqnr_before_db"]

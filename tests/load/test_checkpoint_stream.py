@@ -19,10 +19,11 @@ from typer.testing import CliRunner
 
 transformers = pytest.importorskip("transformers")
 
-from hf_dirs import convert_in_memory, logits, make_directory, rel, token_ids  # noqa: E402
+from hf_dirs import convert_in_memory, logits, make_directory, rel, stream, token_ids  # noqa: E402
 from hf_dirs import stored_tensors as _tensors  # noqa: E402
 
-from normswap.api.checkpoint import convert_checkpoint  # noqa: E402
+from normswap.api import ConvertConfig  # noqa: E402
+from normswap.api.checkpoint import plan_checkpoint  # noqa: E402
 from normswap.errors import BadInputError, CheckFailedError  # noqa: E402
 from normswap.load import load_model  # noqa: E402
 from normswap.load.checkpoint_dir import read_checkpoint_directory  # noqa: E402
@@ -66,7 +67,7 @@ def _bytes(path: Path) -> dict[str, bytes]:
 )
 def test_the_stream_writes_what_the_in_memory_route_writes(dirs, tmp_path, name, options):
     source = dirs[name]
-    streamed = convert_checkpoint(source, tmp_path / "streamed", **options)
+    streamed = stream(source, tmp_path / "streamed", **options)
     result = convert_in_memory(source, options, tmp_path / "memory")
     loaded = load_model(str(source))
     ours, theirs = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
@@ -129,7 +130,7 @@ def test_a_wrong_tensor_is_caught_at_its_block_and_nothing_is_written(dirs, tmp_
     monkeypatch.setattr(streaming, "_stream", damaged)
     out = tmp_path / "out"
     with pytest.raises(CheckFailedError, match=r"verification: block 1 of the written model is outside"):
-        convert_checkpoint(dirs["llama"], out, fold_norm_affine=True)
+        stream(dirs["llama"], out, fold_norm_affine=True)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -154,7 +155,7 @@ def test_blockwise_verification_names_the_first_divergent_block(dirs, tmp_path):
     assert [c.within_tolerance for _, c in report.stages] == [True, True, False, True]
     # a recentered model is compared through the centering; without it, the embeddings already differ
     rms = tmp_path / "rms"
-    convert_checkpoint(dirs["gpt2"], rms, to="rmsnorm", exact=True)
+    stream(dirs["gpt2"], rms, to="rmsnorm", exact=True)
     [related] = verify_blockwise(original, read_checkpoint_directory(rms), [((), inputs)], centered)
     [unrelated] = verify_blockwise(original, read_checkpoint_directory(rms), [((), inputs)], identity)
     assert related.ok and unrelated.first_divergent == "embeddings"
@@ -188,18 +189,19 @@ def test_exact_rmsnorm_on_a_post_ln_model_fails_and_writes_nothing(tmp_path):
     )
     torch.manual_seed(0)
     transformers.BertModel(config).eval().save_pretrained(tmp_path / "bert")
-    with pytest.raises(CheckFailedError, match="cannot be rewritten exactly"):
-        convert_checkpoint(tmp_path / "bert", tmp_path / "out", to="rmsnorm", exact=True)
+    with pytest.raises(CheckFailedError, match="cannot become RMSNorm exactly"):
+        stream(tmp_path / "bert", tmp_path / "out", to="rmsnorm", exact=True)
     assert not (tmp_path / "out").exists()
     with pytest.raises(BadInputError, match="a stream runs one rewrite"):
-        convert_checkpoint(
-            tmp_path / "bert", tmp_path / "out", to="rmsnorm", exact=True, fold_norm_affine=True
+        plan_checkpoint(
+            tmp_path / "bert",
+            ConvertConfig(to="rmsnorm", exact=True, fold_norm_affine=True, output=tmp_path / "out"),
         )
 
 
 def test_validate_blockwise_compares_two_directories(dirs, tmp_path):
     out = tmp_path / "rms"
-    convert_checkpoint(dirs["opt"], out, to="rmsnorm", exact=True)
+    stream(dirs["opt"], out, to="rmsnorm", exact=True)
     report = tmp_path / "report.json"
     argv = ["validate", str(dirs["opt"]), str(out), "--blockwise"]
     through = runner.invoke(app, [*argv, "--centered", "--report", str(report)])
@@ -240,14 +242,15 @@ def test_a_killed_run_leaves_no_directory_that_looks_complete(dirs, tmp_path):
         "def die(*a):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "c._write_index = die\n"
-        f"c.convert_checkpoint({str(dirs['llama'])!r}, {str(out)!r}, fold_norm_affine=True)\n"
+        "import normswap\n"
+        f"normswap.convert({str(dirs['llama'])!r}, normswap.ConvertConfig(output={str(out)!r}, fold_norm_affine=True))\n"
     )
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
     assert killed.returncode == -9
     left = [p.name for p in tmp_path.iterdir()]
     assert not out.exists() and len(left) == 1 and left[0].startswith(f".out.normswap-tmp-{_host()}-")
     # the next write of the same output removes it (its process is gone) and writes the whole directory
-    convert_checkpoint(dirs["llama"], out, fold_norm_affine=True)
+    stream(dirs["llama"], out, fold_norm_affine=True)
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     assert (
         read_checkpoint_directory(out).weight_map.keys()
@@ -277,7 +280,7 @@ def test_a_group_holds_one_tensor_and_an_untied_copy_is_the_inputs_bytes(dirs, t
     """Recentering GPT-2 unties its LM head from the embedding: the head must be the input embedding's
     bytes (copied from the file), and every writer centered in place."""
     source = dirs["gpt2"]
-    streamed = convert_checkpoint(source, tmp_path / "out", to="rmsnorm", exact=True)
+    streamed = stream(source, tmp_path / "out", to="rmsnorm", exact=True)
     before, after = _bytes(source), _bytes(tmp_path / "out")
     assert after["lm_head.weight"] == before["transformer.wte.weight"]
     assert after["transformer.wte.weight"] != before["transformer.wte.weight"]
@@ -302,7 +305,7 @@ def test_a_group_that_fails_stops_the_copies_and_leaves_nothing(dirs, tmp_path, 
 
     monkeypatch.setattr(tensor_edits, "_center_edit", failing)
     with pytest.raises(MemoryError, match="no memory for this group"):
-        convert_checkpoint(dirs["opt"], tmp_path / "out", to="rmsnorm", exact=True)
+        stream(dirs["opt"], tmp_path / "out", to="rmsnorm", exact=True)
     assert list(tmp_path.iterdir()) == []  # neither the output nor its temporary folder
 
 

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_dirs import convert_in_memory
+from hf_dirs import convert_in_memory, stream
 from hf_dirs import stored_tensors as _tensors
 from normswap_cli.app import app
 from typer.testing import CliRunner
 
 from normswap.api import ConvertConfig, convert
-from normswap.api.checkpoint import convert_checkpoint
 from normswap.errors import CheckFailedError
 from normswap.load import load_model
 
@@ -78,7 +77,7 @@ def _directory(
 def test_the_streamed_fold_writes_what_the_in_memory_route_writes(tmp_path, name):
     source, model = _directory(tmp_path, name)
     assert len(list(source.glob("*.safetensors"))) > 1
-    streamed = convert_checkpoint(source, tmp_path / "streamed", fold_bn=True)
+    streamed = stream(source, tmp_path / "streamed", fold_bn=True)
     result = convert_in_memory(source, {"fold_bn": True}, tmp_path / "memory")
 
     ours, theirs = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
@@ -126,7 +125,7 @@ def test_a_wrong_fold_is_caught_by_its_check_and_nothing_is_written(tmp_path, mo
         match=r"verification: resnet\.embedder\.embedder\.normalization -> "
         r"resnet\.embedder\.embedder\.convolution as written is outside the exact tolerance.*nothing written",
     ):
-        convert_checkpoint(source, tmp_path / "out", fold_bn=True)
+        stream(source, tmp_path / "out", fold_bn=True)
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["resnet"]  # no temporary sibling left
 
@@ -134,7 +133,7 @@ def test_a_wrong_fold_is_caught_by_its_check_and_nothing_is_written(tmp_path, mo
 def test_statistics_without_an_affine_map_are_refused_as_in_memory(tmp_path):
     broken = "resnet.encoder.stages.1.layers.0.shortcut.normalization"
     source, model = _directory(tmp_path, "resnet", break_statistics=broken)
-    streamed = convert_checkpoint(source, tmp_path / "streamed", fold_bn=True)
+    streamed = stream(source, tmp_path / "streamed", fold_bn=True)
     loaded = load_model(str(source))
     result = convert(loaded.model, ConvertConfig(fold_bn=True), loaded.example_args, loaded.example_kwargs)
     memory = [(s.site, s.reason) for s in result.report.passes[0].skips]

@@ -10,13 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from hf_dirs import convert_in_memory, wav2vec2_config
+from hf_dirs import convert_in_memory, stream, wav2vec2_config
 from hf_dirs import stored_tensors as _tensors
 from normswap_cli.app import app
 from typer.testing import CliRunner
 
 from normswap.api import ConvertConfig, convert
-from normswap.api.checkpoint import convert_checkpoint
 from normswap.errors import CheckFailedError
 from normswap.load import load_model
 
@@ -56,7 +55,7 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 def test_the_streamed_weight_norm_writes_what_the_in_memory_route_writes(tmp_path, options):
     source, model = _wav2vec2(tmp_path)
     assert len(list(source.glob("*.safetensors"))) > 1
-    streamed = convert_checkpoint(source, tmp_path / "streamed", **options)
+    streamed = stream(source, tmp_path / "streamed", **options)
     result = convert_in_memory(source, options, tmp_path / "memory")
 
     ours, theirs = _tensors(tmp_path / "streamed"), _tensors(tmp_path / "memory")
@@ -90,7 +89,7 @@ def test_an_all_zero_slice_stops_the_stream_and_nothing_is_written(tmp_path):
         match=r"--add-weight-norm: lm_head: 1 of 20 slices along dim 0 are all zeros: v / \|\|v\|\| would divide "
         r"by zero; nothing written",
     ):
-        convert_checkpoint(source, tmp_path / "out", add_weight_norm="lm_head")
+        stream(source, tmp_path / "out", add_weight_norm="lm_head")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w2v"]
     # in memory the same layer is skipped with the same reason
     loaded = load_model(str(source))

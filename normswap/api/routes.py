@@ -1,0 +1,147 @@
+"""How :func:`normswap.convert` runs for a model it reads itself: the route follows from the source, the
+config and the output, never from the caller.
+
+- A model directory converted into a model directory streams (:mod:`normswap.api.checkpoint`) when its
+  one rewrite streams (:func:`~normswap.api.checkpoint.stream_problem`): decided on the meta device,
+  written tensor by tensor, verified against the source before it takes its name.
+- With an architectural ``to`` and calibration data it is swapped and calibrated block by block
+  (:mod:`normswap.api.checkpoint_sequential`) when asked (``sequential``) or when the model does not fit
+  in memory.
+- Everything else is loaded and converted in memory (:func:`normswap.api.convert.convert_model`), a
+  directory that could not stream saying why.
+
+Every route returns the same :class:`~normswap.api.convert.ConversionResult`: the pass reports, one
+verdict from :func:`~normswap.api.convert.judge`, the same notes; the streamed and block-by-block
+routes have written their output when the verdict allows it (``result.written_directory``), the
+in-memory one leaves that to :func:`normswap.save`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from normswap.api.config import ConvertConfig
+from normswap.api.convert import ConversionResult, Verdict, convert_model, judge
+from normswap.errors import BadInputError, CheckFailedError
+from normswap.passes.pipeline import PipelineReport
+
+
+def _directory_to_directory(source: str | Path, output: Path | None) -> bool:
+    from normswap.load.checkpoint_dir import is_checkpoint_directory
+    from normswap.load.checkpoint_write import is_directory_output
+
+    return output is not None and is_checkpoint_directory(source) and is_directory_output(output)
+
+
+def convert_source(
+    source: str | Path,
+    config: ConvertConfig,
+    example_args: tuple | None,
+    example_kwargs: dict[str, Any] | None,
+    *,
+    weights: str | Path | None,
+    trust_pickle: bool,
+    inputs: str | Path | None,
+    input_shapes: list[str] | None,
+    on_step: Callable[[str], None] | None,
+) -> ConversionResult:
+    """:func:`normswap.convert` for a model file, factory or directory: choose the route, run it."""
+    say = on_step or (lambda _what: None)
+    config.validate()  # option mistakes are said before the model is read
+    custom = (
+        example_args is not None or example_kwargs is not None or inputs is not None or bool(input_shapes)
+    )
+    notes: list[str] = []
+    if _directory_to_directory(source, config.output_path):
+        from normswap.api.checkpoint import directory_route
+        from normswap.api.checkpoint_sequential import sequential_route
+
+        if config.sequential or config.calibration_data is not None:
+            note = sequential_route(source, config, asked=config.sequential, custom_inputs=custom)
+            if note is not None:
+                return _block_by_block(source, config, note, say)
+        elif config.activation_memory is not None:
+            raise BadInputError(
+                "--activation-memory applies to the block-by-block calibration of a model directory"
+            )
+        fallback = directory_route(source, config, custom_inputs=custom)
+        if fallback is None:
+            return _streamed(source, config, say)
+        notes.append(fallback)
+    elif config.sequential or config.activation_memory is not None:
+        raise BadInputError(
+            "--sequential and --activation-memory convert a model directory into a model directory "
+            "(-o with no suffix) block by block"
+        )
+    return _in_memory(
+        source, config, example_args, example_kwargs, weights, trust_pickle, inputs, input_shapes, notes, say
+    )
+
+
+def _in_memory(
+    source: str | Path,
+    config: ConvertConfig,
+    example_args: tuple | None,
+    example_kwargs: dict[str, Any] | None,
+    weights: str | Path | None,
+    trust_pickle: bool,
+    inputs: str | Path | None,
+    input_shapes: list[str] | None,
+    notes: list[str],
+    say: Callable[[str], None],
+) -> ConversionResult:
+    from normswap.load import load_model, require_inputs
+    from normswap.util.modes import set_inference_mode
+
+    loaded = load_model(str(source), weights=weights, trust_pickle=trust_pickle)
+    set_inference_mode(loaded.model)  # BatchNorm on its running statistics, as every check assumes
+    if example_args is None and example_kwargs is None:
+        example_args, example_kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
+    elif inputs is not None or input_shapes:
+        raise BadInputError(
+            "give example inputs once: as example_args/example_kwargs, or as inputs/input_shapes"
+        )
+    result = convert_model(loaded.model, config, example_args, example_kwargs, on_step=say)
+    result.notes[:0] = notes
+    path = Path(str(source))
+    result.source_path = path if path.is_file() else None
+    result.source_checkpoint = loaded.checkpoint
+    return result
+
+
+def _streamed(source: str | Path, config: ConvertConfig, say: Callable[[str], None]) -> ConversionResult:
+    from normswap.api.checkpoint import plan_checkpoint, write_checkpoint
+
+    planned = plan_checkpoint(source, config, say)
+    result = ConversionResult(
+        model=None, report=PipelineReport(passes=[planned.report]), config=config, route="streamed"
+    )
+    judge(result)
+    if not result.ok:
+        return result
+    try:
+        result.written_directory = write_checkpoint(planned, config, say)
+    except CheckFailedError as exc:  # the verification against the source: what exact failures are
+        result.verdict, result.refusal = Verdict.EXACT_FAILURE, str(exc)
+    return result
+
+
+def _block_by_block(
+    source: str | Path, config: ConvertConfig, note: str, say: Callable[[str], None]
+) -> ConversionResult:
+    from normswap.api.checkpoint_sequential import convert_checkpoint_sequential
+
+    budget = None if config.activation_memory is None else int(config.activation_memory * 1e9)
+    written = convert_checkpoint_sequential(source, config, activation_memory=budget, on_step=say)
+    result = ConversionResult(
+        model=None,
+        report=PipelineReport(passes=[written.report]),
+        config=config,
+        route="block by block",
+        written_directory=written,
+        notes=[note],
+    )
+    judge(result)
+    return result

@@ -23,6 +23,14 @@ from normswap_cli.options import (
 )
 from normswap_cli.shared import check_paths, handles_errors, write_json
 
+# convert's rewrites, grouped in --help by family
+SWAP_PANEL = "Swap norms"
+FOLD_PANEL = "Exact folds"
+FUSE_PANEL = "Fused kernels"
+WEIGHT_NORM_PANEL = "Weight norm"
+POLICY_PANEL = "Exactness"
+CALIBRATION_PANEL = "Calibration"
+
 ToOpt = Annotated[
     str | None,
     typer.Option(
@@ -32,6 +40,7 @@ ToOpt = Annotated[
         "(architectural), fused (the same norms on normswap's fused kernels; exact), or crmsnorm "
         "(Pre-CRMSNorm: the recentered residual stream stored in d-1 dims; exact, a graph rewrite); cosine "
         "turns Linear/Conv layers into cosine-normalized ones (architectural; see --layers).",
+        rich_help_panel=SWAP_PANEL,
     ),
 ]
 FromOpt = Annotated[
@@ -40,6 +49,7 @@ FromOpt = Annotated[
         "--from",
         help="Only replace norms of this kind (batch, layer, rms, group, instance); repeatable. "
         "Default: every kind that differs from --to.",
+        rich_help_panel=SWAP_PANEL,
     ),
 ]
 LayersOpt = Annotated[
@@ -48,6 +58,7 @@ LayersOpt = Annotated[
         "--layers",
         help="With --to cosine: the Linear/Conv layers to convert, glob patterns on module paths "
         "(comma-separated or repeated). Default: the layers whose output only norms read.",
+        rich_help_panel=SWAP_PANEL,
     ),
 ]
 CalibrateOpt = Annotated[
@@ -56,6 +67,7 @@ CalibrateOpt = Annotated[
         "--calibrate",
         help="Fit the swapped norms' affine parameters (and BatchNorm statistics) to the original "
         "norms' outputs on this data, layer by layer. " + DATA_SHORT_HELP,
+        rich_help_panel=CALIBRATION_PANEL,
     ),
 ]
 FuseAddOpt = Annotated[
@@ -64,6 +76,7 @@ FuseAddOpt = Annotated[
         "--fuse-add",
         help="With --to fused: also fuse each residual add into the norm after it (the output becomes "
         "a torch.fx GraphModule; exact).",
+        panel=FUSE_PANEL,
     ),
 ]
 FuseInlineOpt = Annotated[
@@ -72,6 +85,7 @@ FuseInlineOpt = Annotated[
         "--fuse-inline",
         help="With --to fused: also fuse norms that are no module of their own (functional calls and "
         "norms written out inside another forward; the output becomes a torch.fx GraphModule; exact).",
+        panel=FUSE_PANEL,
     ),
 ]
 AddWeightNormOpt = Annotated[
@@ -80,6 +94,7 @@ AddWeightNormOpt = Annotated[
         "--add-weight-norm",
         help="Wrap these Conv/ConvTranspose/Linear layers in weight norm: comma-separated module "
         "paths, or 'all' (exact).",
+        rich_help_panel=WEIGHT_NORM_PANEL,
     ),
 ]
 SequentialOpt = Annotated[
@@ -89,6 +104,7 @@ SequentialOpt = Annotated[
         help="With a model directory, --to KIND (architectural) and --calibrate: swap and calibrate block by "
         "block, holding one block and the activations (on disk past --activation-memory). Taken without "
         "the flag when the model does not fit in memory.",
+        panel=CALIBRATION_PANEL,
     ),
 ]
 ActivationMemoryOpt = Annotated[
@@ -97,7 +113,8 @@ ActivationMemoryOpt = Annotated[
         "--activation-memory",
         min=0,
         help="Block-by-block calibration: GB of activations held in memory before they go to disk "
-        "[default: a quarter of the available memory, at most 4].",
+        "(default: a quarter of the available memory, at most 4).",
+        rich_help_panel=CALIBRATION_PANEL,
     ),
 ]
 AllowLossyOpt = Annotated[
@@ -108,6 +125,7 @@ AllowLossyOpt = Annotated[
         "exact route failed (no graph captured, a form normswap does not handle). Without it such a "
         "run fails and writes nothing; post-LN LayerNorms, which have no exact route, are swapped "
         "either way.",
+        panel=POLICY_PANEL,
     ),
 ]
 
@@ -118,15 +136,25 @@ def convert(
     output: OutputOpt,
     to: ToOpt = None,
     from_kinds: FromOpt = None,
-    groups: Annotated[int | None, typer.Option("--groups", min=1, help="Groups of --to groupnorm.")] = None,
+    groups: Annotated[
+        int | None,
+        typer.Option("--groups", min=1, help="Groups of --to groupnorm.", rich_help_panel=SWAP_PANEL),
+    ] = None,
     layers: LayersOpt = None,
     calibrate: CalibrateOpt = None,
     calibrate_batches: Annotated[
-        int | None, typer.Option("--calibrate-batches", min=1, help="Use the first N batches of --calibrate.")
+        int | None,
+        typer.Option(
+            "--calibrate-batches",
+            min=1,
+            help="Use the first N batches of --calibrate.",
+            rich_help_panel=CALIBRATION_PANEL,
+        ),
     ] = None,
     batch_size: BatchSizeOpt = None,
     fold_bn: Annotated[
-        bool, flag("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear beside it.")
+        bool,
+        flag("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear beside it.", panel=FOLD_PANEL),
     ] = False,
     fuse_add: FuseAddOpt = False,
     fuse_inline: FuseInlineOpt = False,
@@ -135,6 +163,7 @@ def convert(
         flag(
             "--fold-norm-affine",
             help="Fold each norm's weight and bias into the Linear layers that read it (exact).",
+            panel=FOLD_PANEL,
         ),
     ] = False,
     defer_rms: Annotated[
@@ -143,6 +172,7 @@ def convert(
             "--defer-rms",
             help="Fold norm weights into their Linear readers, then apply each RMSNorm's scale after "
             "those matmuls (FlashNorm; exact; the result is a GraphModule: save as .pt2 or .onnx).",
+            panel=FOLD_PANEL,
         ),
     ] = False,
     add_weight_norm: AddWeightNormOpt = None,
@@ -151,12 +181,20 @@ def convert(
         typer.Option(
             "--weight-norm-dim",
             help="Weight-norm magnitude dim: 'output' (one per output channel), an int, or 'none'.",
+            rich_help_panel=WEIGHT_NORM_PANEL,
         ),
     ] = "output",
     remove_weight_norm: Annotated[
-        bool, flag("--remove-weight-norm", help="Fold every weight norm back into a plain weight (exact).")
+        bool,
+        flag(
+            "--remove-weight-norm",
+            help="Fold every weight norm back into a plain weight (exact).",
+            panel=WEIGHT_NORM_PANEL,
+        ),
     ] = False,
-    exact: Annotated[bool, flag("--exact", help="Fail instead of applying any non-exact rewrite.")] = False,
+    exact: Annotated[
+        bool, flag("--exact", help="Fail instead of applying any non-exact rewrite.", panel=POLICY_PANEL)
+    ] = False,
     allow_lossy: AllowLossyOpt = False,
     sequential: SequentialOpt = False,
     activation_memory: ActivationMemoryOpt = None,

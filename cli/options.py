@@ -7,11 +7,16 @@ from typing import Annotated, Any
 
 import typer
 
+# The help panels options are grouped in, the same in every command (``--help`` lists them by panel).
+MODEL_PANEL = "Model and inputs"
+OUTPUT_PANEL = "Output and report"
+DATA_PANEL = "Data"
 
-def flag(*names: str, help: str) -> Any:
+
+def flag(*names: str, help: str, panel: str | None = None) -> Any:
     """An on/off option. typer's rich help prints the type of every option, flags included
     ("--exact <bool>"), unless it has a metavar: an empty one shows a flag as the bare flag it is."""
-    return typer.Option(*names, help=help, metavar="")
+    return typer.Option(*names, help=help, metavar="", rich_help_panel=panel)
 
 
 MODEL_HELP = (
@@ -23,15 +28,24 @@ MODEL_HELP = (
 )
 ModelArg = Annotated[str, typer.Argument(help=MODEL_HELP, show_default=False)]
 WeightsOpt = Annotated[
-    Path | None, typer.Option("--weights", help="Weights for a factory model: safetensors or a state dict.")
+    Path | None,
+    typer.Option(
+        "--weights",
+        help="Weights for a factory model: safetensors or a state dict.",
+        rich_help_panel=MODEL_PANEL,
+    ),
 ]
 ConvertedWeightsOpt = Annotated[
-    Path | None, typer.Option("--converted-weights", help="Weights for a factory CONVERTED model.")
+    Path | None,
+    typer.Option(
+        "--converted-weights", help="Weights for a factory CONVERTED model.", rich_help_panel=MODEL_PANEL
+    ),
 ]
 TrustPickleOpt = Annotated[
     bool,
     flag(
         "--trust-pickle",
+        panel=MODEL_PANEL,
         help="Allow unpickling: a pickled module (.pt), and pickled members of a .pt2 that torch's "
         "weights-only loader refuses. Unpickling runs whatever code the file names: only for files you "
         "trust. (Factories, package.module:callable, always run: they are code you chose.)",
@@ -39,13 +53,18 @@ TrustPickleOpt = Annotated[
 ]
 InputsOpt = Annotated[
     Path | None,
-    typer.Option("--inputs", help="Example inputs: a tuple or dict of tensors saved with torch.save."),
+    typer.Option(
+        "--inputs",
+        help="Example inputs: a tuple or dict of tensors saved with torch.save.",
+        rich_help_panel=MODEL_PANEL,
+    ),
 ]
 InputShapeOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--input-shape",
         help="Example input shape, e.g. 1,3,224,224 or int64:1,16 for token ids. Repeat for several inputs.",
+        rich_help_panel=MODEL_PANEL,
     ),
 ]
 OutputOpt = Annotated[
@@ -55,29 +74,42 @@ OutputOpt = Annotated[
         "--output",
         help="Output file: .pt2, .pt or .onnx; a name without a suffix is a Hugging Face model directory "
         "(transformers models), created anew.",
+        rich_help_panel=OUTPUT_PANEL,
     ),
 ]
 OpsetOpt = Annotated[
     int | None,
     typer.Option(
-        "--opset", min=7, help="ONNX opset of a .onnx output (RMSNormalization needs 23) [exporter default]."
+        "--opset",
+        min=7,
+        help="ONNX opset of a .onnx output (RMSNormalization needs 23); default: the exporter's.",
+        rich_help_panel=OUTPUT_PANEL,
     ),
 ]
 OverwriteOpt = Annotated[
     bool,
     flag(
         "--overwrite",
+        panel=OUTPUT_PANEL,
         help="Replace outputs that exist (-o, --report, --json, --plot), atomically: the old output stays "
         "whole until the new one is complete. Without it an existing output is refused before any work. "
         "A symlink is never written through.",
     ),
 ]
 ReportOpt = Annotated[
-    Path | None, typer.Option("--report", help="Also write the report as JSON to this file.")
+    Path | None,
+    typer.Option(
+        "--report", help="Also write the report as JSON to this file.", rich_help_panel=OUTPUT_PANEL
+    ),
 ]
 BatchSizeOpt = Annotated[
     int | None,
-    typer.Option("--batch-size", min=1, help="Batch size for an image folder or a single tensor [32]."),
+    typer.Option(
+        "--batch-size",
+        min=1,
+        help="Batch size for an image folder or a single tensor (default 32).",
+        rich_help_panel=DATA_PANEL,
+    ),
 ]
 NormalizeOpt = Annotated[
     str | None, typer.Option("--normalize", help="Normalize images with a dataset's mean/std: imagenet.")

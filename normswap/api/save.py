@@ -92,6 +92,7 @@ def save(
         if overwrite is None:
             overwrite = conversion.config.overwrite
     else:
+        assert not isinstance(result, ConversionResult)  # narrows the union for the type checker
         model = result
     if path is None:
         raise BadInputError("save needs a path (or a ConvertConfig with output)")

@@ -232,7 +232,7 @@ def write_error(path: Path, exc: OSError) -> BadInputError:
     return BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}")
 
 
-def atomic_write(path: Path, write: Callable[[Path], None], *, overwrite: bool = True) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object], *, overwrite: bool = True) -> None:
     """Call ``write(temp_path)`` and move the result to ``path``; on any error remove the temp file.
 
     ``overwrite``: replace an existing ``path`` (False: refuse one that appeared meanwhile; the output

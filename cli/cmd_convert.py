@@ -3,7 +3,7 @@ the result, save it. What runs, in which order, and when a result is refused is 
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from normswap_cli import render
@@ -23,23 +23,26 @@ from normswap_cli.options import (
 )
 from normswap_cli.shared import check_paths, handles_errors, write_json
 
-# convert's rewrites, grouped in --help by family
-SWAP_PANEL = "Swap norms"
-FOLD_PANEL = "Exact folds"
-FUSE_PANEL = "Fused kernels"
-WEIGHT_NORM_PANEL = "Weight norm"
+from normswap import rewrites
+
+# convert's rewrites, grouped in --help by their family; their help and family are the registry's
+# (normswap.rewrites: no torch import, so --help stays fast)
+SWAP_PANEL = rewrites.SWAP
 POLICY_PANEL = "Exactness"
 CALIBRATION_PANEL = "Calibration"
+
+
+def rewrite_flag(option: str) -> Any:
+    """The on/off option of a registered rewrite, with its help and family."""
+    entry = rewrites.BY_OPTION[option]
+    return flag(option, help=entry.help, panel=entry.family)
+
 
 ToOpt = Annotated[
     str | None,
     typer.Option(
         "--to",
-        help="Swap norms to this kind: rmsnorm (exact where the residual stream can be recentered, "
-        "architectural elsewhere), layernorm, batchnorm, groupnorm, instancenorm, dyt, derf, identity "
-        "(architectural), fused (the same norms on normswap's fused kernels; exact), or crmsnorm "
-        "(Pre-CRMSNorm: the recentered residual stream stored in d-1 dims; exact, a graph rewrite); cosine "
-        "turns Linear/Conv layers into cosine-normalized ones (architectural; see --layers).",
+        help=rewrites.to_help(),
         rich_help_panel=SWAP_PANEL,
     ),
 ]
@@ -70,31 +73,14 @@ CalibrateOpt = Annotated[
         rich_help_panel=CALIBRATION_PANEL,
     ),
 ]
-FuseAddOpt = Annotated[
-    bool,
-    flag(
-        "--fuse-add",
-        help="With --to fused: also fuse each residual add into the norm after it (the output becomes "
-        "a torch.fx GraphModule; exact).",
-        panel=FUSE_PANEL,
-    ),
-]
-FuseInlineOpt = Annotated[
-    bool,
-    flag(
-        "--fuse-inline",
-        help="With --to fused: also fuse norms that are no module of their own (functional calls and "
-        "norms written out inside another forward; the output becomes a torch.fx GraphModule; exact).",
-        panel=FUSE_PANEL,
-    ),
-]
+FuseAddOpt = Annotated[bool, rewrite_flag("--fuse-add")]
+FuseInlineOpt = Annotated[bool, rewrite_flag("--fuse-inline")]
 AddWeightNormOpt = Annotated[
     str | None,
     typer.Option(
         "--add-weight-norm",
-        help="Wrap these Conv/ConvTranspose/Linear layers in weight norm: comma-separated module "
-        "paths, or 'all' (exact).",
-        rich_help_panel=WEIGHT_NORM_PANEL,
+        help=rewrites.BY_OPTION["--add-weight-norm"].help,
+        rich_help_panel=rewrites.WEIGHT_NORM,
     ),
 ]
 SequentialOpt = Annotated[
@@ -152,46 +138,21 @@ def convert(
         ),
     ] = None,
     batch_size: BatchSizeOpt = None,
-    fold_bn: Annotated[
-        bool,
-        flag("--fold-bn", help="Fold eval-mode BatchNorm into the conv/linear beside it.", panel=FOLD_PANEL),
-    ] = False,
+    fold_bn: Annotated[bool, rewrite_flag("--fold-bn")] = False,
     fuse_add: FuseAddOpt = False,
     fuse_inline: FuseInlineOpt = False,
-    fold_norm_affine: Annotated[
-        bool,
-        flag(
-            "--fold-norm-affine",
-            help="Fold each norm's weight and bias into the Linear layers that read it (exact).",
-            panel=FOLD_PANEL,
-        ),
-    ] = False,
-    defer_rms: Annotated[
-        bool,
-        flag(
-            "--defer-rms",
-            help="Fold norm weights into their Linear readers, then apply each RMSNorm's scale after "
-            "those matmuls (FlashNorm; exact; the result is a GraphModule: save as .pt2 or .onnx).",
-            panel=FOLD_PANEL,
-        ),
-    ] = False,
+    fold_norm_affine: Annotated[bool, rewrite_flag("--fold-norm-affine")] = False,
+    defer_rms: Annotated[bool, rewrite_flag("--defer-rms")] = False,
     add_weight_norm: AddWeightNormOpt = None,
     weight_norm_dim: Annotated[
         str,
         typer.Option(
             "--weight-norm-dim",
             help="Weight-norm magnitude dim: 'output' (one per output channel), an int, or 'none'.",
-            rich_help_panel=WEIGHT_NORM_PANEL,
+            rich_help_panel=rewrites.WEIGHT_NORM,
         ),
     ] = "output",
-    remove_weight_norm: Annotated[
-        bool,
-        flag(
-            "--remove-weight-norm",
-            help="Fold every weight norm back into a plain weight (exact).",
-            panel=WEIGHT_NORM_PANEL,
-        ),
-    ] = False,
+    remove_weight_norm: Annotated[bool, rewrite_flag("--remove-weight-norm")] = False,
     exact: Annotated[
         bool, flag("--exact", help="Fail instead of applying any non-exact rewrite.", panel=POLICY_PANEL)
     ] = False,

@@ -18,7 +18,7 @@ from normswap_cli.options import (
     WeightsOpt,
     flag,
 )
-from normswap_cli.shared import check_inputs_fit, check_paths, existing, handles_errors, load, write_json
+from normswap_cli.shared import check_paths, handles_errors, write_json
 
 
 @handles_errors
@@ -45,38 +45,26 @@ def export(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Export MODEL to ONNX and check the file in onnxruntime against PyTorch before writing it."""
-    from normswap.api import save
-    from normswap.errors import BadInputError
-    from normswap.export.onnx import check_target
-    from normswap.load import check_writable, require_inputs
+    from normswap.api import export_onnx
 
     check_paths(
         {"MODEL": model, "--weights": weights, "--inputs": inputs},
         {"-o": output, "--report": report},
         overwrite,
     )
-    if output.suffix.lower() != ".onnx":
-        raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
-    check_target(target)  # before the model is loaded
-    loaded = load(model, weights, trust_pickle)
-    check_writable(loaded.model, output, None)  # the ONNX packages, before the model is run
-    args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
-    check_inputs_fit(loaded.model, args, kwargs)
-    quiet = report is not None
-    with (
-        render.stdout_kept(),
-        render.status(f"exporting {output} to ONNX and checking it in onnxruntime", quiet),
-    ):
-        saved = save(
-            loaded.model,
+    with render.stdout_kept(), render.activity(quiet=report is not None) as shown:
+        saved = export_onnx(
+            model,
             output,
-            args,
-            kwargs,
             opset=opset,
             dynamic_batch=dynamic_batch,
-            refuse_path=existing(model),
             target=target,
+            weights=weights,
+            trust_pickle=trust_pickle,
+            inputs=inputs,
+            input_shapes=input_shape,
             overwrite=overwrite,
+            on_step=shown.step,
         )
     render.print_saved(saved)
     if report is not None:

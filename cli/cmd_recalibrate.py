@@ -19,18 +19,8 @@ from normswap_cli.options import (
     TrustPickleOpt,
     WeightsOpt,
 )
-from normswap_cli.render_training import print_recalibration
-from normswap_cli.shared import (
-    check_inputs_fit,
-    check_output_before_work,
-    check_output_format,
-    check_paths,
-    data_and_holdout,
-    handles_errors,
-    load,
-    save_trained,
-    write_json,
-)
+from normswap_cli.render_training import print_recalibration, print_training
+from normswap_cli.shared import check_paths, handles_errors, write_json
 
 
 @handles_errors
@@ -64,56 +54,36 @@ def recalibrate(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Re-estimate MODEL's BatchNorm statistics as averages over the batches of DATA; write it to -o."""
-    from normswap.calibrate import recalibrate_batchnorm
+    from normswap.api import recalibrate as recalibrate_model
     from normswap.errors import CheckFailedError
-    from normswap.load import resolve_inputs
 
     check_paths(
         {"MODEL": model, "--data": data, "--holdout": holdout, "--weights": weights, "--inputs": inputs},
         {"-o": output, "--report": report},
         overwrite,
     )
-    check_output_format(output)
-    loaded = load(model, weights, trust_pickle)
-    resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shape)
-    args, kwargs = resolved if resolved is not None else (None, None)
-    if resolved is not None:
-        check_inputs_fit(loaded.model, args, kwargs)
-    check_output_before_work(loaded.model, output, args, kwargs, quiet=report is not None)
-    calibration, held_out = data_and_holdout(
-        data, holdout, args, kwargs, batch_size, normalize, model=loaded.model
-    )
-    with render.progress(disable=report is not None) as progress:
-        task = progress.add_task("calibrating", total=None)
-        recalibrated, result = recalibrate_batchnorm(
-            loaded.model,
-            calibration,
-            holdout=held_out,
-            max_batches=batches,
-            inplace=True,
-            on_batch=lambda done, total: progress.update(task, completed=done, total=total),
+    with (
+        render.stdout_kept(output.suffix.lower() == ".onnx"),
+        render.activity(quiet=report is not None) as shown,
+    ):
+        run = recalibrate_model(
+            model,
+            data,
+            output,
+            batches=batches,
+            batch_size=batch_size,
+            normalize=normalize,
+            holdout=holdout,
+            weights=weights,
+            trust_pickle=trust_pickle,
+            inputs=inputs,
+            input_shapes=input_shape,
+            overwrite=overwrite,
+            on_step=shown.step,
+            on_progress=shown.count,
         )
-    notes = calibration.notes + result.notes
-    render.out.print(calibration.description, soft_wrap=True)
-    print_recalibration(result, notes)
-
-    written = False
-    if result.ok:
-        save_trained(recalibrated, output, args, kwargs, calibration, resolved is not None, model, overwrite)
-        written = True
+    print_training(run, print_recalibration)
     if report is not None:
-        write_json(
-            report,
-            {
-                "model": model,
-                "data": data,
-                "data_description": calibration.description,
-                "output": str(output),
-                "written": written,
-                **result.to_dict(),
-                "notes": notes,
-            },
-        )
-    if not result.ok:
-        bad = ", ".join(result.non_finite_layers) or "the held-out outputs"
-        raise CheckFailedError(f"recalibration produced non-finite values in {bad}; nothing written")
+        write_json(report, run.to_dict())
+    if not run.ok:
+        raise CheckFailedError(run.refusal or "nothing written")

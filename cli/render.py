@@ -69,6 +69,62 @@ def status(text: str, quiet: bool = False) -> Iterator[Callable[[str], None]]:
         yield say
 
 
+class Activity:
+    """What a long library call says it is doing, on stderr: a spinner naming the phase (:meth:`step`),
+    a bar once the work counts (:meth:`count`, from ``least`` items on). Nothing is shown before the
+    first phase, off a terminal, or in ``quiet`` (--report) runs."""
+
+    def __init__(self, quiet: bool, least: int = 0) -> None:
+        self.shown, self.least = not quiet and err.is_terminal, least
+        self._live: Any = None
+        self._bar: Any = None
+
+    def step(self, text: str) -> None:
+        if not self.shown:
+            return
+        self._stop_bar()
+        if self._live is None:
+            from rich.live import Live
+            from rich.spinner import Spinner
+
+            self._spinner = Spinner("dots", style="status.spinner")
+            self._live = Live(self._spinner, console=err, transient=True, refresh_per_second=12.5)
+            self._live.start()
+        self._spinner.update(text=text)
+        self._live.refresh()  # shown at once: a phase may end before the next timed refresh
+
+    def count(self, done: int, total: int | None, text: str) -> None:
+        if not self.shown or (total is not None and total < self.least):
+            return
+        if self._bar is None:
+            self.close()
+            self._bar = progress()
+            self._bar.start()
+            self._task = self._bar.add_task(text, total=total)
+        self._bar.update(self._task, completed=done, total=total, description=text)
+
+    def _stop_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def close(self) -> None:
+        self._stop_bar()
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+@contextlib.contextmanager
+def activity(quiet: bool = False, least: int = 0) -> Iterator[Activity]:
+    """An :class:`Activity` for one library call, taken down on the way out (also on error)."""
+    shown = Activity(quiet, least)
+    try:
+        yield shown
+    finally:
+        shown.close()
+
+
 @contextlib.contextmanager
 def stdout_kept(exporting_onnx: bool = True) -> Iterator[None]:
     """torch.onnx prints progress lines to stdout: send them to stderr, keeping stdout for the report."""
@@ -165,7 +221,7 @@ def print_calibration(calibration: Any) -> None:
 def print_saved(saved: Any) -> None:
     """A :class:`normswap.api.SavedOutput`: what was written, and the onnxruntime check of an ONNX file."""
     if saved.onnx is not None:
-        from normswap.util.tolerance import onnx_tolerance
+        from normswap.api import onnx_tolerance
 
         result = saved.onnx
         ops = ", ".join(f"{name} {count}" for name, count in result.op_counts.items())
@@ -344,7 +400,7 @@ def _print_pass_figures(p: Any) -> None:
 
 
 def _print_exact_figures(p: Any, worst: dict[str, Any] | None, counts: str) -> None:
-    from normswap.validate.variants import format_shapes
+    from normswap.api import format_shapes
 
     half = p.validation.get("rounding")
     failed = p.validation.get("failed_inputs", [])

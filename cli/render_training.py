@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from normswap_cli.render import fmt_float, out
 from rich.table import Table
+
+
+def print_training(run: Any, print_report: Callable[[Any, list[str]], None]) -> None:
+    """A :class:`normswap.api.TrainingRun`: the data as read, its report (``print_report``), and what
+    was written."""
+    out.print(run.data_description, soft_wrap=True)
+    print_report(run.report, run.notes)
+    if run.wrote is not None:
+        out.print(f"wrote {run.output} ({run.wrote})", soft_wrap=True)
 
 
 def print_recalibration(result: Any, notes: list[str]) -> None:

@@ -52,6 +52,7 @@ from normswap.passes.base import PassReport
 from normswap.passes.tensor_edits import EditPlan, TensorEdit, plan_edits
 from normswap.passes.tensor_edits_weight_norm import WeightNormValueError
 from normswap.passes.weight_norm import RemoveWeightNorm
+from normswap.rewrites import BY_OPTION, streamed_options
 from normswap.validate.blockwise import BlockwiseReport
 from normswap.validate.metrics import TensorComparison
 
@@ -397,22 +398,21 @@ def _gb(n: float) -> str:
 
 
 def stream_problem(config: ConvertConfig, custom_inputs: bool = False) -> str | None:
-    """Why ``config`` cannot be streamed (None when it can): the options no stream takes, then the
-    rewrites one stream runs (:func:`normswap.passes.tensor_edits.streamable`)."""
-    from normswap.passes.tensor_edits import streamable
-
-    other = config.given(
-        "--fuse-add", "--fuse-inline", "--defer-rms", "--calibrate", "--from", "--allow-lossy"
-    ) + (["--inputs/--input-shape"] if custom_inputs else [])
-    return streamable(
-        config.fold_norm_affine,
-        config.to,
-        config.exact,
-        other,
-        fold_bn=config.fold_bn,
-        add_weight_norm=config.add_weight_norm is not None,
-        remove_weight_norm=config.remove_weight_norm,
+    """Why ``config`` cannot be streamed (None when it can): a stream runs exactly one rewrite that
+    streams (:func:`normswap.rewrites.streamed_options`), ``--to rmsnorm`` only under ``--exact`` (its
+    lossy fallback does not stream), and none of the options no stream takes."""
+    other = config.given("--calibrate", "--from", "--allow-lossy") + (
+        ["--inputs/--input-shape"] if custom_inputs else []
     )
+    asked = config.rewrites()
+    other += [option for option in asked if not BY_OPTION[option].streams]
+    if other:
+        return f"{', '.join(other)} does not stream yet"
+    if len(asked) != 1:
+        return f"a stream runs one rewrite: {streamed_options()}"
+    if asked == ["--to rmsnorm"] and not config.exact:
+        return "--to rmsnorm without --exact may fall back to a lossy swap, which does not stream"
+    return None
 
 
 def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bool = False) -> str | None:
@@ -420,8 +420,6 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
     (:func:`plan_checkpoint`), else the message saying why it runs in memory; BadInputError when it
     cannot stream and the model would not fit in memory (weights about three times: the model, the
     converted copy, temporaries)."""
-    from normswap.passes.tensor_edits import STREAMED
-
     why = stream_problem(config, custom_inputs)
     if why is None:
         return None
@@ -430,6 +428,6 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
     if available is not None and need > available:
         raise BadInputError(
             f"{source}: {why}, and converting in memory needs about {_gb(need)} ({_gb(available)} available); "
-            f"streamed rewrites: {STREAMED}"
+            f"streamed rewrites: {streamed_options()}"
         )
     return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)"

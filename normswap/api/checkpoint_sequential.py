@@ -94,10 +94,9 @@ def sequential_problem(config: ConvertConfig, custom_inputs: bool = False) -> st
             "stream, which rewrites the linears around the norms, and cosine rewrites the layers before "
             "them: neither is built block by block"
         )
-    other = config.given(
-        "--fold-bn", "--fold-norm-affine", "--defer-rms", "--fuse-add", "--fuse-inline", "--add-weight-norm",
-        "--remove-weight-norm", "--exact", "--allow-lossy",
-    ) + (["--inputs/--input-shape"] if custom_inputs else [])  # fmt: skip
+    swap = f"--to {config.to}"
+    other = [r for r in config.rewrites() if r != swap] + config.given("--exact", "--allow-lossy")
+    other += ["--inputs/--input-shape"] if custom_inputs else []
     if other:
         return f"{', '.join(other)} is not part of the sequential route (the swap and its calibration only)"
     return None
@@ -159,9 +158,9 @@ class _Plan:
 
 def _plan_swap(shell_model: nn.Module, config: ConvertConfig, args: tuple, kwargs: dict) -> tuple[Any, _Plan]:
     from normswap.modules.recipes import module_recipe
-    from normswap.passes.swap_norm import build_layout_norm
+    from normswap.passes.swap_norm import SwapNorm, build_layout_norm
 
-    swap = next(p for p in config.passes() if p.name == "swap_norm")
+    swap = next(p for p in config.passes() if isinstance(p, SwapNorm))
     ctx = build_context(shell_model, args, kwargs, fx_first=swap.fx_analysis)
     state = swap.prepare(ctx)
     plan = _Plan()
@@ -169,6 +168,7 @@ def _plan_swap(shell_model: nn.Module, config: ConvertConfig, args: tuple, kwarg
         if isinstance(decided, Skip):
             plan.skips.append(decided)
             continue
+        assert site.module is not None  # the swap decides module sites only (as SwapNorm.apply asserts)
         prototype = build_layout_norm(swap.target_kind, site, site.module, decided.sample, swap.groups)
         recipe = module_recipe(prototype)
         if recipe is None:

@@ -14,6 +14,7 @@ from typing import Any
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.passes.base import Pass
 from normswap.passes.pipeline import ExactOnlyError, Pipeline
+from normswap.rewrites import BY_OPTION, REWRITES, TARGETS, graph_options
 
 
 @dataclass(frozen=True)
@@ -114,26 +115,30 @@ class ConvertConfig:
 
     def given(self, *flags: str) -> list[str]:
         """Those of ``flags`` (command-line spellings, in the order given) that this configuration sets:
-        what each route checks for the options it cannot take."""
+        what each route checks for the options it cannot take. The rewrites' spellings are
+        :data:`normswap.rewrites.REWRITES`' (``--fold-bn``, ``--to crmsnorm``); the policies' and data's
+        are below."""
         on = {
-            "--fold-bn": self.fold_bn,
-            "--fold-norm-affine": self.fold_norm_affine,
-            "--defer-rms": self.defer_rms,
-            "--fuse-add": self.fuse_add,
-            "--fuse-inline": self.fuse_inline,
-            "--add-weight-norm": self.add_weight_norm is not None,
-            "--remove-weight-norm": self.remove_weight_norm,
-            "--exact": self.exact,
-            "--allow-lossy": self.allow_lossy,
-            "--calibrate": self.calibration_data is not None,
-            "--from": self.from_kinds is not None,
-            "--to crmsnorm": self.to == "crmsnorm",
+            r.option: (self.to == r.field) if r in TARGETS else getattr(self, r.field) not in (None, False)
+            for r in REWRITES
         }
+        on.update(
+            {
+                "--exact": self.exact,
+                "--allow-lossy": self.allow_lossy,
+                "--calibrate": self.calibration_data is not None,
+                "--from": self.from_kinds is not None,
+            }
+        )
         return [flag for flag in flags if on[flag]]
 
+    def rewrites(self) -> list[str]:
+        """The rewrites this configuration asks for, by their command-line spelling."""
+        return self.given(*BY_OPTION)
+
     def _graph_flag(self) -> str | None:
-        """The first flag asking for a graph rewrite (whose result is a GraphModule), if any."""
-        return next(iter(self.given("--fuse-inline", "--fuse-add", "--defer-rms", "--to crmsnorm")), None)
+        """The first option asking for a graph rewrite (whose result is a GraphModule), if any."""
+        return next(iter(self.given(*graph_options())), None)
 
     def _check_output(self) -> None:
         from normswap.load import SAVE_FORMATS

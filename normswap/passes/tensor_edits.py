@@ -25,7 +25,8 @@ Groups, per rewrite:
 - ``--add-weight-norm`` / ``--remove-weight-norm``: one layer's weight, as ``g`` and ``v`` or back
   (:mod:`normswap.passes.tensor_edits_weight_norm`); the layer is recorded as a recipe.
 
-Other rewrites do not stream: :func:`streamable` says why.
+Which rewrites stream is said once, in :mod:`normswap.rewrites`; :func:`normswap.api.checkpoint.stream_problem`
+says why a conversion does not.
 """
 
 from __future__ import annotations
@@ -98,44 +99,6 @@ class EditPlan:
     def copies(self) -> dict[str, str]:
         """New tensor -> the stored tensor whose input bytes it takes."""
         return {new: source for edit in self.edits for new, source in edit.copies.items()}
-
-
-STREAMED = "--fold-norm-affine, --fold-bn, --add-weight-norm, --remove-weight-norm or --to rmsnorm --exact"
-
-
-def streamable(
-    fold_norm_affine: bool,
-    to: str | None,
-    exact: bool,
-    other: list[str],
-    *,
-    fold_bn: bool = False,
-    add_weight_norm: bool = False,
-    remove_weight_norm: bool = False,
-) -> str | None:
-    """Why a conversion cannot stream (None when it can): exactly one of ``--fold-norm-affine``,
-    ``--fold-bn``, ``--add-weight-norm``, ``--remove-weight-norm`` and ``--to rmsnorm --exact``, nothing
-    else."""
-    if other:
-        return f"{', '.join(other)} does not stream yet"
-    asked = [
-        n
-        for n, on in (
-            ("--fold-norm-affine", fold_norm_affine),
-            ("--fold-bn", fold_bn),
-            ("--add-weight-norm", add_weight_norm),
-            ("--remove-weight-norm", remove_weight_norm),
-            ("--to rmsnorm", to is not None),
-        )
-        if on
-    ]
-    if len(asked) != 1:
-        return f"a stream runs one rewrite: {STREAMED}"
-    if to is not None and to != "rmsnorm":
-        return f"--to {to} does not stream (--fold-norm-affine and --to rmsnorm --exact do)"
-    if to is not None and not exact:
-        return "--to rmsnorm without --exact may fall back to a lossy swap, which does not stream"
-    return None
 
 
 def _stored_name(names: list[str], stored: set[str]) -> str | None:

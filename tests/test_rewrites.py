@@ -1,0 +1,76 @@
+"""The registry of rewrites (normswap.rewrites) is the one list: what it says of each rewrite is what the
+config builds, what streams, what makes a graph, what the command offers and what the README shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from normswap import rewrites
+from normswap.api.config import ConvertConfig
+from normswap.modules.semantics import CONVERT_TARGETS
+from normswap.passes.base import Needs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _config(entry: rewrites.Rewrite) -> ConvertConfig:
+    """The smallest configuration that asks for ``entry`` alone (with the option it refines)."""
+    if entry in rewrites.TARGETS:
+        return ConvertConfig(to=entry.field, groups=2 if entry.field == "groupnorm" else None)
+    value = "all" if entry.field == "add_weight_norm" else True
+    to = entry.needs.removeprefix("--to ") if entry.needs else None
+    return ConvertConfig(**{entry.field: value}, to=to)
+
+
+def test_every_option_is_a_config_field_and_every_target_a_target():
+    fields = {f.name for f in dataclasses.fields(ConvertConfig)}
+    assert [r.field for r in rewrites.OPTIONS if r.field not in fields] == []
+    assert sorted(r.field for r in rewrites.TARGETS) == sorted(CONVERT_TARGETS)
+    assert len(rewrites.BY_OPTION) == len(rewrites.REWRITES)  # no option listed twice
+
+
+@pytest.mark.parametrize("entry", rewrites.REWRITES, ids=lambda r: r.option)
+def test_the_config_builds_what_the_registry_says(entry):
+    config = _config(entry)
+    assert entry.option in config.rewrites()
+    passes = config.passes()
+    # the rewrite's own pass comes last (after the passes it refines, --defer-rms after the fold it needs);
+    # --to rmsnorm's exact route comes first, the lossy swap after it takes what it leaves
+    own = passes[0] if entry.field == "rmsnorm" else passes[-1]
+    assert own.kind.value == entry.kind, (entry.option, own.name)
+    assert (own.needs is Needs.EXPORTED_GRAPH) is entry.graph, (entry.option, own.name)
+
+
+def test_what_streams_is_what_the_stream_can_plan():
+    from normswap.api.checkpoint import stream_problem
+
+    for entry in rewrites.REWRITES:
+        config = dataclasses.replace(_config(entry), exact=entry.kind == rewrites.EXACT)
+        assert (stream_problem(config) is None) is entry.streams, entry.option
+
+
+def test_every_rewrite_has_its_docs_page_and_a_row_in_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## What it does") :]
+    table = table[: table.index("\n## ", 4)]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    for entry in rewrites.REWRITES:
+        assert (ROOT / "docs" / entry.docs).is_file(), entry.docs
+        spelled = entry.option if entry in rewrites.OPTIONS else entry.field
+        row = next((r for r in rows if re.search(rf"(?<![\w-]){re.escape(spelled)}(?![\w-])", r)), None)
+        assert row is not None, f"README's table has no row for {entry.option}"
+        assert f"| {entry.kind} |" in row or entry.field == "rmsnorm", (entry.option, row)
+        assert entry.docs in row, (entry.option, row)
+
+
+def test_the_help_of_the_command_is_the_registrys():
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    shown = " ".join(CliRunner().invoke(app, ["convert", "--help"], env={"COLUMNS": "200"}).output.split())
+    for entry in rewrites.OPTIONS:
+        assert " ".join(entry.help.split()) in shown.replace("│ ", "").replace(" │", ""), entry.option

@@ -9,12 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.passes.base import Pass
 from normswap.passes.pipeline import ExactOnlyError, Pipeline
 from normswap.rewrites import BY_OPTION, REWRITES, TARGETS, graph_options
+
+if TYPE_CHECKING:
+    from normswap.passes import AddWeightNorm
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ class ConvertConfig:
         if self.fuse_inline and to != "fused":
             raise BadInputError("--fuse-inline fuses norms inside other forwards: give --to fused")
 
-    def weight_norm_pass(self) -> Pass:
+    def weight_norm_pass(self) -> AddWeightNorm:
         """The AddWeightNorm pass ``add_weight_norm`` and ``weight_norm_dim`` ask for."""
         from normswap.passes import AddWeightNorm
 

@@ -300,6 +300,7 @@ def _record_outputs_not_preserved(original: nn.Module, result: ConversionResult)
     rewrite changed (the example itself asking for them is refused by the pass, with the reason)."""
     from normswap.validate.inside_outputs import outputs_not_preserved, summarize_names
 
+    assert result.model is not None  # an in-memory result
     moved = outputs_not_preserved(original, result.model, result.example_args, result.example_kwargs)
     result.outputs_not_preserved = moved
     if moved:
@@ -335,6 +336,7 @@ def calibration_batches(config: ConvertConfig, model: nn.Module, args: tuple, kw
     elif config.batch_size is not None:
         raise BadInputError("batch_size splits calibration data read from a file or folder, not batches")
     elif not isinstance(data, CalibrationData):
+        assert data is not None  # called when the config has calibration data
         given = data
         data = CalibrationData(
             lambda: given,
@@ -352,6 +354,7 @@ def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str
     from normswap.calibrate.affine_fit import calibrate_swapped_norms
     from normswap.validate.compare import compare_models
 
+    assert result.model is not None  # calibration runs in memory
     sites = [c.site for p in result.report.passes if p.pass_name == "swap_norm" for c in p.changes]
     batches = calibration_batches(result.config, original, result.example_args, result.example_kwargs)
     fit_sites = calibrate_swapped_norms

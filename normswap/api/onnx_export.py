@@ -1,0 +1,69 @@
+"""What ``normswap export MODEL -o OUT.onnx`` does, as a library call: ONNX written atomically once
+onnxruntime agrees with PyTorch on it.
+
+::
+
+    saved = normswap.api.export_onnx("model.pt2", Path("model.onnx"), opset=23)
+    print(saved.onnx.op_counts)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from normswap.api.sources import check_inputs_fit, example_inputs, load_for_inference, never_written
+from normswap.errors import BadInputError
+
+if TYPE_CHECKING:
+    from normswap.api.save import SavedOutput
+
+
+def export_onnx(
+    model: str,
+    output: Path,
+    *,
+    opset: int | None = None,
+    dynamic_batch: bool = False,
+    target: str = "standard",
+    weights: str | Path | None = None,
+    trust_pickle: bool = False,
+    inputs: str | Path | None = None,
+    input_shapes: list[str] | None = None,
+    overwrite: bool = False,
+    on_step: Callable[[str], None] | None = None,
+) -> SavedOutput:
+    """Export ``model`` (a spec, loaded in inference mode) to the .onnx file ``output`` and check it in
+    onnxruntime against PyTorch on the example inputs before it is written (never over the model's own
+    file; an existing ``output`` only with ``overwrite``).
+
+    ``target``: "standard" (ONNX's own ops) or "onnxruntime" (norms as onnxruntime's fused ops);
+    ``dynamic_batch`` makes dim 0 of every input dynamic. The suffix, the target and the ONNX packages are
+    checked before the model is loaded or run; a disagreement raises
+    :class:`~normswap.errors.CheckFailedError` and writes nothing.
+    """
+    from normswap.api.save import save
+    from normswap.export.onnx import check_target
+    from normswap.load import check_writable
+
+    if output.suffix.lower() != ".onnx":
+        raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
+    check_target(target)  # before the model is loaded
+    loaded = load_for_inference(model, weights, trust_pickle)
+    check_writable(loaded.model, output, None)  # the ONNX packages, before the model is run
+    args, kwargs = example_inputs(loaded, inputs, input_shapes, required=True)  # type: ignore[misc]
+    check_inputs_fit(loaded.model, args, kwargs)
+    if on_step is not None:
+        on_step(f"exporting {output} to ONNX and checking it in onnxruntime")
+    return save(
+        loaded.model,
+        output,
+        args,
+        kwargs,
+        opset=opset,
+        dynamic_batch=dynamic_batch,
+        refuse_path=never_written(model),
+        target=target,
+        overwrite=overwrite,
+    )

@@ -1,0 +1,301 @@
+"""The data-driven commands as library calls: :func:`recalibrate` (``normswap recalibrate``: BatchNorm
+statistics re-estimated on data) and :func:`distill` (``normswap distill``: a converted model fine-tuned
+to match the original, data-parallel under torchrun). Each loads, reads the data, trains, writes the
+model when the result is finite, and returns one :class:`TrainingRun`.
+
+::
+
+    run = normswap.api.recalibrate("model.pt2", "images/", Path("out.pt2"))
+    if not run.ok:
+        print(run.refusal)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from normswap.api.sources import (
+    check_inputs_fit,
+    check_output_before_work,
+    check_output_format,
+    example_inputs,
+    load_for_inference,
+    read_data,
+    save_trained,
+)
+from normswap.errors import BadInputError
+
+if TYPE_CHECKING:
+    from normswap.calibrate.batchnorm import RecalibrationReport
+    from normswap.calibrate.distill import DistillReport
+    from normswap.calibrate.parallel import DataParallel
+    from normswap.load.model_file import LoadedModel
+
+Step = Callable[[str], None]
+# (done, total or None when unknown, what is being done: "calibrating", "distilling (loss 0.12)")
+Progress = Callable[[int, "int | None", str], None]
+
+# -o with this suffix is a sharded torch.distributed.checkpoint folder (distill only)
+SHARDED_SUFFIX = ".dcp"
+
+
+@dataclass
+class TrainingRun:
+    """One recalibration or distillation: its ``report`` (what changed, the held-out figures, whether all
+    is finite), the data as read (``data_description``), ``notes`` for the user, and what was written
+    (``wrote``: the format, None when nothing was). ``sources`` are the specs the run read, in the order
+    the JSON report names them; ``main`` is False in a torchrun process other than process 0, which
+    prints and writes nothing. :meth:`to_dict` is the command's ``--report``."""
+
+    report: RecalibrationReport | DistillReport
+    sources: dict[str, str]
+    output: Path
+    data_description: str
+    notes: list[str] = field(default_factory=list)
+    wrote: str | None = None
+    main: bool = True
+    # the sentence that refuses the result (None when ok); it ends "nothing written"
+    refusal: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.sources,
+            "data_description": self.data_description,
+            "output": str(self.output),
+            "written": self.wrote is not None,
+            **self.report.to_dict(),
+            "notes": self.notes,
+        }
+
+
+def _inputs_checked(loaded: LoadedModel, inputs: Any, input_shapes: Any) -> tuple[Any, Any, bool]:
+    """The example inputs (``None, None`` when unknown) and whether they are known; known ones are run
+    once on the model, so minutes of training do not end in a refusal."""
+    resolved = example_inputs(loaded, inputs, input_shapes)
+    args, kwargs = resolved if resolved is not None else (None, None)
+    if resolved is not None:
+        check_inputs_fit(loaded.model, args, kwargs)
+    return args, kwargs, resolved is not None
+
+
+def recalibrate(
+    model: str,
+    data: str,
+    output: Path,
+    *,
+    batches: int | None = None,
+    batch_size: int | None = None,
+    normalize: str | None = None,
+    holdout: str | None = None,
+    weights: str | Path | None = None,
+    trust_pickle: bool = False,
+    inputs: str | Path | None = None,
+    input_shapes: list[str] | None = None,
+    overwrite: bool = False,
+    on_step: Step | None = None,
+    on_progress: Progress | None = None,
+) -> TrainingRun:
+    """Re-estimate ``model``'s BatchNorm statistics as averages over the first ``batches`` batches of
+    ``data``, compare outputs before/after on ``holdout``'s first batch (else the next batch of
+    ``data``), and write the model to ``output`` when every value is finite (``ok``). The output's
+    format is checked before the work; ``normalize`` names a dataset's image mean/std ("imagenet")."""
+    from normswap.calibrate import recalibrate_batchnorm
+
+    check_output_format(output)
+    loaded = load_for_inference(model, weights, trust_pickle)
+    args, kwargs, known = _inputs_checked(loaded, inputs, input_shapes)
+    check_output_before_work(loaded.model, output, args, kwargs, on_step)
+    calibration, held_out = read_data(data, holdout, args, kwargs, batch_size, normalize, model=loaded.model)
+    if on_progress is not None:
+        on_progress(0, None, "calibrating")
+    recalibrated, report = recalibrate_batchnorm(
+        loaded.model,
+        calibration,
+        holdout=held_out,
+        max_batches=batches,
+        inplace=True,
+        on_batch=None if on_progress is None else lambda done, total: on_progress(done, total, "calibrating"),
+    )
+    run = TrainingRun(
+        report,
+        {"model": model, "data": data},
+        output,
+        calibration.description,
+        calibration.notes + report.notes,
+    )
+    if report.ok:
+        saved = save_trained(recalibrated, output, args, kwargs, calibration, known, model, overwrite)
+        run.wrote = saved.format
+    else:
+        bad = ", ".join(report.non_finite_layers) or "the held-out outputs"
+        run.refusal = f"recalibration produced non-finite values in {bad}; nothing written"
+    return run
+
+
+def distill(
+    original: str,
+    converted: str,
+    data: str,
+    output: Path,
+    *,
+    steps: int,
+    lr: float = 1e-4,
+    loss: str = "mse",
+    temperature: float | None = None,
+    train: str = "all",
+    holdout: str | None = None,
+    batch_size: int | None = None,
+    normalize: str | None = None,
+    weights: str | Path | None = None,
+    converted_weights: str | Path | None = None,
+    trust_pickle: bool = False,
+    inputs: str | Path | None = None,
+    input_shapes: list[str] | None = None,
+    checkpoint_dir: Path | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    shard_teacher: bool | None = None,
+    overwrite: bool = False,
+    on_step: Step | None = None,
+    on_progress: Progress | None = None,
+) -> TrainingRun:
+    """Fine-tune ``converted`` (the student) for ``steps`` AdamW steps so its outputs match ``original``'s
+    (the teacher) on ``data`` (``loss`` "mse" or "kl" at ``temperature``; ``train`` "all" parameters or
+    only the "norms'"), and write it to ``output`` when every value is finite (a .dcp output is a sharded
+    torch.distributed.checkpoint folder). ``checkpoint_dir`` keeps checkpoints every ``checkpoint_every``
+    steps; ``resume`` continues from its newest.
+
+    Under torchrun every process calls this: each loads both models, reads the data and takes its rows of
+    each batch (a large model-directory teacher, or any with ``shard_teacher``, read straight into FSDP2
+    shards); process 0 alone reports progress and writes (``main`` in the result). Options are checked
+    before any model is loaded.
+    """
+    from normswap.calibrate.distill import check_options
+    from normswap.calibrate.distill import distill as distill_model
+    from normswap.calibrate.distill_checkpoint import CheckpointPlan, save_sharded
+    from normswap.calibrate.parallel import full_state_dict
+
+    sharded_output = output.suffix == SHARDED_SUFFIX
+    if not sharded_output:
+        check_output_format(output)
+    if temperature is not None and loss != "kl":
+        raise BadInputError("--temperature applies to --loss kl")
+    if (checkpoint_every is not None or resume) and checkpoint_dir is None:
+        raise BadInputError("--checkpoint-every and --resume need --checkpoint-dir")
+    check_options(steps=steps, lr=lr, loss=loss, temperature=temperature or 1.0, train=train)
+    plan = CheckpointPlan(checkpoint_dir, checkpoint_every, resume) if checkpoint_dir is not None else None
+    if plan is not None:
+        plan.check()  # before minutes of loading: another run's checkpoints, no rhythm
+    with _processes() as parallel:
+        if parallel is None and shard_teacher is not None:
+            raise BadInputError("--shard-teacher applies under torchrun (several processes)")
+        main = parallel is None or parallel.is_main
+        say, count = (on_step, on_progress) if main else (None, None)
+        teacher, teacher_placement = _load_teacher(original, weights, trust_pickle, parallel, shard_teacher)
+        student = load_for_inference(converted, converted_weights, trust_pickle)
+        resolved = example_inputs(teacher, inputs, input_shapes) or example_inputs(student)
+        args, kwargs = resolved if resolved is not None else (None, None)
+        if resolved is not None:
+            # before training: minutes of training must not end in a refusal
+            check_inputs_fit(teacher.model, args, kwargs, what="ORIGINAL")
+            check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
+        if main and not sharded_output:
+            check_output_before_work(student.model, output, args, kwargs, say)
+        batches, held_out = read_data(data, holdout, args, kwargs, batch_size, normalize, model=teacher.model)
+        if count is not None:
+            count(0, steps, "distilling")
+        distilled, report = distill_model(
+            teacher.model,
+            student.model,
+            batches,
+            steps=steps,
+            lr=lr,
+            loss=loss,
+            temperature=temperature if temperature is not None else 1.0,
+            train=train,
+            holdout=held_out,
+            inplace=True,
+            on_step=None
+            if count is None
+            else lambda done, total, value: count(done, total, f"distilling (loss {value:.4g})"),
+            example_args=args,
+            example_kwargs=kwargs,
+            parallel=parallel,
+            shard_teacher=shard_teacher,
+            checkpoints=plan,
+            teacher_placement=teacher_placement,
+        )
+        sources = {"original": original, "converted": converted, "data": data}
+        run = TrainingRun(
+            report, sources, output, batches.description, batches.notes + report.notes, main=main
+        )
+        if not report.ok:
+            run.refusal = (
+                "distillation produced non-finite values (loss or held-out outputs); nothing written"
+            )
+        elif sharded_output:
+            save_sharded(output, distilled, parallel, overwrite)
+            run.wrote = "sharded, torch.distributed.checkpoint"
+        else:
+            if parallel is not None:
+                # Gathered to process 0, which writes it into a whole copy of CONVERTED as loaded.
+                state = full_state_dict(distilled, parallel)
+                del teacher, distilled
+                if main:
+                    whole = load_for_inference(converted, converted_weights, trust_pickle).model
+                    whole.load_state_dict(state)
+                    distilled = whole
+            if main:
+                saved = save_trained(
+                    distilled, output, args, kwargs, batches, resolved is not None, converted, overwrite
+                )
+                run.wrote = saved.format
+        return run
+
+
+@contextlib.contextmanager
+def _processes() -> Iterator[DataParallel | None]:
+    """This process's place in a torchrun job (None when run alone); the process group is left on the
+    way out, also on error."""
+    from normswap.calibrate.parallel import DataParallel, launched_by_torchrun
+
+    parallel = DataParallel.from_environment() if launched_by_torchrun() else None
+    try:
+        yield parallel
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+def _load_teacher(
+    original: str, weights: str | Path | None, trust_pickle: bool, parallel: Any, shard_teacher: bool | None
+) -> tuple[LoadedModel, str | None]:
+    """ORIGINAL, and how it was placed when that was done while loading: under torchrun a model directory
+    to be sharded (asked, or larger than TEACHER_SHARD_BYTES) is read straight into its shards, so no
+    process holds it whole."""
+    from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
+    from normswap.load.checkpoint_dir import is_checkpoint_directory
+    from normswap.load.config_inputs import example_inputs as config_inputs
+
+    if parallel is None or not is_checkpoint_directory(original):
+        return load_for_inference(original, weights, trust_pickle), None
+    # built on the meta device (no weight read) to learn its size and, when sharded, to be filled
+    structure = load_for_inference(original, weights, trust_pickle, structure_only=True)
+    if shard_teacher is None:
+        shard_teacher = structure.checkpoint.total_bytes > TEACHER_SHARD_BYTES
+    if not shard_teacher:
+        return load_for_inference(original, weights, trust_pickle), None
+    from normswap.calibrate.parallel_load import load_directory_sharded
+
+    placement = load_directory_sharded(structure.model, structure.checkpoint, parallel, trained=False)
+    args, kwargs = config_inputs(structure.model, structure.checkpoint.config, device=parallel.device)
+    return dataclasses.replace(structure, example_args=args, example_kwargs=kwargs), placement

@@ -11,9 +11,10 @@ from pathlib import Path
 CLI = Path(__file__).resolve().parent.parent / "cli"
 PUBLIC = {"normswap", "normswap.api", "normswap.errors"}
 
-# Known exceptions, by file, with the internal modules they may still import. cmd_convert.py is being
-# moved onto the registry and the public API in the same change (issue 25); it names the rewrites'
-# registry and SAVE_FORMATS (normswap.api has SAVE_FORMATS now) through their internal modules.
+# Known exceptions, by file, with the internal modules they may still import. cmd_convert.py (being moved
+# onto the rewrite registry in the same change, issue 25) builds its options at import time from the
+# torch-free registry normswap.rewrites (normswap.api imports torch, and --help must not), and reads
+# SAVE_FORMATS from normswap.load, which normswap.api now exports too.
 KNOWN: dict[str, set[str]] = {"cmd_convert.py": {"normswap.load", "normswap.rewrites"}}
 
 

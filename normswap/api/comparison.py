@@ -23,7 +23,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from normswap.api.sources import example_inputs, load_for_inference, read_data
+from normswap.api.sources import example_inputs, load_for_inference, read_data, required_inputs
 from normswap.errors import BadInputError
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def validate(
     reference = load_for_inference(original, weights, trust_pickle)
     candidate = load_for_inference(converted, converted_weights, trust_pickle)
     if blockwise:
-        pair = example_inputs(reference, inputs, input_shapes, required=True)
+        pair = required_inputs(reference, inputs, input_shapes)
         return _blockwise(original, converted, centered, on_step, (reference.model, candidate.model, pair))
     if data is not None:
         resolved = example_inputs(reference, inputs, input_shapes)
@@ -124,7 +124,7 @@ def validate(
         if not pairs:
             raise BadInputError(f"--data {data} yields no batch")
     else:
-        pairs = [example_inputs(reference, inputs, input_shapes, required=True)]
+        pairs = [required_inputs(reference, inputs, input_shapes)]
     if on_step is not None:
         on_step("finding the norm sites of ORIGINAL")
     norm_paths = _norm_paths(reference.model, pairs[0])
@@ -171,10 +171,11 @@ def _plot(result: Validation, path: Path) -> None:
     from normswap.load import atomic_write
     from normswap.validate.layerwise import plot_norm_sites
 
-    assert result.layerwise is not None
+    report = result.layerwise
+    assert report is not None  # a block-by-block comparison has no per-layer SQNR
     title = f"{result.converted} vs {result.original}"
     try:
-        atomic_write(path, lambda tmp: plot_norm_sites(result.layerwise, str(tmp), title=title))
+        atomic_write(path, lambda tmp: plot_norm_sites(report, str(tmp), title=title))
     except ImportError:
         raise BadInputError("--plot needs matplotlib: pip install 'normswap[plot]'") from None
     result.plot = path

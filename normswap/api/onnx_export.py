@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap.api.sources import check_inputs_fit, example_inputs, load_for_inference, never_written
+from normswap.api.sources import check_inputs_fit, load_for_inference, never_written, required_inputs
 from normswap.errors import BadInputError
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def export_onnx(
     check_target(target)  # before the model is loaded
     loaded = load_for_inference(model, weights, trust_pickle)
     check_writable(loaded.model, output, None)  # the ONNX packages, before the model is run
-    args, kwargs = example_inputs(loaded, inputs, input_shapes, required=True)  # type: ignore[misc]
+    args, kwargs = required_inputs(loaded, inputs, input_shapes)
     check_inputs_fit(loaded.model, args, kwargs)
     if on_step is not None:
         on_step(f"exporting {output} to ONNX and checking it in onnxruntime")

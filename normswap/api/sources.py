@@ -80,20 +80,23 @@ def write_report(path: Path, data: Any) -> None:
 
 
 def example_inputs(
-    loaded: LoadedModel,
-    inputs: str | Path | None = None,
-    input_shapes: list[str] | None = None,
-    *,
-    required: bool = False,
+    loaded: LoadedModel, inputs: str | Path | None = None, input_shapes: list[str] | None = None
 ) -> tuple[tuple, dict[str, Any]] | None:
     """The example inputs of a run: ``inputs`` (a torch.save file), ``input_shapes``, or the model's own
-    (a factory's, a .pt2's, a model directory's config); None when none is known, unless ``required``
-    (then a :class:`~normswap.errors.BadInputError` says how to give them)."""
-    from normswap.load import require_inputs, resolve_inputs
+    (a factory's, a .pt2's, a model directory's config); None when none is known."""
+    from normswap.load import resolve_inputs
 
-    if required:
-        return require_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
     return resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
+
+
+def required_inputs(
+    loaded: LoadedModel, inputs: str | Path | None = None, input_shapes: list[str] | None = None
+) -> tuple[tuple, dict[str, Any]]:
+    """The example inputs as :func:`example_inputs` finds them; when none is known a
+    :class:`~normswap.errors.BadInputError` says how to give them."""
+    from normswap.load import require_inputs
+
+    return require_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
 
 
 def check_inputs_fit(model: nn.Module, args: Any, kwargs: Any, what: str = "the model") -> None:

@@ -290,12 +290,14 @@ def _load_teacher(
         return load_for_inference(original, weights, trust_pickle), None
     # built on the meta device (no weight read) to learn its size and, when sharded, to be filled
     structure = load_for_inference(original, weights, trust_pickle, structure_only=True)
+    checkpoint = structure.checkpoint
+    assert checkpoint is not None  # a model directory's structure carries its description
     if shard_teacher is None:
-        shard_teacher = structure.checkpoint.total_bytes > TEACHER_SHARD_BYTES
+        shard_teacher = checkpoint.total_bytes > TEACHER_SHARD_BYTES
     if not shard_teacher:
         return load_for_inference(original, weights, trust_pickle), None
     from normswap.calibrate.parallel_load import load_directory_sharded
 
-    placement = load_directory_sharded(structure.model, structure.checkpoint, parallel, trained=False)
-    args, kwargs = config_inputs(structure.model, structure.checkpoint.config, device=parallel.device)
+    placement = load_directory_sharded(structure.model, checkpoint, parallel, trained=False)
+    args, kwargs = config_inputs(structure.model, checkpoint.config, device=parallel.device)
     return dataclasses.replace(structure, example_args=args, example_kwargs=kwargs), placement

@@ -168,9 +168,8 @@ def convert(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
-    from normswap.api import ConvertConfig, convert, save
+    from normswap.api import SAVE_FORMATS, ConvertConfig, convert, save
     from normswap.errors import CheckFailedError
-    from normswap.load import SAVE_FORMATS
 
     check_paths(
         {"MODEL": model, "--weights": weights, "--inputs": inputs, "--calibrate": calibrate},

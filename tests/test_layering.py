@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 500
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors",),  # exceptions with exit codes, one-line descriptions of an exception
+    ("errors", "rewrites"),  # exceptions with exit codes; the registry of rewrites (imports nothing)
     ("util",),  # training-mode bookkeeping, the tolerance table
     ("kernels",),  # reference math, torch.library ops, Triton kernels, ONNX translations of the ops
     ("modules",),  # reference and fused nn.Modules

@@ -58,6 +58,15 @@ OPTIONS: tuple[Rewrite, ...] = (
         streams=True,
     ),
     Rewrite(
+        "fold_layerscale",
+        "--fold-layerscale",
+        EXACT,
+        FOLDS,
+        "Fold each LayerScale (ViT's ls1/ls2, DINOv2's layer_scale, ConvNeXt's gamma) into the Linear or conv "
+        "that writes what it scales (exact).",
+        "convert/fold-layerscale.md",
+    ),
+    Rewrite(
         "fold_norm_affine",
         "--fold-norm-affine",
         EXACT,

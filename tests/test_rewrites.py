@@ -17,7 +17,7 @@ from normswap.passes.base import Needs
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _config(entry: rewrites.Rewrite) -> ConvertConfig:
+def config_asking_for(entry: rewrites.Rewrite) -> ConvertConfig:
     """The smallest configuration that asks for ``entry`` alone (with the option it refines)."""
     if entry in rewrites.TARGETS:
         return ConvertConfig(to=entry.field, groups=2 if entry.field == "groupnorm" else None)
@@ -35,7 +35,7 @@ def test_every_option_is_a_config_field_and_every_target_a_target():
 
 @pytest.mark.parametrize("entry", rewrites.REWRITES, ids=lambda r: r.option)
 def test_the_config_builds_what_the_registry_says(entry):
-    config = _config(entry)
+    config = config_asking_for(entry)
     assert entry.option in config.rewrites()
     passes = config.passes()
     # the rewrite's own pass comes last (after the passes it refines, --defer-rms after the fold it needs);
@@ -49,7 +49,7 @@ def test_what_streams_is_what_the_stream_can_plan():
     from normswap.api.checkpoint import stream_problem
 
     for entry in rewrites.REWRITES:
-        config = dataclasses.replace(_config(entry), exact=entry.kind == rewrites.EXACT)
+        config = dataclasses.replace(config_asking_for(entry), exact=entry.kind == rewrites.EXACT)
         assert (stream_problem(config) is None) is entry.streams, entry.option
 
 

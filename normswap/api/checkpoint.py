@@ -421,9 +421,12 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
     cannot stream and the model would not fit in memory (weights about three times: the model, the
     converted copy, temporaries)."""
     why = stream_problem(config, custom_inputs)
-    if why is None:
-        return None
-    checkpoint = read_checkpoint_directory(source)
+    checkpoint = read_checkpoint_directory(source) if why is None else None
+    if checkpoint is not None:
+        why = _renamed_on_load(checkpoint)
+        if why is None:
+            return None
+    checkpoint = checkpoint or read_checkpoint_directory(source)
     need, available = 3 * checkpoint.total_bytes, _available_memory()
     if available is not None and need > available:
         raise BadInputError(
@@ -431,3 +434,15 @@ def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bo
             f"streamed rewrites: {streamed_options()}"
         )
     return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)"
+
+
+def _renamed_on_load(checkpoint: CheckpointDirectory) -> str | None:
+    """Why a stream cannot read this directory by the model's tensor names: transformers stores some
+    architectures' tensors under other names and renames them as it loads (Dinov2's
+    attention.attention.key is k_proj), and a stream edits stored tensors by the model's names."""
+    from normswap.load.tensor_names import loaded_names
+
+    loaded = loaded_names(build_on_meta(checkpoint), list(checkpoint.weight_map))
+    if loaded is not None and all(stored == name for stored, name in loaded.items()):
+        return None
+    return "its files store tensors under other names than the model's (transformers renames them on load)"

@@ -32,7 +32,7 @@ class ConvertConfig:
     - ``groups``: the groups of ``to="groupnorm"``.
     - ``layers``: with ``to="cosine"``, glob patterns of the Linear/Conv layers to convert (default: the
       layers whose output only norms read).
-    - ``fold_bn``, ``fold_norm_affine``, ``remove_weight_norm``: the exact folds.
+    - ``fold_bn``, ``fold_layerscale``, ``fold_norm_affine``, ``remove_weight_norm``: the exact folds.
     - ``fuse_add``, ``fuse_inline``: with ``to="fused"``, also fuse residual adds / norms written inline.
     - ``defer_rms``: fold the norms' affine, then apply each weightless RMSNorm's scale after the linear
       layers that read it (FlashNorm; a graph rewrite, so the result is a GraphModule).
@@ -60,6 +60,7 @@ class ConvertConfig:
     groups: int | None = None
     layers: Sequence[str] | None = None
     fold_bn: bool = False
+    fold_layerscale: bool = False
     fold_norm_affine: bool = False
     defer_rms: bool = False
     fuse_add: bool = False
@@ -236,6 +237,7 @@ class ConvertConfig:
     def _passes(self) -> list[Pass]:
         from normswap.passes import (
             FoldBatchNorm,
+            FoldLayerScale,
             FoldNormAffine,
             RecenterLayerNorm,
             RemoveWeightNorm,
@@ -250,6 +252,8 @@ class ConvertConfig:
             passes.append(RemoveWeightNorm())
         if self.fold_bn:
             passes.append(FoldBatchNorm())
+        if self.fold_layerscale:
+            passes.append(FoldLayerScale())
         kinds = tuple(self.from_kinds) if self.from_kinds else None
         if to == "rmsnorm" and (kinds is None or "layer" in kinds):
             # exact where the residual stream can be recentered; the generic swap takes the rest

@@ -40,6 +40,7 @@ from torch import nn
 from normswap.errors import BadInputError, describe
 from normswap.load.folder_files import check_links, folder_file, read_json
 from normswap.load.safetensors_io import stored_dtype
+from normswap.load.tensor_names import loaded_names, prefix_hint
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -247,7 +248,12 @@ def accept_model_folder(checkpoint: CheckpointDirectory) -> None:
     ignore_unexpected = [
         re.compile(p) for p in getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ()
     ]
-    stored = set(checkpoint.weight_map)
+    # transformers renames some architectures' stored keys as it loads them (Dinov2's attention.attention.key
+    # is k_proj): compare the names the loader will use
+    loaded = loaded_names(model, list(checkpoint.weight_map))
+    if loaded is None:  # the loader merges or splits tensors: names cannot be compared one to one
+        return
+    stored = set(loaded.values())
     # a tied tensor appears under several names in the state dict and is stored under one of them
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in expected.items():
@@ -257,10 +263,14 @@ def accept_model_folder(checkpoint: CheckpointDirectory) -> None:
         for names in by_tensor.values()
         if not any(n in stored for n in names) and not any(p.search(names[0]) for p in ignore_missing)
     ]
-    unexpected = sorted(n for n in stored - set(expected) if not any(p.search(n) for p in ignore_unexpected))
+    unexpected = sorted(
+        name
+        for name, as_loaded in loaded.items()
+        if as_loaded not in expected and not any(p.search(name) for p in ignore_unexpected)
+    )
     if missing or unexpected:
         info = {"missing_keys": missing, "unexpected_keys": unexpected}
-        hint = _prefix_hint(missing, unexpected, checkpoint.architecture)
+        hint = prefix_hint(missing, unexpected, checkpoint.architecture)
         raise BadInputError(
             f"{checkpoint.path}: the weights do not match the model: {_describe_mismatch(info)} (the "
             f"{checkpoint.architecture} its {CONFIG_FILE} describes){hint}"
@@ -268,7 +278,7 @@ def accept_model_folder(checkpoint: CheckpointDirectory) -> None:
     for shard in checkpoint.shards:
         entries, _ = read_header(checkpoint.path / shard)
         for name, entry in entries.items():
-            target = expected.get(name)
+            target = expected.get(loaded.get(name, name))
             if target is None or checkpoint.weight_map.get(name) != shard:
                 continue
             if tuple(target.shape) != entry.shape:
@@ -276,19 +286,6 @@ def accept_model_folder(checkpoint: CheckpointDirectory) -> None:
                     f"{checkpoint.path / shard}: {name} has shape {list(entry.shape)} where the model its "
                     f"{CONFIG_FILE} describes has {list(target.shape)}"
                 )
-
-
-def _prefix_hint(missing: list[str], unexpected: list[str], architecture: str) -> str:
-    """A note when the mismatch is a head: the files hold a model with (or without) the base-model prefix
-    that the architecture lacks (has), e.g. a GPT2LMHeadModel's files under 'architectures: GPT2Model'."""
-    if missing and unexpected and all("." in n for n in unexpected):
-        prefixes = {n.split(".", 1)[0] for n in unexpected}
-        if len(prefixes) <= 2 and any(n.split(".", 1)[1] in missing for n in unexpected if "." in n):
-            return (
-                f" (the files hold a model with a head or a base-model prefix {sorted(prefixes)}; "
-                f"'architectures' must name the class that saved them, not {architecture})"
-            )
-    return ""
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from normswap.passes.compress_stream import CompressStream
 from normswap.passes.cosine_layers import CosineLayers, cosine_layers
 from normswap.passes.defer_rms import DeferRMS, defer_rms
 from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
+from normswap.passes.fold_layerscale import FoldLayerScale
 from normswap.passes.fold_norm_affine import FoldNormAffine, fold_norm_affine
 from normswap.passes.fuse_add_norm import FuseAddNorm, fuse_add_norm
 from normswap.passes.fuse_graph_norm import FuseGraphNorm, fuse_graph_norm
@@ -36,6 +37,7 @@ __all__ = [
     "DeferRMS",
     "ExactOnlyError",
     "FoldBatchNorm",
+    "FoldLayerScale",
     "FoldNormAffine",
     "FuseAddNorm",
     "FuseGraphNorm",

@@ -289,15 +289,18 @@ class PlannedStream:
 
 
 def plan_checkpoint(
-    source: str | Path, config: ConvertConfig, on_step: Callable[[str], None] | None = None
+    source: str | Path | CheckpointDirectory,
+    config: ConvertConfig,
+    on_step: Callable[[str], None] | None = None,
 ) -> PlannedStream:
-    """Decide ``config``'s one exact rewrite of the model directory ``source`` as per-tensor edits, on a
-    model built on the meta device (no weight read but the BatchNorm statistics a fold checks)."""
+    """Decide ``config``'s one exact rewrite of the model directory ``source`` (a path, or the directory
+    as read already) as per-tensor edits, on a model built on the meta device (no weight read but the
+    BatchNorm statistics a fold checks)."""
     say = on_step or (lambda _: None)
     why = stream_problem(config)
     if why is not None:
         raise BadInputError(f"cannot stream this conversion: {why}")
-    checkpoint = read_checkpoint_directory(source)
+    checkpoint = source if isinstance(source, CheckpointDirectory) else read_checkpoint_directory(source)
     headers = _headers(checkpoint)
     say("analyzing the model built on the meta device (no weights read)")
     model = build_on_meta(checkpoint)
@@ -415,34 +418,24 @@ def stream_problem(config: ConvertConfig, custom_inputs: bool = False) -> str | 
     return None
 
 
-def directory_route(source: str | Path, config: ConvertConfig, custom_inputs: bool = False) -> str | None:
-    """How a model directory converted into a model directory runs: None when it streams
-    (:func:`plan_checkpoint`), else the message saying why it runs in memory; BadInputError when it
-    cannot stream and the model would not fit in memory (weights about three times: the model, the
-    converted copy, temporaries)."""
+def directory_route(
+    source: str | Path, config: ConvertConfig, custom_inputs: bool = False
+) -> tuple[str | None, CheckpointDirectory]:
+    """How a model directory converted into a model directory runs, and the directory as read (once, for
+    the route that follows): None when it streams (:func:`plan_checkpoint`), else the message saying
+    why it runs in memory; BadInputError when it cannot stream and the model would not fit in memory
+    (weights about three times: the model, the converted copy, temporaries)."""
+    checkpoint = read_checkpoint_directory(source)
     why = stream_problem(config, custom_inputs)
-    checkpoint = read_checkpoint_directory(source) if why is None else None
-    if checkpoint is not None:
-        why = _renamed_on_load(checkpoint)
-        if why is None:
-            return None
-    checkpoint = checkpoint or read_checkpoint_directory(source)
+    if why is None and not checkpoint.stored_as_loaded:
+        # a stream edits stored tensors by the model's names
+        why = "its files store tensors under other names than the model's (transformers renames them on load)"
+    if why is None:
+        return None, checkpoint
     need, available = 3 * checkpoint.total_bytes, _available_memory()
     if available is not None and need > available:
         raise BadInputError(
             f"{source}: {why}, and converting in memory needs about {_gb(need)} ({_gb(available)} available); "
             f"streamed rewrites: {streamed_options()}"
         )
-    return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)"
-
-
-def _renamed_on_load(checkpoint: CheckpointDirectory) -> str | None:
-    """Why a stream cannot read this directory by the model's tensor names: transformers stores some
-    architectures' tensors under other names and renames them as it loads (Dinov2's
-    attention.attention.key is k_proj), and a stream edits stored tensors by the model's names."""
-    from normswap.load.tensor_names import loaded_names
-
-    loaded = loaded_names(build_on_meta(checkpoint), list(checkpoint.weight_map))
-    if loaded is not None and all(stored == name for stored, name in loaded.items()):
-        return None
-    return "its files store tensors under other names than the model's (transformers renames them on load)"
+    return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)", checkpoint

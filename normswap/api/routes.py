@@ -24,6 +24,7 @@ from typing import Any
 
 from normswap.api.config import ConvertConfig
 from normswap.api.convert import ConversionResult, Verdict, convert_model, judge
+from normswap.api.sources import load_for_inference, never_written, required_inputs
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.passes.pipeline import PipelineReport
 
@@ -66,55 +67,34 @@ def convert_source(
             raise BadInputError(
                 "--activation-memory applies to the block-by-block calibration of a model directory"
             )
-        fallback = directory_route(source, config, custom_inputs=custom)
+        fallback, checkpoint = directory_route(source, config, custom_inputs=custom)
         if fallback is None:
-            return _streamed(source, config, say)
+            return _streamed(checkpoint, config, say)
         notes.append(fallback)
     elif config.sequential or config.activation_memory is not None:
         raise BadInputError(
             "--sequential and --activation-memory convert a model directory into a model directory "
             "(-o with no suffix) block by block"
         )
-    return _in_memory(
-        source, config, example_args, example_kwargs, weights, trust_pickle, inputs, input_shapes, notes, say
-    )
-
-
-def _in_memory(
-    source: str | Path,
-    config: ConvertConfig,
-    example_args: tuple | None,
-    example_kwargs: dict[str, Any] | None,
-    weights: str | Path | None,
-    trust_pickle: bool,
-    inputs: str | Path | None,
-    input_shapes: list[str] | None,
-    notes: list[str],
-    say: Callable[[str], None],
-) -> ConversionResult:
-    from normswap.load import load_model, require_inputs
-    from normswap.util.modes import set_inference_mode
-
-    loaded = load_model(str(source), weights=weights, trust_pickle=trust_pickle)
-    set_inference_mode(loaded.model)  # BatchNorm on its running statistics, as every check assumes
-    if example_args is None and example_kwargs is None:
-        example_args, example_kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
-    elif inputs is not None or input_shapes:
+    if (example_args is not None or example_kwargs is not None) and (inputs is not None or input_shapes):
         raise BadInputError(
             "give example inputs once: as example_args/example_kwargs, or as inputs/input_shapes"
         )
+    # in memory: the model read as every command reads it, then the in-memory route itself
+    loaded = load_for_inference(str(source), weights, trust_pickle)
+    if example_args is None and example_kwargs is None:
+        example_args, example_kwargs = required_inputs(loaded, inputs, input_shapes)
     result = convert_model(loaded.model, config, example_args, example_kwargs, on_step=say)
     result.notes[:0] = notes
-    path = Path(str(source))
-    result.source_path = path if path.is_file() else None
+    result.source_path = never_written(str(source))
     result.source_checkpoint = loaded.checkpoint
     return result
 
 
-def _streamed(source: str | Path, config: ConvertConfig, say: Callable[[str], None]) -> ConversionResult:
+def _streamed(checkpoint: Any, config: ConvertConfig, say: Callable[[str], None]) -> ConversionResult:
     from normswap.api.checkpoint import plan_checkpoint, write_checkpoint
 
-    planned = plan_checkpoint(source, config, say)
+    planned = plan_checkpoint(checkpoint, config, say)
     result = ConversionResult(
         model=None, report=PipelineReport(passes=[planned.report]), config=config, route="streamed"
     )

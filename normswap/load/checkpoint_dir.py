@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,9 @@ class CheckpointDirectory:
     weight_map: dict[str, str]
     shard_bytes: dict[str, int] = field(default_factory=dict)
     record: dict[str, Any] | None = None
+    # whether each tensor is stored under the name the model gives it (set by the acceptance check;
+    # False where transformers renames stored names as it loads, as for Dinov2)
+    stored_as_loaded: bool = True
 
     @property
     def total_bytes(self) -> int:
@@ -227,18 +230,18 @@ def read_checkpoint_directory(path: str | Path) -> CheckpointDirectory:
         shard_bytes={name: (directory / name).stat().st_size for name in shards},
         record=_record(directory),
     )
-    accept_model_folder(checkpoint)
-    return checkpoint
+    return replace(checkpoint, stored_as_loaded=accept_model_folder(checkpoint))
 
 
-def accept_model_folder(checkpoint: CheckpointDirectory) -> None:
+def accept_model_folder(checkpoint: CheckpointDirectory) -> bool:
     """The one acceptance check of a model directory, run by every route before any work (it is part of
     :func:`read_checkpoint_directory`): the model its config describes, built on the meta device (no
     memory), must be exactly what the files hold: every tensor of the model stored once (tied ones
     through one name), nothing stored that the model lacks, each with the model's shape, in a dtype
     normswap reads. The streamed route writes the files' tensors and the in-memory route loads them, so
     without this the one refuses what the other writes; and a config asking for a 4 TB model is refused
-    by its shapes here, before anything is allocated."""
+    by its shapes here, before anything is allocated. Returns whether every tensor is stored under the
+    name the model gives it (False where transformers renames them as it loads)."""
     from normswap.load.safetensors_io import read_header
 
     model = build_on_meta(checkpoint)
@@ -252,7 +255,8 @@ def accept_model_folder(checkpoint: CheckpointDirectory) -> None:
     # is k_proj): compare the names the loader will use
     loaded = loaded_names(model, list(checkpoint.weight_map))
     if loaded is None:  # the loader merges or splits tensors: names cannot be compared one to one
-        return
+        return False
+    stored_as_loaded = all(stored == name for stored, name in loaded.items())
     stored = set(loaded.values())
     # a tied tensor appears under several names in the state dict and is stored under one of them
     by_tensor: dict[int, list[str]] = {}
@@ -286,6 +290,7 @@ def accept_model_folder(checkpoint: CheckpointDirectory) -> None:
                     f"{checkpoint.path / shard}: {name} has shape {list(entry.shape)} where the model its "
                     f"{CONFIG_FILE} describes has {list(target.shape)}"
                 )
+    return stored_as_loaded
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 A rewrite is asked for by a field of :class:`normswap.ConvertConfig` and an option of ``normswap
 convert``; it is exact, architectural or data-driven; it belongs to a family (its ``--help`` panel and
 its docs page); and it either streams (a model directory rewritten tensor by tensor,
-:mod:`normswap.passes.tensor_edits`) or does not, and either keeps the user's module or makes an
+:mod:`normswap.passes.core.edits`) or does not, and either keeps the user's module or makes an
 exported graph (which only ``.pt2`` and ``.onnx`` can hold). Those facts are read from here, never
 kept in a second list: the config's ``given`` and graph checks, which conversions stream, the command's
 options and help panels, and the README's table (``tests/test_rewrites.py`` checks it against this

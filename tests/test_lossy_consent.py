@@ -16,7 +16,7 @@ import torch
 from normswap_cli.app import app
 from typer.testing import CliRunner
 
-from normswap.passes.recenter_layernorm import recenter_layernorm
+from normswap.passes.recenter.layernorm import recenter_layernorm
 
 pytest.importorskip("transformers")
 
@@ -193,7 +193,7 @@ def test_a_post_ln_model_is_swapped_without_the_flag(tmp_path):
 def test_skip_causes_tell_architecture_from_capture(factory):
     import importlib.util
 
-    from normswap.passes.base import SkipCause
+    from normswap.passes.core.base import SkipCause
 
     model, args, kwargs = model_zoo.bert()
     _, report = recenter_layernorm(model, args, kwargs)
@@ -232,8 +232,8 @@ def test_allow_lossy_where_it_means_nothing_is_a_usage_error(factory, tmp_path, 
 
 
 def test_lossy_after_failure_counts_only_failures_that_a_lossy_pass_then_changed():
-    from normswap.passes.base import Change, PassReport, RewriteKind, Skip, SkipCause
-    from normswap.passes.recenter_layernorm import lossy_after_failure
+    from normswap.passes.core.base import Change, PassReport, RewriteKind, Skip, SkipCause
+    from normswap.passes.recenter.layernorm import lossy_after_failure
 
     recenter = PassReport("recenter_layernorm", RewriteKind.EXACT)
     recenter.skips = [
@@ -259,7 +259,7 @@ def _factory_model(factory: str, name: str):
 def test_stream_analysis_limits_are_unsupported_and_what_the_graph_shows_is_architecture(factory):
     """A residual-stream refusal says whether the graph rules recentering out (a nonlinearity written
     into the stream) or the analysis could not tell (torch.roll, an op it does not model)."""
-    from normswap.passes.base import SkipCause
+    from normswap.passes.core.base import SkipCause
 
     model, args = _factory_model(factory, "shifted")
     _, report = recenter_layernorm(model, args)

@@ -225,7 +225,7 @@ def test_an_affine_fit_on_activations_holding_nan_refuses():
 
 def test_a_cosine_fit_on_activations_holding_inf_refuses():
     from normswap.calibrate.cosine_fit import calibrate_cosine_layers
-    from normswap.passes.cosine_layers import CosineLayers
+    from normswap.passes.swap.cosine_layers import CosineLayers
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 3)).eval()

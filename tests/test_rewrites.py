@@ -12,7 +12,7 @@ import pytest
 from normswap import rewrites
 from normswap.api.config import ConvertConfig
 from normswap.modules.semantics import CONVERT_TARGETS
-from normswap.passes.base import Needs
+from normswap.passes.core.base import Needs
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 rewrite streamed shard by shard, one group of tensors at a time.
 
 :func:`plan_checkpoint` reads the directory's config and shard headers, builds the model on the meta
-device and lets the pass decide every site on its captured graph (:mod:`normswap.passes.tensor_edits`);
+device and lets the pass decide every site on its captured graph (:mod:`normswap.passes.core.edits`);
 :func:`write_checkpoint` lays every output shard out from the input's (same files, same tensors, same
 dtypes; an untied copy goes beside its source), then copies each untouched tensor as bytes and computes each edit group in
 float64 from the input files, writing its tensors into their ranges. Peak memory is the largest group
@@ -48,10 +48,10 @@ from normswap.load.folder_files import folder_file
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
 from normswap.load.save import publish_directory, reserve_temp_dir
-from normswap.passes.base import PassReport
-from normswap.passes.tensor_edits import EditPlan, TensorEdit, plan_edits
-from normswap.passes.tensor_edits_weight_norm import WeightNormValueError
-from normswap.passes.weight_norm import RemoveWeightNorm
+from normswap.passes.core.base import PassReport
+from normswap.passes.core.edits import EditPlan, TensorEdit, plan_edits
+from normswap.passes.weightnorm.layers import RemoveWeightNorm
+from normswap.passes.weightnorm.stream import WeightNormValueError
 from normswap.rewrites import BY_OPTION, streamed_options
 from normswap.validate.blockwise import BlockwiseReport
 from normswap.validate.metrics import TensorComparison

@@ -12,7 +12,7 @@ from normswap.errors import CheckFailedError
 from normswap.load.checkpoint_dir import CheckpointDirectory
 from normswap.load.config_inputs import example_inputs
 from normswap.load.safetensors_io import TensorEntry, read_header, read_tensor
-from normswap.passes.tensor_edits import EditPlan
+from normswap.passes.core.edits import EditPlan
 from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise
 from normswap.validate.metrics import TensorComparison
 
@@ -62,8 +62,8 @@ def check_rewritten_layers(
 ) -> list[TensorComparison]:
     """Each rewritten layer as written against what it replaces in the input (a folded BatchNorm and
     its layer; a layer before weight norm was added or removed), on random inputs."""
-    from normswap.passes.tensor_edits_batchnorm import check_folds
-    from normswap.passes.tensor_edits_weight_norm import check_layers
+    from normswap.passes.batchnorm.stream import check_folds
+    from normswap.passes.weightnorm.stream import check_layers
 
     original, output = reader(checkpoint), reader(written)
     checks = check_folds(plan.folds, original, output)

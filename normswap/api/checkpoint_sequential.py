@@ -40,8 +40,8 @@ from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import NAMES, ShardWriter
 from normswap.load.save import publish_directory, reserve_temp_dir
-from normswap.passes.base import Change, PassReport, Skip, build_context
-from normswap.passes.tensor_edits import EditPlan
+from normswap.passes.core.base import Change, PassReport, Skip, build_context
+from normswap.passes.core.edits import EditPlan
 
 if TYPE_CHECKING:
     from normswap.calibrate.sequential import SequentialCalibrationReport
@@ -158,7 +158,7 @@ class _Plan:
 
 def _plan_swap(shell_model: nn.Module, config: ConvertConfig, args: tuple, kwargs: dict) -> tuple[Any, _Plan]:
     from normswap.modules.recipes import module_recipe
-    from normswap.passes.swap_norm import SwapNorm, build_layout_norm
+    from normswap.passes.swap.swap_norm import SwapNorm, build_layout_norm
 
     swap = next(p for p in config.passes() if isinstance(p, SwapNorm))
     ctx = build_context(shell_model, args, kwargs, fx_first=swap.fx_analysis)
@@ -249,7 +249,7 @@ def convert_checkpoint_sequential(
     from normswap.calibrate.activations import ActivationStore
     from normswap.calibrate.data import ModelInputs, as_model_inputs
     from normswap.calibrate.sequential import calibrate_blocks
-    from normswap.passes.swap_norm import build_layout_norm
+    from normswap.passes.swap.swap_norm import build_layout_norm
     from normswap.validate.blockwise import BlockShell
     from normswap.validate.metrics import sqnr_db
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from normswap.errors import BadInputError, CheckFailedError
-from normswap.passes.base import Pass
-from normswap.passes.pipeline import ExactOnlyError, Pipeline
+from normswap.passes.core.base import Pass
+from normswap.passes.core.pipeline import ExactOnlyError, Pipeline
 from normswap.rewrites import BY_OPTION, REWRITES, TARGETS, graph_options
 
 if TYPE_CHECKING:
@@ -263,11 +263,11 @@ class ConvertConfig:
         elif to == "crmsnorm":
             pass  # a graph rewrite: added below, after every module edit
         elif to == "cosine":
-            from normswap.passes.cosine_layers import CosineLayers
+            from normswap.passes.swap.cosine_layers import CosineLayers
 
             passes.append(CosineLayers(self.layers))
         elif to == "fused":
-            from normswap.passes.fuse_norm import FuseNorm
+            from normswap.passes.fuse.modules import FuseNorm
 
             passes.append(FuseNorm())
         elif to is not None:
@@ -279,19 +279,19 @@ class ConvertConfig:
         # Graph rewrites come last: every module edit must be done on the user's module first. Norms are
         # fused before adds are fused into them.
         if to == "crmsnorm":
-            from normswap.passes.compress_stream import CompressStream
+            from normswap.passes.recenter.compress import CompressStream
 
             passes.append(CompressStream())  # exact only: no lossy fallback for what it refuses
         if self.fuse_inline:
-            from normswap.passes.fuse_graph_norm import FuseGraphNorm
+            from normswap.passes.fuse.graph import FuseGraphNorm
 
             passes.append(FuseGraphNorm())
         if self.fuse_add:
-            from normswap.passes.fuse_add_norm import FuseAddNorm
+            from normswap.passes.fuse.add_norm import FuseAddNorm
 
             passes.append(FuseAddNorm())
         if self.defer_rms:
-            from normswap.passes.defer_rms import DeferRMS
+            from normswap.passes.affine.defer_rms import DeferRMS
 
             passes.append(DeferRMS())
         if not passes:

@@ -25,7 +25,7 @@ from torch import nn
 
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError
-from normswap.passes.pipeline import Pipeline, PipelineReport
+from normswap.passes.core.pipeline import Pipeline, PipelineReport
 
 if TYPE_CHECKING:
     from normswap.api.save import SavedOutput
@@ -289,7 +289,7 @@ def _check_writable(
 
 
 def _only_exact_changes(report: PipelineReport) -> bool:
-    from normswap.passes.base import RewriteKind
+    from normswap.passes.core.base import RewriteKind
 
     changed = [p for p in report.passes if p.changes]
     return bool(changed) and all(p.kind is RewriteKind.EXACT for p in changed)
@@ -310,7 +310,7 @@ def _record_outputs_not_preserved(original: nn.Module, result: ConversionResult)
 
 
 def _record_consent(result: ConversionResult) -> None:
-    from normswap.passes.recenter_layernorm import lossy_after_failure
+    from normswap.passes.recenter.layernorm import lossy_after_failure
 
     consented = [skip.site for skip in lossy_after_failure(result.report.passes)]
     result.lossy_by_consent = consented
@@ -400,7 +400,7 @@ def _lossy_without_consent(report: PipelineReport, to: str | None) -> str | None
     """to="rmsnorm": the LayerNorms that the exact route (recentering) skipped for a failure, a missing
     graph or a form normswap does not handle, and that the architectural swap then changed. Their lossy
     result needs consent; a post-LN LayerNorm (skipped for the architecture) has no exact route."""
-    from normswap.passes.recenter_layernorm import lossy_after_failure
+    from normswap.passes.recenter.layernorm import lossy_after_failure
 
     lossy = lossy_after_failure(report.passes) if to == "rmsnorm" else []
     if not lossy:

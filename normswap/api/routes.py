@@ -26,7 +26,7 @@ from normswap.api.config import ConvertConfig
 from normswap.api.convert import ConversionResult, Verdict, convert_model, judge
 from normswap.api.sources import load_for_inference, never_written, required_inputs
 from normswap.errors import BadInputError, CheckFailedError
-from normswap.passes.pipeline import PipelineReport
+from normswap.passes.core.pipeline import PipelineReport
 
 
 def _directory_to_directory(source: str | Path, output: Path | None) -> bool:

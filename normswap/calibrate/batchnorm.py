@@ -49,7 +49,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from normswap.calibrate.data import ModelInputs, as_model_inputs
 from normswap.errors import BadInputError
 from normswap.errors import describe as _describe
-from normswap.passes.base import RewriteKind, Skip
+from normswap.passes.core.base import RewriteKind, Skip
 from normswap.validate import ModelComparison, compare_outputs
 
 PASS_NAME = "recalibrate_batchnorm"

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from normswap.passes.base import RewriteKind
+from normswap.passes.core.base import RewriteKind
 from normswap.validate import ModelComparison
 
 PASS_NAME = "distill"

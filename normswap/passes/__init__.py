@@ -1,8 +1,11 @@
 """Graph-informed rewrites of a model's norms. One pass per file, every one the same protocol
 (:class:`Pass`: prepare, candidates, check into a plan or a refusal, apply; one driver); see
-:mod:`normswap.passes.base`."""
+:mod:`normswap.passes.core.base`."""
 
-from normswap.passes.base import (
+from normswap.passes.affine.defer_rms import DeferRMS, defer_rms
+from normswap.passes.affine.fold import FoldNormAffine, fold_norm_affine
+from normswap.passes.batchnorm.fold import FoldBatchNorm, fold_batchnorm
+from normswap.passes.core.base import (
     Change,
     Needs,
     Pass,
@@ -14,19 +17,21 @@ from normswap.passes.base import (
     SkipCause,
     build_context,
 )
-from normswap.passes.compress_stream import CompressStream
-from normswap.passes.cosine_layers import CosineLayers, cosine_layers
-from normswap.passes.defer_rms import DeferRMS, defer_rms
-from normswap.passes.fold_batchnorm import FoldBatchNorm, fold_batchnorm
-from normswap.passes.fold_layerscale import FoldLayerScale
-from normswap.passes.fold_norm_affine import FoldNormAffine, fold_norm_affine
-from normswap.passes.fuse_add_norm import FuseAddNorm, fuse_add_norm
-from normswap.passes.fuse_graph_norm import FuseGraphNorm, fuse_graph_norm
-from normswap.passes.fuse_norm import FuseNorm, fuse_norm
-from normswap.passes.pipeline import ExactOnlyError, Pipeline, PipelineReport
-from normswap.passes.recenter_layernorm import RecenterLayerNorm, recenter_layernorm
-from normswap.passes.swap_norm import SWAP_TARGETS, SwapNorm, swap_norm
-from normswap.passes.weight_norm import AddWeightNorm, RemoveWeightNorm, add_weight_norm, remove_weight_norm
+from normswap.passes.core.pipeline import ExactOnlyError, Pipeline, PipelineReport
+from normswap.passes.fuse.add_norm import FuseAddNorm, fuse_add_norm
+from normswap.passes.fuse.graph import FuseGraphNorm, fuse_graph_norm
+from normswap.passes.fuse.modules import FuseNorm, fuse_norm
+from normswap.passes.layerscale.fold import FoldLayerScale
+from normswap.passes.recenter.compress import CompressStream
+from normswap.passes.recenter.layernorm import RecenterLayerNorm, recenter_layernorm
+from normswap.passes.swap.cosine_layers import CosineLayers, cosine_layers
+from normswap.passes.swap.swap_norm import SWAP_TARGETS, SwapNorm, swap_norm
+from normswap.passes.weightnorm.layers import (
+    AddWeightNorm,
+    RemoveWeightNorm,
+    add_weight_norm,
+    remove_weight_norm,
+)
 
 __all__ = [
     "SWAP_TARGETS",

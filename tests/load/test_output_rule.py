@@ -300,7 +300,7 @@ def test_a_program_torch_cannot_serialize_is_refused_before_the_work(tmp_path, m
     # found on the capture normswap takes anyway, before any pass runs
     monkeypatch.chdir(tmp_path)
     (tmp_path / "round_item.py").write_text(ROUND_ITEM)
-    import normswap.passes.pipeline as pipeline
+    import normswap.passes.core.pipeline as pipeline
 
     def no_work(*args, **kwargs):
         raise AssertionError("the .pt2 must be judged before the passes run")

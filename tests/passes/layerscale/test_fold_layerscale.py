@@ -1,0 +1,198 @@
+"""--fold-layerscale: every LayerScale of real models folded into the layer that writes what it scales,
+exactly, on inputs beyond the example; the sites it must leave alone refused with the reason; a Hugging
+Face directory (whose files transformers renames as it loads) converted and loaded back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import normswap
+from normswap.passes.layerscale.fold import fold_scale_into_writer
+
+timm = pytest.importorskip("timm")
+transformers = pytest.importorskip("transformers")
+
+
+def _random_scales(model: nn.Module) -> nn.Module:
+    """Scales far from their init (1e-5 .. 0.5 in real checkpoints' configs), so a fold that drops them shows."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("gamma", "lambda1", "lambda2", "layer_scale_parameter")):
+                param.copy_(torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+def _vit() -> nn.Module:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, init_values=0.1, num_classes=10
+    )
+
+
+def _convnext(conv_mlp: bool) -> nn.Module:
+    from timm.models.convnext import ConvNeXt
+
+    return ConvNeXt(
+        depths=(1, 1, 1, 1), dims=(16, 32, 48, 64), ls_init_value=0.5, num_classes=10, conv_mlp=conv_mlp
+    )
+
+
+def _dinov2() -> nn.Module:
+    config = transformers.Dinov2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+    )
+    return transformers.Dinov2Model(config)
+
+
+def _hf_convnext() -> nn.Module:
+    config = transformers.ConvNextConfig(
+        hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], layer_scale_init_value=0.5
+    )
+    return transformers.ConvNextModel(config)
+
+
+MODELS = {
+    # name: (build, example, another input shape, how many scales, what a folded module becomes)
+    "timm_vit": (_vit, (2, 3, 32, 32), (3, 3, 32, 32), 4, nn.Identity),
+    "timm_convnext": (lambda: _convnext(False), (2, 3, 64, 64), (1, 3, 96, 96), 4, None),
+    "timm_convnext_conv_mlp": (lambda: _convnext(True), (2, 3, 64, 64), (1, 3, 96, 96), 4, None),
+    "hf_dinov2": (_dinov2, (2, 3, 32, 32), (3, 3, 32, 32), 4, None),
+    "hf_convnext": (_hf_convnext, (2, 3, 64, 64), (1, 3, 96, 96), 4, None),
+}
+
+
+def _run(model: nn.Module, shape: tuple[int, ...]) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model(pixel_values=x) if isinstance(model, transformers.PreTrainedModel) else model(x)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_layerscale_is_folded_exactly(name):
+    build, example, other, scales, replaced_by = MODELS[name]
+    model = _random_scales(build())
+    x = torch.randn(example, generator=torch.Generator().manual_seed(0))
+    hf = isinstance(model, transformers.PreTrainedModel)
+    result = normswap.convert(
+        model,
+        normswap.ConvertConfig(fold_layerscale=True),
+        *(((), {"pixel_values": x}) if hf else ((x,), {})),
+    )
+    assert result.ok, result.refusal
+    report = result.pass_report("fold_layerscale")
+    assert len(report.changes) == scales and report.skips == []
+    for change in report.changes:
+        owner = change.site.rpartition(".")[0]
+        if replaced_by is not None:
+            assert isinstance(result.model.get_submodule(owner), replaced_by)
+        else:  # kept as ones: the module structure (and an HF directory's keys) unchanged
+            assert torch.equal(
+                result.model.get_parameter(change.site), torch.ones_like(model.get_parameter(change.site))
+            )
+    # exact as a function: on another batch and image size than the example
+    before, after = _run(model, other), _run(result.model, other)
+    assert ((before - after).abs().max() / before.abs().max()).item() < 1e-5
+
+
+def test_the_fold_is_the_scaled_layer_in_float64():
+    weight, bias, scale = torch.randn(5, 3), torch.randn(5), torch.randn(5)
+    new_weight, new_bias = fold_scale_into_writer(weight, bias, scale)
+    x = torch.randn(4, 3)
+    assert torch.allclose(x @ new_weight.T + new_bias, scale * (x @ weight.T + bias), atol=1e-6)
+    conv = torch.randn(5, 2, 3, 3)
+    assert torch.equal(
+        fold_scale_into_writer(conv, None, scale)[0],
+        (conv.double() * scale.double().reshape(5, 1, 1, 1)).float(),
+    )
+
+
+class _ScaleReadTwice(nn.Module):
+    """A scaled branch whose layer output is also read before the scale: folding would change that read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.gamma = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return x + self.gamma * y + y.relu()
+
+
+class _SharedScale(nn.Module):
+    """One scale vector used by two branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.gamma = nn.Linear(8, 8), nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.a(x) + self.gamma * self.b(x)
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (_ScaleReadTwice(), "the scaled value is read by something else too"),
+        (_SharedScale(), "the scale is read elsewhere too"),
+    ],
+)
+def test_a_scale_that_cannot_move_is_refused_with_the_reason(model, reason):
+    result = normswap.convert(
+        model.eval(), normswap.ConvertConfig(fold_layerscale=True), (torch.randn(2, 8),)
+    )
+    report = result.pass_report("fold_layerscale")
+    assert result.ok and report.changes == []
+    assert report.skips and all(reason in skip.reason for skip in report.skips)
+    assert torch.equal(result.model.gamma, model.gamma)
+
+
+def test_a_norms_weight_is_no_candidate():
+    """A Llama's RMSNorm multiplies by its weight: not a LayerScale, not listed as a skip either."""
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=64,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    result = normswap.convert(
+        model, normswap.ConvertConfig(fold_layerscale=True), (), {"input_ids": torch.randint(0, 64, (1, 8))}
+    )
+    report = result.pass_report("fold_layerscale")
+    assert report.changes == [] and report.skips == []
+    assert any("nothing to change: no site to rewrite" in note for note in result.notes)
+
+
+def test_a_directory_whose_keys_transformers_renames_is_folded_and_loads_back(tmp_path: Path):
+    """Dinov2's files store attention.attention.key where the module has k_proj: the directory is read,
+    converted in memory (a stream edits stored tensors by the model's names) and loads back as saved."""
+    model = _random_scales(_dinov2())
+    model.save_pretrained(tmp_path / "dinov2")
+    out = tmp_path / "folded"
+    result = normswap.convert(tmp_path / "dinov2", normswap.ConvertConfig(fold_layerscale=True, output=out))
+    assert result.ok and result.route == "in memory" and result.changes == 4
+    assert any("--fold-layerscale does not stream yet" in note for note in result.notes)
+    normswap.save(result)
+    back = transformers.Dinov2Model.from_pretrained(out).eval()
+    before, after = _run(model, (1, 3, 32, 32)), _run(back, (1, 3, 32, 32))
+    assert ((before - after).abs().max() / before.abs().max()).item() < 1e-5
+    # a rewrite that streams goes in memory for these files too, and says why
+    folded = normswap.convert(
+        tmp_path / "dinov2", normswap.ConvertConfig(fold_norm_affine=True, output=tmp_path / "affine")
+    )
+    assert folded.ok and folded.route == "in memory"
+    assert any("store tensors under other names than the model's" in note for note in folded.notes)

@@ -404,7 +404,7 @@ def _print_exact_figures(p: Any, worst: dict[str, Any] | None, counts: str) -> N
 
     half = p.validation.get("rounding")
     failed = p.validation.get("failed_inputs", [])
-    # the verdict of the one exact rule (normswap.validate.exact), over every input checked
+    # the verdict of the one exact rule (normswap.verify.exact), over every input checked
     passed = p.validation.get("exact_passed", p.validation["within_tolerance"]) and not failed
     verdict = "[green]PASS[/]" if passed else "[bold red]FAIL[/]"
     nonfinite = p.validation.get("nonfinite")
@@ -442,7 +442,7 @@ def _print_exact_figures(p: Any, worst: dict[str, Any] | None, counts: str) -> N
 
 
 def print_validation(result: Any) -> None:
-    """A :class:`normswap.validate.layerwise` result: outputs, norm sites, first divergence, verdict."""
+    """A :class:`normswap.verify.layerwise` result: outputs, norm sites, first divergence, verdict."""
     table = Table(title=f"Outputs ({result.batches} batch{'es' if result.batches != 1 else ''})")
     for column in ("output", "shape", "max abs", "max rel", "SQNR dB", "cosine", "top-1", "top-5"):
         table.add_column(column, overflow="fold")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from normswap.passes import FoldBatchNorm, PassReport
-from normswap.validate import compare_models
+from normswap.verify import compare_models
 
 
 def randomize_batchnorms(model: nn.Module, seed: int = 0) -> nn.Module:

@@ -26,7 +26,7 @@ from small_convnet import build
 from torch import nn
 
 from normswap.calibrate import recalibrate_batchnorm
-from normswap.validate import sqnr_db
+from normswap.verify import sqnr_db
 
 
 def calibration_batches(count: int = 9, batch_size: int = 16, seed: int = 0) -> list[torch.Tensor]:

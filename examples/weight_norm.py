@@ -24,7 +24,7 @@ from torch import nn
 
 from normswap.load import load_model, save_model
 from normswap.passes import AddWeightNorm, Pipeline, RemoveWeightNorm
-from normswap.validate import compare_models
+from normswap.verify import compare_models
 
 
 class WaveNetLike(nn.Module):

@@ -12,7 +12,20 @@ from typing import TYPE_CHECKING, Any
 from normswap.errors import BadInputError, CheckFailedError, NormswapError
 
 if TYPE_CHECKING:
-    from normswap.api import ConversionResult, ConvertConfig, SavedOutput, Verdict, convert, save
+    from normswap.api import (
+        ConversionResult,
+        ConvertConfig,
+        SavedOutput,
+        Validation,
+        Verdict,
+        convert,
+        distill,
+        export_onnx,
+        inspect,
+        recalibrate,
+        save,
+        validate,
+    )
     from normswap.discover import NormInventory, NormSite, find_norms
     from normswap.load import load_model
     from normswap.passes import (
@@ -30,7 +43,21 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _LAZY = {
     **dict.fromkeys(
-        ("ConversionResult", "ConvertConfig", "SavedOutput", "Verdict", "convert", "save"), "normswap.api"
+        (
+            "ConversionResult",
+            "ConvertConfig",
+            "SavedOutput",
+            "Validation",
+            "Verdict",
+            "convert",
+            "distill",
+            "export_onnx",
+            "inspect",
+            "recalibrate",
+            "save",
+            "validate",
+        ),
+        "normswap.api",
     ),
     **dict.fromkeys(("NormInventory", "NormSite", "find_norms"), "normswap.discover"),
     "load_model": "normswap.load",
@@ -76,11 +103,17 @@ __all__ = [
     "RewriteKind",
     "SavedOutput",
     "SwapNorm",
+    "Validation",
     "Verdict",
     "convert",
+    "distill",
+    "export_onnx",
     "find_norms",
     "fold_batchnorm",
+    "inspect",
     "load_model",
+    "recalibrate",
     "save",
     "swap_norm",
+    "validate",
 ]

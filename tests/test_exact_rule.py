@@ -1,4 +1,4 @@
-"""One exact rule for convert and validate (issue 29, item 16): ``normswap.validate.exact.judge_exact``.
+"""One exact rule for convert and validate (issue 29, item 16): ``normswap.verify.exact.judge_exact``.
 
 The model here is ill-conditioned on purpose (its first output is the small difference of two nearly
 equal linear maps), so fp32's own rounding is far beyond the table's 1e-5 x max|output| and the rule's
@@ -20,7 +20,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from normswap.passes import FoldBatchNorm, FuseNorm, Pipeline
-from normswap.validate.layerwise import validate_models
+from normswap.verify.layerwise import validate_models
 
 HERE = str(Path(__file__))
 ROWS, WIDTH = 300, 64

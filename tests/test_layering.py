@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("modules",),  # reference and fused nn.Modules
     ("graph",),  # capture, graph analysis, hand-written norm patterns, residual streams, lifting
     ("discover", "load"),  # finding norms; reading models and inputs, writing files
-    ("validate",),  # comparing models: metrics, layerwise divergence, input variants
+    ("verify",),  # comparing models: metrics, layerwise divergence, input variants
     ("passes",),  # the rewrites and the pipeline that validates them
     ("calibrate", "export"),  # data-driven rewrites; ONNX export checked in onnxruntime
     ("api",),  # normswap.convert: the conversion engine as one call

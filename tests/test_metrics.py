@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from normswap.validate.metrics import compare_tensors
+from normswap.verify.metrics import compare_tensors
 
 
 def _whole(ref: torch.Tensor, out: torch.Tensor) -> dict[str, float]:

@@ -16,7 +16,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from normswap.errors import CheckFailedError
-from normswap.validate.metrics import compare_tensors, nonfinite_where, sqnr_db
+from normswap.verify.metrics import compare_tensors, nonfinite_where, sqnr_db
 
 HERE = str(Path(__file__))
 
@@ -146,7 +146,7 @@ def test_convert_fails_an_original_whose_outputs_are_all_nan(tmp_path):
 
 
 def test_a_layer_holding_nan_is_the_first_divergent_with_where():
-    from normswap.validate.layerwise import validate_models
+    from normswap.verify.layerwise import validate_models
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
@@ -163,7 +163,7 @@ def test_a_layer_holding_nan_is_the_first_divergent_with_where():
 
 
 def test_blockwise_names_the_block_and_index_of_a_nan():
-    from normswap.validate.blockwise import verify_blockwise_models
+    from normswap.verify.blockwise import verify_blockwise_models
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -185,7 +185,7 @@ def test_blockwise_names_the_block_and_index_of_a_nan():
 
 
 def test_a_variant_the_original_returns_nan_on_is_dropped_saying_where():
-    from normswap.validate.variants import InputVariant, accepted_variants
+    from normswap.verify.variants import InputVariant, accepted_variants
 
     class NaNOnBatch3(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

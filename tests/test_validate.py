@@ -11,7 +11,7 @@ from normswap_cli.app import app
 from typer.testing import CliRunner
 
 from normswap.passes import FoldBatchNorm, Pipeline, RecenterLayerNorm, SwapNorm
-from normswap.validate.layerwise import validate_models
+from normswap.verify.layerwise import validate_models
 
 ZOO = str(Path(model_zoo.__file__))
 
@@ -67,7 +67,7 @@ def test_cli_reports_plots_and_fails_an_exact_check_with_the_layer(tmp_path):
     assert data["first_divergent"] == "embeddings.LayerNorm" and len(data["layers"]) >= 40
     result = _run("validate", f"{ZOO}:bert_factory", str(converted), "--trust-pickle", "--exact")
     assert result.exit_code == 1
-    # the reason of the one exact rule (normswap.validate.exact), then where the layers part ways
+    # the reason of the one exact rule (normswap.verify.exact), then where the layers part ways
     assert "outputs are not within the exact tolerance: output" in result.output
     assert "x max|ref|, tolerance 1e-05) on the inputs; against the model in fp64" in result.output
     assert "; first divergent layer: embeddings.LayerNorm" in result.output

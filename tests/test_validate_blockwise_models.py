@@ -13,7 +13,7 @@ from hf_dirs import configs, randomize_norms  # noqa: E402
 
 from normswap import ConvertConfig, convert  # noqa: E402
 from normswap.errors import BadInputError  # noqa: E402
-from normswap.validate.blockwise import centered, identity, verify_blockwise_models  # noqa: E402
+from normswap.verify.blockwise import centered, identity, verify_blockwise_models  # noqa: E402
 
 
 def _model(name: str, layers: int = 3) -> torch.nn.Module:

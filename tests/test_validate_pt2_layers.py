@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from normswap.load import save_model
 from normswap.load.model_file import load_model
-from normswap.validate.layerwise import validate_models
+from normswap.verify.layerwise import validate_models
 
 HERE = str(Path(__file__))
 

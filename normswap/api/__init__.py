@@ -16,7 +16,7 @@ from normswap.api.sources import check_run_paths, load_for_inference, write_repo
 from normswap.api.training import SHARDED_SUFFIX, TrainingRun, distill, recalibrate
 from normswap.load import SAVE_FORMATS
 from normswap.util.tolerance import onnx_tolerance
-from normswap.validate.variants import format_shapes
+from normswap.verify.variants import format_shapes
 
 __all__ = [
     "SAVE_FORMATS",

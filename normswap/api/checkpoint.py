@@ -53,8 +53,8 @@ from normswap.passes.core.edits import EditPlan, TensorEdit, plan_edits
 from normswap.passes.weightnorm.layers import RemoveWeightNorm
 from normswap.passes.weightnorm.stream import WeightNormValueError
 from normswap.rewrites import BY_OPTION, streamed_options
-from normswap.validate.blockwise import BlockwiseReport
-from normswap.validate.metrics import TensorComparison
+from normswap.verify.blockwise import BlockwiseReport
+from normswap.verify.metrics import TensorComparison
 
 
 @dataclass

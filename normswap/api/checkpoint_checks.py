@@ -13,8 +13,8 @@ from normswap.load.checkpoint_dir import CheckpointDirectory
 from normswap.load.config_inputs import example_inputs
 from normswap.load.safetensors_io import TensorEntry, read_header, read_tensor
 from normswap.passes.core.edits import EditPlan
-from normswap.validate.blockwise import BlockwiseReport, centered, identity, verify_blockwise
-from normswap.validate.metrics import TensorComparison
+from normswap.verify.blockwise import BlockwiseReport, centered, identity, verify_blockwise
+from normswap.verify.metrics import TensorComparison
 
 # The inputs a streamed result is verified on: (batch, length) of token ids, two shapes so that a
 # rewrite right on one sequence length only is caught.

@@ -126,7 +126,7 @@ def sequential_route(
 
 
 def _blocks(checkpoint: CheckpointDirectory, meta: nn.Module) -> tuple[str, int]:
-    from normswap.validate.blockwise import find_blocks
+    from normswap.verify.blockwise import find_blocks
 
     try:
         blocks, count = find_blocks(meta)
@@ -250,8 +250,8 @@ def convert_checkpoint_sequential(
     from normswap.calibrate.data import ModelInputs, as_model_inputs
     from normswap.calibrate.sequential import calibrate_blocks
     from normswap.passes.swap.swap_norm import build_layout_norm
-    from normswap.validate.blockwise import BlockShell
-    from normswap.validate.metrics import sqnr_db
+    from normswap.verify.blockwise import BlockShell
+    from normswap.verify.metrics import sqnr_db
 
     say = on_step or (lambda _: None)
     config.validate()

@@ -7,9 +7,9 @@
     if not result.ok:
         print(result.refusal)
 
-Whole-model and per-layer figures come from :func:`normswap.validate.layerwise.validate_models`; "exact"
-is judged by the one exact rule (:func:`normswap.validate.exact.judge_exact`), the rule ``convert``
-applies. ``blockwise`` compares block by block (:mod:`normswap.validate.blockwise`): two model directories
+Whole-model and per-layer figures come from :func:`normswap.verify.layerwise.validate_models`; "exact"
+is judged by the one exact rule (:func:`normswap.verify.exact.judge_exact`), the rule ``convert``
+applies. ``blockwise`` compares block by block (:mod:`normswap.verify.blockwise`): two model directories
 without holding either model, other models held and compared on the example inputs.
 """
 
@@ -29,8 +29,8 @@ from normswap.errors import BadInputError
 if TYPE_CHECKING:
     from torch import nn
 
-    from normswap.validate.blockwise import BlockwiseReport
-    from normswap.validate.layerwise import ValidationReport
+    from normswap.verify.blockwise import BlockwiseReport
+    from normswap.verify.layerwise import ValidationReport
 
 
 class ComparisonVerdict(str, Enum):
@@ -99,7 +99,7 @@ def validate(
     hears the phase, ``on_progress`` (done, total, "comparing") the batches compared. Bad options and inputs raise
     :class:`~normswap.errors.BadInputError`; a failed comparison is returned (``ok`` False).
     """
-    from normswap.validate.layerwise import DEFAULT_MIN_SQNR_DB, validate_models
+    from normswap.verify.layerwise import DEFAULT_MIN_SQNR_DB, validate_models
 
     if blockwise and Path(original).is_dir() and Path(converted).is_dir():
         return _blockwise(original, converted, centered, on_step)
@@ -169,7 +169,7 @@ def _plot(result: Validation, path: Path) -> None:
     """The per-layer SQNR as a PNG, norm sites marked, written atomically over what the caller's path
     check let through (:func:`normswap.api.check_run_paths`)."""
     from normswap.load import atomic_write
-    from normswap.validate.layerwise import plot_norm_sites
+    from normswap.verify.layerwise import plot_norm_sites
 
     report = result.layerwise
     assert report is not None  # a block-by-block comparison has no per-layer SQNR
@@ -202,7 +202,7 @@ def _blockwise(
     from normswap.api.checkpoint_checks import VERIFY_SHAPES
     from normswap.load.checkpoint_dir import build_on_meta, read_checkpoint_directory
     from normswap.load.config_inputs import example_inputs as config_inputs
-    from normswap.validate import blockwise
+    from normswap.verify import blockwise
 
     relate = blockwise.centered if centered else blockwise.identity
     say = on_step if on_step is not None else (lambda _text: None)

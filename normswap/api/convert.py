@@ -30,7 +30,7 @@ from normswap.passes.core.pipeline import Pipeline, PipelineReport
 if TYPE_CHECKING:
     from normswap.api.save import SavedOutput
     from normswap.calibrate.affine_fit import AffineCalibrationReport
-    from normswap.validate.compare import ModelComparison
+    from normswap.verify.compare import ModelComparison
 
 
 class Verdict(str, Enum):
@@ -78,7 +78,7 @@ class ConversionResult:
     # sentences for the user beyond the report (what consent was used for)
     notes: list[str] = field(default_factory=list)
     # exact rewrites: outputs the model returns only when asked (output_hidden_states=True) that the
-    # converted model does not keep (normswap.validate.inside_outputs); None when not measured (a route
+    # converted model does not keep (normswap.verify.inside_outputs); None when not measured (a route
     # that never holds the model, or a rewrite that is not exact): the passes' inside_changes say it then
     outputs_not_preserved: list[str] | None = None
     # the inputs the conversion was checked on: an exported output is captured on them
@@ -298,7 +298,7 @@ def _only_exact_changes(report: PipelineReport) -> bool:
 def _record_outputs_not_preserved(original: nn.Module, result: ConversionResult) -> None:
     """Exact means the outputs of the example; say which outputs a caller could still ask for that the
     rewrite changed (the example itself asking for them is refused by the pass, with the reason)."""
-    from normswap.validate.inside_outputs import outputs_not_preserved, summarize_names
+    from normswap.verify.inside_outputs import outputs_not_preserved, summarize_names
 
     assert result.model is not None  # an in-memory result
     moved = outputs_not_preserved(original, result.model, result.example_args, result.example_kwargs)
@@ -352,7 +352,7 @@ def calibration_batches(config: ConvertConfig, model: nn.Module, args: tuple, kw
 def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str], None]) -> Calibration:
     """Fit the swapped norms to the original's outputs on the calibration data."""
     from normswap.calibrate.affine_fit import calibrate_swapped_norms
-    from normswap.validate.compare import compare_models
+    from normswap.verify.compare import compare_models
 
     assert result.model is not None  # calibration runs in memory
     sites = [c.site for p in result.report.passes if p.pass_name == "swap_norm" for c in p.changes]

@@ -176,7 +176,7 @@ def _write_directory(
     from normswap.load.checkpoint_dir import load_checkpoint_directory, read_checkpoint_directory
     from normswap.load.checkpoint_write import write_checkpoint_directory
     from normswap.load.paths import same_path
-    from normswap.validate.compare import compare_models
+    from normswap.verify.compare import compare_models
 
     if refuse_path is not None and same_path(path, refuse_path):
         raise BadInputError(

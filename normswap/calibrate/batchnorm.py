@@ -50,7 +50,7 @@ from normswap.calibrate.data import ModelInputs, as_model_inputs
 from normswap.errors import BadInputError
 from normswap.errors import describe as _describe
 from normswap.passes.core.base import RewriteKind, Skip
-from normswap.validate import ModelComparison, compare_outputs
+from normswap.verify import ModelComparison, compare_outputs
 
 PASS_NAME = "recalibrate_batchnorm"
 
@@ -92,7 +92,7 @@ class RecalibrationReport:
     @property
     def ok(self) -> bool:
         """False when a statistic or a held-out output is not finite: the model must not be shipped."""
-        # the one NaN/Inf rule of comparisons (normswap.validate.metrics.nonfinite_where)
+        # the one NaN/Inf rule of comparisons (normswap.verify.metrics.nonfinite_where)
         holdout_finite = self.holdout is None or self.holdout.nonfinite is None
         return all(layer.finite for layer in self.layers) and holdout_finite
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from normswap.calibrate.affine_fit import AffineCalibrationReport, SiteFit, fit_sites_in_order
 from normswap.modules.cosine import CosineConv, CosineLinear, feature_rows, fit_cosine_scale
-from normswap.validate.metrics import sqnr_db
+from normswap.verify.metrics import sqnr_db
 
 
 def calibrate_cosine_layers(

@@ -67,8 +67,8 @@ from normswap.calibrate.distill_report import DistillReport
 from normswap.calibrate.parallel import TEACHER_SHARD_BYTES, DataParallel, parameter_bytes
 from normswap.errors import BadInputError
 from normswap.graph.capture import capture_friendly
-from normswap.validate import ModelComparison, compare_outputs
-from normswap.validate.metrics import flatten_outputs
+from normswap.verify import ModelComparison, compare_outputs
+from normswap.verify.metrics import flatten_outputs
 
 LOSSES = ("mse", "kl")
 TRAIN_SETS = ("all", "norms")

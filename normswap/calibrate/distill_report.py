@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from normswap.passes.core.base import RewriteKind
-from normswap.validate import ModelComparison
+from normswap.verify import ModelComparison
 
 PASS_NAME = "distill"
 

@@ -147,7 +147,7 @@ class DataParallel:
         """
         from torch.distributed.fsdp import fully_shard
 
-        from normswap.validate.blockwise import find_blocks
+        from normswap.verify.blockwise import find_blocks
 
         try:
             path, count = find_blocks(model)

@@ -1,6 +1,6 @@
 """Calibrate swapped norms block by block, never holding the model: sequential onloading.
 
-The model runs in a shell (:class:`normswap.validate.blockwise.BlockShell`: its config with one block,
+The model runs in a shell (:class:`normswap.verify.blockwise.BlockShell`: its config with one block,
 whose block takes block ``i``'s weights in turn; embeddings, final norm and head real). Every
 calibration batch is carried from block to block in three streams of hidden states (kept by an
 :class:`~normswap.calibrate.activations.ActivationStore`, on disk past its budget):
@@ -38,7 +38,7 @@ from torch import nn
 from normswap.calibrate.activations import ActivationStore
 from normswap.calibrate.affine_fit import SiteFit, _fit_site, _recording, call_order
 from normswap.calibrate.data import ModelInputs
-from normswap.validate.blockwise import (
+from normswap.verify.blockwise import (
     BlockShell,
     block_hidden,
     block_inputs,
@@ -46,7 +46,7 @@ from normswap.validate.blockwise import (
     head_output,
     with_hidden,
 )
-from normswap.validate.metrics import TensorComparison, compare_tensors, sqnr_db
+from normswap.verify.metrics import TensorComparison, compare_tensors, sqnr_db
 
 # (full module path, the original norm with its weights, its input on the example inputs) -> the new norm
 Build = Callable[[str, nn.Module, torch.Tensor | None], nn.Module]

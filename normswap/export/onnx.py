@@ -28,7 +28,7 @@ from normswap.load.paths import check_output, same_path
 from normswap.load.save import atomic_write_onnx
 from normswap.util.modes import modes_restored
 from normswap.util.tolerance import onnx_tolerance
-from normswap.validate.metrics import TensorComparison, compare_tensors
+from normswap.verify.metrics import TensorComparison, compare_tensors
 
 # "standard": ONNX's own ops only; "onnxruntime": norms as ONNX Runtime's fused ops where it has them
 TARGETS = ("standard", "onnxruntime")

@@ -11,7 +11,7 @@ import torch
 from normswap.calibrate.affine_fit import DYT_ALPHAS, _fit, calibrate_swapped_norms
 from normswap.modules.layout import Derf, DyT
 from normswap.passes import Pipeline, SwapNorm
-from normswap.validate.compare import compare_models
+from normswap.verify.compare import compare_models
 
 
 def _batches(shape: tuple[int, ...], count: int = 2, seed: int = 3) -> list[torch.Tensor]:

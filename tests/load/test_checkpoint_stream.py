@@ -28,7 +28,7 @@ from normswap.errors import BadInputError, CheckFailedError  # noqa: E402
 from normswap.load import load_model  # noqa: E402
 from normswap.load.checkpoint_dir import read_checkpoint_directory  # noqa: E402
 from normswap.load.safetensors_io import read_header  # noqa: E402
-from normswap.validate.blockwise import centered, identity, verify_blockwise  # noqa: E402
+from normswap.verify.blockwise import centered, identity, verify_blockwise  # noqa: E402
 
 runner = CliRunner()
 

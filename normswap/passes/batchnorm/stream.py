@@ -42,7 +42,7 @@ from normswap.passes.batchnorm.layers import class_name, layer_text
 from normswap.passes.batchnorm.match import bn_eps, bn_statistics_problem
 from normswap.passes.core.base import Change, PassContext, PassReport, Skip, SkipCause
 from normswap.passes.swap.norm_act import is_identity, norm_act_tail
-from normswap.validate.metrics import TensorComparison, compare_tensors
+from normswap.verify.metrics import TensorComparison, compare_tensors
 
 Tensors = dict[str, torch.Tensor]
 # The layer classes a recipe rebuilds: a subclass with a forward of its own would lose it.

@@ -50,7 +50,7 @@ from normswap.graph.analysis import GraphView, view_of
 from normswap.graph.capture import CapturedGraph, capture_graph, export_module
 from normswap.modules.copying import copy_model
 from normswap.passes.core.graph_rewrite import finish_graph
-from normswap.validate.metrics import record_module_inputs
+from normswap.verify.metrics import record_module_inputs
 
 
 class RewriteKind(str, Enum):

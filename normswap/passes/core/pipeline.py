@@ -5,11 +5,11 @@ pipeline that also holds an architectural one is still held to the exact toleran
 
 "Exact" is a claim about the function, not about one input: an exact pass is checked on the example
 inputs and on variants of them along the dims the original model accepts freely (batch, sequence length,
-spatial size; :mod:`normswap.validate.variants`), and every tensor output is compared, integer and bool
+spatial size; :mod:`normswap.verify.variants`), and every tensor output is compared, integer and bool
 ones by equality. A rewritten model that raises on a variant the original accepts is not silently wrong:
 the pass's validation says which shapes it was proven on and which it does not accept. Whether an exact
 pass kept the outputs is decided over all those inputs together by the one exact rule,
-:func:`normswap.validate.exact.judge_exact`, the rule ``validate --exact`` applies too.
+:func:`normswap.verify.exact.judge_exact`, the rule ``validate --exact`` applies too.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from torch.utils import _pytree as pytree
 from normswap.graph.capture import CapturedGraph
 from normswap.modules.copying import copy_model
 from normswap.passes.core.base import Pass, PassReport, RewriteKind, usable_capture
-from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
-from normswap.validate.exact import ExactRun, judge_exact, run_widened, widened_model
-from normswap.validate.variants import (
+from normswap.verify.compare import ModelComparison, compare_models, compare_outputs, run_model
+from normswap.verify.exact import ExactRun, judge_exact, run_widened, widened_model
+from normswap.verify.variants import (
     InputVariant,
     accepted_variants,
     candidate_variants,
@@ -251,7 +251,7 @@ class _PassCheck:
         if is_example:
             self.report.validation = comparison.to_dict()
         if not self.exact:
-            # a NaN or Inf fails every comparison (normswap.validate.metrics.nonfinite_where)
+            # a NaN or Inf fails every comparison (normswap.verify.metrics.nonfinite_where)
             if comparison.nonfinite:
                 self.reasons.append(f"{self.name}: {comparison.nonfinite} {where}")
             return True, _kept(after)
@@ -272,7 +272,7 @@ class _PassCheck:
                 "an exact change cannot be verified"
             )
             return True, _kept(after)
-        # judged in finish(), over every input together (normswap.validate.exact.judge_exact)
+        # judged in finish(), over every input together (normswap.verify.exact.judge_exact)
         self.runs.append((entry, ExactRun(where, before, after, variant.args, variant.kwargs)))
         return True, _kept(after)
 

@@ -47,7 +47,7 @@ from normswap.modules.zero_sum import ZeroSumRMSNorm
 from normswap.passes.core.base import Change, Needs, Pass, PassContext, Refusal, RewriteKind, SkipCause
 from normswap.passes.core.graph_rewrite import finish_graph
 from normswap.passes.recenter.layernorm import center_along, named_tensors, under_any
-from normswap.validate.variants import describe_error
+from normswap.verify.variants import describe_error
 
 # Ops whose shape argument (args[1]) states the sizes of their output, hidden dim included.
 _SHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view", "expand"})

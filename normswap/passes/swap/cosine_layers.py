@@ -53,7 +53,7 @@ from normswap.passes.core.base import (
     capture_refusal,
     replace_submodule,
 )
-from normswap.validate.metrics import sqnr_db
+from normswap.verify.metrics import sqnr_db
 
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # Ops through which a positive per-row factor reaches the norm unchanged (f(a x) = a f(x), a > 0).

@@ -60,7 +60,7 @@ from normswap.passes.core.base import (
     replace_submodule,
 )
 from normswap.passes.swap.norm_act import is_identity, norm_act_tail, with_tail
-from normswap.validate.metrics import sqnr_db
+from normswap.verify.metrics import sqnr_db
 
 _CHANNEL_FIRST = (NormKind.BATCH, NormKind.GROUP, NormKind.INSTANCE)
 _BATCH_NORMS = {3: nn.BatchNorm1d, 2: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}

@@ -43,7 +43,7 @@ from normswap.passes.weightnorm.layers import (
     weight_norm_magnitude,
     weight_norm_problem,
 )
-from normswap.validate.metrics import TensorComparison, compare_tensors
+from normswap.verify.metrics import TensorComparison, compare_tensors
 
 
 class WeightNormValueError(ValueError):

@@ -16,7 +16,7 @@ from normswap.modules import RMSNorm
 from normswap.passes import FoldNormAffine, Pipeline
 from normswap.passes.affine.fold import fold_affine_into_linear
 from normswap.util.tolerance import EXACT_TOLERANCE
-from normswap.validate import compare_models
+from normswap.verify import compare_models
 
 
 def _reasons(report) -> dict[str, str]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from normswap.passes import FoldBatchNorm, Pipeline
-from normswap.validate import compare_models
+from normswap.verify import compare_models
 
 
 def _batchnorms(model: nn.Module) -> int:

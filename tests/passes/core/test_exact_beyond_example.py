@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from normswap.passes import FoldBatchNorm, FoldNormAffine, FuseGraphNorm, Pipeline, RecenterLayerNorm
 from normswap.passes.core.base import Change, Needs, Pass, PassContext, RewriteKind
-from normswap.validate.variants import candidate_variants
+from normswap.verify.variants import candidate_variants
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 

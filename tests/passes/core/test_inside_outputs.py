@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from hf_dirs import configs, make_directory, randomize_norms  # noqa: E402
 
 import normswap  # noqa: E402
-from normswap.validate.inside_outputs import summarize_names  # noqa: E402
+from normswap.verify.inside_outputs import summarize_names  # noqa: E402
 
 RECENTRED = "the residual stream is recentred"
 

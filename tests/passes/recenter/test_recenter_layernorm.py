@@ -10,7 +10,7 @@ from torch import nn
 
 from normswap.modules.norms import RMSNorm
 from normswap.passes import Pipeline, RecenterLayerNorm
-from normswap.validate.compare import compare_models
+from normswap.verify.compare import compare_models
 
 
 def _logits(model: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 import normswap
 from normswap.modules.cosine import CosineConv, CosineLinear, feature_rows, fit_cosine_scale
 from normswap.passes import CosineLayers
-from normswap.validate.metrics import sqnr_db
+from normswap.verify.metrics import sqnr_db
 
 transformers = pytest.importorskip("transformers")
 torchvision = pytest.importorskip("torchvision")

@@ -11,7 +11,7 @@ from torch import nn
 
 from normswap.modules import LayerNorm, RMSNorm
 from normswap.passes import Pipeline, SwapNorm
-from normswap.validate import compare_models
+from normswap.verify import compare_models
 
 
 def test_gpt2_layernorm_to_rmsnorm_runs_and_reports_divergence():

@@ -19,7 +19,7 @@ from normswap.modules.copying import copy_model
 from normswap.passes import AddWeightNorm, Pipeline, RemoveWeightNorm
 from normswap.passes.weightnorm.layers import weight_from_weight_norm, weight_norm_magnitude
 from normswap.util.tolerance import EXACT_TOLERANCE
-from normswap.validate import compare_models
+from normswap.verify import compare_models
 
 
 def _reasons(report) -> dict[str, str]:

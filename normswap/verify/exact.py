@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from normswap.util.tolerance import within_exact_tolerance
-from normswap.validate.metrics import TensorComparison, compare_tensors, flatten_outputs, nonfinite_where
+from normswap.verify.metrics import TensorComparison, compare_tensors, flatten_outputs, nonfinite_where
 
 # The rewrite may be at most this many times further from the wider-dtype function than the original is
 # (error norms over all inputs). 2: two independent roundings of the same size can differ by a little;
@@ -275,7 +275,7 @@ def widened_model(model: nn.Module) -> nn.Module | str:
 
 def run_widened(wide: nn.Module | str, inputs: Sequence[tuple[tuple, dict[str, Any]]]) -> list[Any] | str:
     """``wide`` (from :func:`widened_model`) run on each of ``inputs``, widened; or why it cannot be."""
-    from normswap.validate.compare import run_model
+    from normswap.verify.compare import run_model
 
     if isinstance(wide, str):
         return wide

@@ -18,7 +18,7 @@ for folds; centering over the hidden dim for a recentered residual stream):
 
 Every comparison is held to the exact tolerance of the dtype (:mod:`normswap.util.tolerance`); a NaN or
 Inf in either model's activation fails its stage and says where
-(:func:`normswap.validate.metrics.nonfinite_where`: a NaN in the original's is the original broken). Blocks
+(:func:`normswap.verify.metrics.nonfinite_where`: a NaN in the original's is the original broken). Blocks
 are the children of the model's largest list of same-class modules (``model.layers``, ``transformer.h``).
 A block runs in the shell's block 0: layers configured differently by index (alternating sliding
 windows) run as block 0 is configured, in both models alike.
@@ -43,7 +43,7 @@ from normswap.load.checkpoint_dir import (
     transformers_config,
 )
 from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header
-from normswap.validate.metrics import TensorComparison, compare_tensors
+from normswap.verify.metrics import TensorComparison, compare_tensors
 
 Relate = Callable[[torch.Tensor], torch.Tensor]
 

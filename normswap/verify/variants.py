@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from normswap.validate.compare import run_model
-from normswap.validate.metrics import flatten_outputs, nonfinite_where
+from normswap.verify.compare import run_model
+from normswap.verify.metrics import flatten_outputs, nonfinite_where
 
 # A variant holds at most this many times the example's elements: enough to cross a size threshold the
 # example sits below, never enough to make the check cost more than a few example runs.
@@ -293,7 +293,7 @@ def describe_error(exc: BaseException) -> str:
 
 def nonfinite_output(output: Any) -> str | None:
     """Where the first floating-point tensor of the original's output holding a NaN or Inf holds it
-    (:func:`normswap.validate.metrics.nonfinite_where`); None when every one is finite."""
+    (:func:`normswap.verify.metrics.nonfinite_where`); None when every one is finite."""
     for name, t in flatten_outputs(output):
         where = nonfinite_where(name, t, t)
         if where is not None:

@@ -1,7 +1,7 @@
 """Numerical checks: how far a rewrite moved a model's outputs."""
 
-from normswap.validate.compare import ModelComparison, compare_models, compare_outputs, run_model
-from normswap.validate.metrics import TensorComparison, compare_tensors, sqnr_db
+from normswap.verify.compare import ModelComparison, compare_models, compare_outputs, run_model
+from normswap.verify.metrics import TensorComparison, compare_tensors, sqnr_db
 
 __all__ = [
     "ModelComparison",

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from normswap.modules.copying import copy_model
-from normswap.validate.metrics import TensorComparison, compare_tensors, flatten_outputs
+from normswap.verify.metrics import TensorComparison, compare_tensors, flatten_outputs
 
 
 @dataclass

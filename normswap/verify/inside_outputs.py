@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.validate.metrics import compare_tensors, flatten_outputs
+from normswap.verify.metrics import compare_tensors, flatten_outputs
 
 # Keyword flags of a forward that make it return more than it does by default (transformers' name);
 # attention maps are left out: no exact rewrite changes them, and asking for them switches HF models to

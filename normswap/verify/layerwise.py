@@ -10,9 +10,9 @@ Outputs of a layer are compared only when they have the same shape (or a permuta
 a channel norm's op without its permutes): a module whose output shape differs between the two models (a
 Conv1d subclass whose forward reshapes comes back from a .pt2 as a plain Conv1d, hooked before the
 reshape) is listed as not compared, with the reason, never as divergent. A NaN or Inf in a layer's or an
-output's values fails that comparison and says where (:func:`normswap.validate.metrics.nonfinite_where`).
+output's values fails that comparison and says where (:func:`normswap.verify.metrics.nonfinite_where`).
 With ``exact``, the verdict is the one exact rule of convert and validate
-(:func:`normswap.validate.exact.judge_exact`).
+(:func:`normswap.verify.exact.judge_exact`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from torch import nn
 
 from normswap.util.modes import modes_restored
 from normswap.util.tolerance import exact_tolerance
-from normswap.validate.exact import ExactRun, ExactVerdict, judge_exact, run_widened, widened_model
-from normswap.validate.metrics import TensorComparison, compare_tensors, flatten_outputs
+from normswap.verify.exact import ExactRun, ExactVerdict, judge_exact, run_widened, widened_model
+from normswap.verify.metrics import TensorComparison, compare_tensors, flatten_outputs
 
 DEFAULT_MIN_SQNR_DB = 40.0
 
@@ -75,7 +75,7 @@ class ValidationReport:
 
     @property
     def passed(self) -> bool:
-        """Exact: the one exact rule (:func:`normswap.validate.exact.judge_exact`). Otherwise: every
+        """Exact: the one exact rule (:func:`normswap.verify.exact.judge_exact`). Otherwise: every
         output above min SQNR. Either way, an output holding a NaN or Inf fails."""
         return self.failure is None
 

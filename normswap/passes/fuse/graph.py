@@ -13,14 +13,12 @@ such norm's nodes by one call of :func:`normswap.kernels.fused_norm`, which reac
   with their casts (the ``llama`` and ``gemma`` casting modes), a ``(1 + w)`` weight, and a weight
   reshaped along the normalized dim.
 
-Legal when the norm normalizes the trailing dims or one channel dim (moved last around the kernel, as
-timm's LayerNorm2d does); its eps is a constant; its weight and bias, if any, are stored tensors of the
-normalized shape; and the fused call, run on the input this norm sees on the example inputs, matches
-the norm's output there in dtype and within the kernel tolerance (``normswap.util.tolerance``). Each
-change records that measured difference. Needs example inputs: the pass asks the driver for an exported
-graph (``Needs.EXPORTED_GRAPH``), records every norm's values on it once per run (``prepare``), and
-checks each norm into a plan holding the fused call's arguments it measured, so applying it measures
-nothing again. The rewritten model is a
+Legal by the rules both fused-norm passes apply (:mod:`.legality`; one channel dim is moved last around
+the kernel, as timm's LayerNorm2d does), and when the fused call, run on the input this norm sees on the
+example inputs, matches the norm's output there in dtype and within the kernel tolerance. Needs example
+inputs: the pass asks the driver for an exported graph (``Needs.EXPORTED_GRAPH``), records every norm's
+values on it once per run (``prepare``), and checks each norm into a plan holding the fused call's
+arguments it measured, so applying it measures nothing again. The rewritten model is a
 ``torch.fx.GraphModule`` with the model's state_dict keys, not the user's class; every change says so.
 """
 
@@ -35,16 +33,15 @@ from torch import fx, nn
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
+from normswap.discover import NormKind, NormSemantics
 from normswap.graph.analysis import GraphView, module_path
 from normswap.graph.capture import CapturedGraph
 from normswap.graph.ops import CAST_OPS, arg, op_name, tensor_meta
 from normswap.graph.patterns import find_norm_patterns
 from normswap.kernels import fused_norm
-from normswap.kernels.reference import CASTING_MODES
-from normswap.modules.fused import channel_dim_of
 from normswap.passes.core.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
 from normswap.passes.core.graph_rewrite import GRAPH_MODULE
-from normswap.util.tolerance import kernel_difference, kernel_tolerance
+from normswap.passes.fuse.legality import Measured, fused_call, measure
 
 
 @dataclass
@@ -84,7 +81,7 @@ class GraphNormPlan:
 
     norm: GraphNorm
     call: dict[str, Any]
-    diff: float
+    measured: Measured
 
 
 class FuseGraphNorm(Pass[GraphNorm, GraphNormPlan, GraphNormRun]):
@@ -105,13 +102,10 @@ class FuseGraphNorm(Pass[GraphNorm, GraphNormPlan, GraphNormRun]):
 
     def check(self, site: GraphNorm, ctx: PassContext, state: GraphNormRun) -> GraphNormPlan | str:
         measured = _measure(site, state.values)
-        if isinstance(measured, str):
-            return measured
-        call, diff = measured
-        return GraphNormPlan(site, call, diff)
+        return measured if isinstance(measured, str) else GraphNormPlan(site, *measured)
 
     def apply(self, plan: GraphNormPlan, ctx: PassContext, state: GraphNormRun) -> Change:
-        norm, call, diff, replaced = plan.norm, plan.call, plan.diff, state.replaced
+        norm, call, replaced = plan.norm, plan.call, state.replaced
         graph = norm.output.graph
         source = replaced.get(norm.input, norm.input)
         with graph.inserting_after(norm.output):
@@ -119,7 +113,6 @@ class FuseGraphNorm(Pass[GraphNorm, GraphNormPlan, GraphNormRun]):
         fused.meta.update({k: v for k, v in norm.output.meta.items() if k in ("nn_module_stack", "val")})
         norm.output.replace_all_uses_with(fused)
         replaced[norm.output] = fused
-        atol, rtol = kernel_tolerance(norm.output.meta["val"].dtype)
         layout = (
             f"over dim {call['channel_dim']}" if call["channel_dim"] is not None else "over trailing dims"
         )
@@ -128,15 +121,8 @@ class FuseGraphNorm(Pass[GraphNorm, GraphNormPlan, GraphNormRun]):
             norm.path,
             self.kind,
             f"{norm.source} {norm.kind} norm ({layout}) -> normswap fused_norm (the model is now a "
-            f"{GRAPH_MODULE}); site max abs diff {diff:.3g}",
-            {
-                "source": norm.source,
-                **call,
-                "max_abs_diff": diff,
-                "tolerance": {"atol": atol, "rtol": rtol},
-                "measured_on": "the example inputs",
-                "output": GRAPH_MODULE,
-            },
+            f"{GRAPH_MODULE}); {plan.measured.summary}",
+            {"source": norm.source, **call, **plan.measured.details(), "output": GRAPH_MODULE},
         )
 
 
@@ -266,61 +252,40 @@ def _record(
     return seen
 
 
-def _measure(norm: GraphNorm, values: dict[fx.Node, Any]) -> tuple | str:
-    """(fused_norm keyword arguments, max abs difference) when the fused call reproduces ``norm``.
+def _measure(norm: GraphNorm, values: dict[fx.Node, Any]) -> tuple[dict[str, Any], Measured] | str:
+    """(fused_norm keyword arguments, measured difference) when the fused call reproduces ``norm``.
 
     Also settles ``norm.output`` among its trailing casts: the first with the fused call's dtype.
     """
-    if norm.kind not in ("rms", "layer"):
-        return f"{norm.kind} norm: the fused kernels normalize features, not over positions"
     if isinstance(norm.output.meta.get("val"), tuple | list):
         return "its statistics (mean, rstd) are read too: only the normalized value can be replaced"
     x, out = values.get(norm.input), values.get(norm.output)
     if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor):
         return "it did not run on the example inputs"
-    if norm.eps is None:
-        return "its eps is not a constant"
-    if norm.casting not in CASTING_MODES:
-        return f"casting mode {norm.casting!r} is not one the kernels implement {CASTING_MODES}"
-    dims = norm.dims
-    trailing = dims is not None and dims == tuple(range(-len(dims), 0))
-    if not trailing and channel_dim_of(dims) is None:
-        return f"normalizes dims {dims}: neither the trailing dims nor one channel dim"
-    assert dims is not None
-    normalized_shape = tuple(x.shape[d] for d in dims)
-    tensors = []
-    for role, node in (("weight", norm.weight), ("bias", norm.bias)):
-        if node is None:
-            tensors.append(None)
-            continue
-        if node.op != "get_attr":
-            return f"its {role} is computed in the forward, not a stored tensor"
-        tensor = values.get(node)
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != normalized_shape:
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else None
-            return f"its {role} has shape {shape}, not the normalized shape {normalized_shape}"
-        tensors.append(tensor)
-    call = {
-        "eps": norm.eps,
-        "kind": norm.kind,
-        "casting": norm.casting,
-        "weight_offset": norm.weight_offset,
-        "normalized_ndim": len(dims) if trailing else 1,
-        "channel_dim": dims[0] if not trailing else None,
-    }
+    affine = {"weight": norm.weight, "bias": norm.bias}
+    names = {role: str(n.target) for role, n in affine.items() if n is not None and n.op == "get_attr"}
+    tensors = {role: values[n] for role, n in affine.items() if n in values}
+    semantics = NormSemantics(
+        kind=NormKind(norm.kind),
+        normalized_shape=tuple(x.shape[d] for d in norm.dims) if norm.dims is not None else None,
+        normalized_dims=norm.dims,
+        eps=norm.eps,
+        affine=norm.weight is not None,
+        bias=norm.bias is not None,
+        weight_name=names.get("weight"),
+        bias_name=names.get("bias"),
+        casting=norm.casting,
+        weight_offset=norm.weight_offset,
+    )
+    call = fused_call(semantics, {names[role]: t for role, t in tensors.items() if role in names})
+    if isinstance(call, str):
+        return call
     with torch.no_grad():
-        got = fused_norm(x, *tensors, **call)
+        got = fused_norm(x, tensors.get("weight"), tensors.get("bias"), **call)
     for cast in (norm.output, *norm.trailing_casts):
         value = values.get(cast)
         if isinstance(value, torch.Tensor) and value.dtype == got.dtype:
             norm.output, out = cast, value
             break
-    diff, reproduced = kernel_difference(out, got)
-    if not reproduced:
-        atol, rtol = kernel_tolerance(out.dtype)
-        return (
-            f"the fused call gives {got.dtype} {tuple(got.shape)} differing by {diff:.3g} from its "
-            f"{out.dtype} {tuple(out.shape)} output (atol {atol:g}, rtol {rtol:g}): its semantics are not "
-            "the ones read off the graph"
-        )
-    return call, diff
+    measured = measure(out, got, "call", "the example inputs")
+    return measured if isinstance(measured, str) else (call, measured)

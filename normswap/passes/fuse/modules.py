@@ -14,26 +14,17 @@ eps as the norm applies it for its dtype: ``nn.RMSNorm(eps=None)`` included); th
 captured again. The fused module keeps the replaced module's parameter names (the record's), so a
 checkpoint of the original model loads into the converted one.
 
-Legal when:
-- the site is a module of its own: torch.nn's LayerNorm/RMSNorm (and subclasses such as timm's), a
-  normswap reference norm, a class discovery recognized by what its forward computes (HF Llama, Gemma, T5
-  RMSNorm, hand-written norms), or a module whose whole forward is one ``F.layer_norm``/``F.rms_norm``
-  call (timm's RmsNorm); a norm computed inside a larger forward needs a graph rewrite
-  (:class:`normswap.passes.FuseGraphNorm`);
-- it normalizes the trailing dims, or one channel dim with vector affine tensors (timm's LayerNorm2d);
-  not BatchNorm or GroupNorm;
-- its eps is known, its casting mode one the kernels implement, and its state is exactly its
-  weight and bias, each of the normalized shape;
-- the fused module, run on the module's input from the example inputs (a random input without them),
-  matches it within the kernel tolerance (``normswap.util.tolerance``): the check that the recorded
-  semantics are the ones it computes.
-
-Each change records the measured max abs difference of that site and what it was measured on.
+Legal when the site is a module of its own (torch.nn's LayerNorm/RMSNorm and subclasses such as timm's, a
+normswap reference norm, a class discovery recognized by what its forward computes: HF Llama, Gemma, T5
+RMSNorm, hand-written norms, timm's RmsNorm) whose state is exactly its weight and bias, and the rules of
+:mod:`.legality` hold; a norm inside a larger forward needs a graph rewrite
+(:class:`normswap.passes.FuseGraphNorm`). The fused module is measured on the module's input from the
+example inputs (a random input without them): the check that the recorded semantics are the ones it
+computes.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +32,6 @@ import torch
 from torch import nn
 
 from normswap.discover import NormKind, NormSite
-from normswap.kernels.reference import CASTING_MODES
 from normswap.modules.fused import (
     FusedChannelLayerNorm,
     FusedChannelRMSNorm,
@@ -50,6 +40,7 @@ from normswap.modules.fused import (
     FusedRMSNorm,
     channel_dim_of,
 )
+from normswap.modules.semantics import module_dtype
 from normswap.passes.core.base import (
     Change,
     Pass,
@@ -59,7 +50,7 @@ from normswap.passes.core.base import (
     RewriteKind,
     replace_submodule,
 )
-from normswap.util.tolerance import kernel_difference, kernel_tolerance
+from normswap.passes.fuse.legality import Measured, fused_call, kind_refusal, measure
 
 FUSED_CLASSES: dict[NormKind, type[FusedNorm]] = {NormKind.RMS: FusedRMSNorm, NormKind.LAYER: FusedLayerNorm}
 CHANNEL_CLASSES = {NormKind.RMS: FusedChannelRMSNorm, NormKind.LAYER: FusedChannelLayerNorm}
@@ -81,8 +72,7 @@ class FusePlan:
     path: str
     original: nn.Module
     fused: nn.Module
-    diff: float
-    where: str
+    measured: Measured
 
 
 class FuseNorm(Pass[NormSite, FusePlan, FuseNormRun]):
@@ -104,30 +94,11 @@ class FuseNorm(Pass[NormSite, FusePlan, FuseNormRun]):
         if isinstance(built, str):
             return built
         path, original, fused = built
-        diff, within, where = _site_difference(state.inputs, site, original, fused)
-        if math.isinf(diff):
-            return (
-                f"the fused module does not give its output's shape on {where}: its semantics are not "
-                "the ones read off it"
-            )
-        if not within:
-            atol, rtol = kernel_tolerance(_dtype_of(original))
-            return (
-                f"the fused module differs from it by {diff:.3g} on {where}, beyond the kernel tolerance "
-                f"(atol {atol:g}, rtol {rtol:g}): its semantics are not the ones read off it"
-            )
-        return FusePlan(site, path, original, fused, diff, where)
+        measured = _site_difference(state.inputs, site, original, fused)
+        return measured if isinstance(measured, str) else FusePlan(site, path, original, fused, measured)
 
     def apply(self, plan: FusePlan, ctx: PassContext, state: FuseNormRun) -> Change:
-        site, path, original, fused, diff, where = (
-            plan.site,
-            plan.path,
-            plan.original,
-            plan.fused,
-            plan.diff,
-            plan.where,
-        )
-        atol, rtol = kernel_tolerance(_dtype_of(original))
+        site, path, original, fused = plan.site, plan.path, plan.original, plan.fused
         replace_submodule(ctx.model, path, fused)
         details: dict[str, Any] = {
             "module": path,
@@ -136,14 +107,12 @@ class FuseNorm(Pass[NormSite, FusePlan, FuseNormRun]):
             "eps": fused.eps,
             "casting": fused.casting,
             "weight_offset": fused.weight_offset,
-            "max_abs_diff": diff,
-            "tolerance": {"atol": atol, "rtol": rtol},
-            "measured_on": where,
+            **plan.measured.details(),
         }
         what = f"{type(original).__name__} -> {type(fused).__name__}"
         if path != site.path:
             what += f" (module {path}: its forward is this {site.source} {site.kind} norm)"
-        what += f"; site max abs diff {diff:.3g}"
+        what += f"; {plan.measured.summary}"
         return Change(self.name, site.path, self.kind, what, details)
 
 
@@ -159,45 +128,28 @@ def fuse_norm(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Legality and construction
+# Legality (:mod:`.legality`, and what only a module has) and construction
 
 
 def _build(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module, nn.Module] | str:
     """(path of the module to replace, that module, its fused twin), or why there is none."""
-    if site.kind not in FUSED_CLASSES:
-        return (
-            f"{site.kind} norm normalizes over channels or groups, not the trailing dims the fused "
-            "kernels normalize"
-        )
     path, module = _module_of(site, ctx)
     if module is None:
-        owner = site.path.split("::")[0]
-        return (
-            f"{site.source} norm computed inside {_owner_name(owner)}, not a module of its own: "
+        return kind_refusal(site.kind) or (
+            f"{site.source} norm computed inside {_owner_name(path)}, not a module of its own: "
             f"{_NEEDS_GRAPH_REWRITE}"
         )
     if isinstance(module, FusedNorm):
         return "already a fused module"
-    shape = site.normalized_shape
-    if shape is None or site.eps is None:
-        return "its normalized shape or eps could not be determined"
-    channel_dim = channel_dim_of(site.normalized_dims)
-    if channel_dim is not None and len(shape) != 1:
-        return (
-            f"normalizes dim {channel_dim} with affine tensors of shape {shape}: the fused channel norm "
-            "keeps them as vectors, which would change the checkpoint"
-        )
-    if site.normalized_dims != tuple(range(-len(shape), 0)) and channel_dim is None:
-        return (
-            f"normalizes dims {site.normalized_dims}: neither the trailing {len(shape)} dim(s) nor one "
-            "channel dim, which the fused kernels normalize"
-        )
-    if site.casting not in CASTING_MODES:
-        return f"casting mode {site.casting!r} is not one the kernels implement {CASTING_MODES}"
-    problem = _state_problem(site, module)
-    if problem is not None:
-        return problem
+    state = module.state_dict()
+    call = fused_call(site.semantics, state)
+    if isinstance(call, str):
+        return call
+    extra = sorted(set(state) - {site.weight_name, site.bias_name})
+    if extra:
+        return f"holds state its norm does not use ({', '.join(extra)}): the fused module would drop it"
     # built from discovery's record: the module is not read again
+    channel_dim = call["channel_dim"]
     if channel_dim is not None:
         return path, module, CHANNEL_CLASSES[site.kind].from_channel_norm(module, site.semantics, channel_dim)
     return path, module, FUSED_CLASSES[site.kind].from_module(module, site.semantics)
@@ -223,34 +175,14 @@ def _module_of(site: NormSite, ctx: PassContext) -> tuple[str, nn.Module | None]
     return site.path.split("::")[0], None
 
 
-def _state_problem(site: NormSite, module: nn.Module) -> str | None:
-    """Why ``module``'s state is not exactly the weight and bias its record names, or None."""
-    if (site.affine and site.weight_name is None) or (site.bias and site.bias_name is None):
-        return "its weight or bias is computed in the forward, not a stored tensor"
-    state = module.state_dict()
-    used = [n for n in (site.weight_name, site.bias_name) if n is not None]
-    extra = sorted(set(state) - set(used))
-    if extra:
-        return f"holds state its norm does not use ({', '.join(extra)}): the fused module would drop it"
-    for name in used:
-        if name not in state:
-            return f"its {name} is not in its state_dict: the fused module could not load it"
-        if tuple(state[name].shape) != site.normalized_shape:
-            return (
-                f"{name} has shape {tuple(state[name].shape)}, not the normalized shape "
-                f"{site.normalized_shape}"
-            )
-    return None
-
-
 # ---------------------------------------------------------------------------------------------------
 # Measuring a site
 
 
 def _site_difference(
     inputs: RecordedInputs, site: NormSite, original: nn.Module, fused: nn.Module
-) -> tuple[float, bool, str]:
-    """(max abs difference, within the kernel tolerance, what it was measured on) at one site."""
+) -> Measured | str:
+    """The fused module against the module it replaces, on the module's input: :func:`.legality.measure`."""
     x = inputs.of(original)
     where = "the example inputs"
     if x is None:
@@ -265,28 +197,18 @@ def _site_difference(
         try:
             out = fused(x)
         except RuntimeError:  # the semantics read off the module do not even fit its input
-            return math.inf, False, where
-    return (*kernel_difference(ref, out), where)
-
-
-def _floating_tensors(module: nn.Module) -> list[torch.Tensor]:
-    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return [t for t in tensors if t.is_floating_point()]
-
-
-def _dtype_of(module: nn.Module) -> torch.dtype:
-    tensors = _floating_tensors(module)
-    return tensors[0].dtype if tensors else torch.float32
+            out = None
+    return measure(ref, out, "module", where)
 
 
 def _device_of(module: nn.Module) -> torch.device:
-    tensors = _floating_tensors(module)
-    return tensors[0].device if tensors else torch.device("cpu")
+    tensors = (*module.parameters(recurse=False), *module.buffers(recurse=False))
+    return next((t.device for t in tensors if t.is_floating_point()), torch.device("cpu"))
 
 
 def _site_dtype(site: NormSite, module: nn.Module) -> torch.dtype:
     dtype = getattr(torch, site.dtype, None) if site.dtype else None
-    return dtype if isinstance(dtype, torch.dtype) else _dtype_of(module)
+    return dtype if isinstance(dtype, torch.dtype) else module_dtype(module) or torch.float32
 
 
 def _owner_name(owner: str) -> str:

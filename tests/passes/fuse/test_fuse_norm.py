@@ -273,8 +273,8 @@ def test_refusals_carry_their_reason():
     _, report = fuse_norm(model, (torch.randn(1, 3, 5, 5),))
     assert report.changes == []
     assert {s.site: s.reason for s in report.skips} == {
-        "1": "batch norm normalizes over channels or groups, not the trailing dims the fused kernels normalize",
-        "2": "group norm normalizes over channels or groups, not the trailing dims the fused kernels normalize",
+        "1": "batch norm: the fused kernels normalize features, not over positions",
+        "2": "group norm: the fused kernels normalize features, not over positions",
     }
 
 

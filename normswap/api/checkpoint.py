@@ -49,7 +49,8 @@ from normswap.load.paths import check_output
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
 from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.core.base import PassReport
-from normswap.passes.core.edits import EditPlan, TensorEdit, plan_edits
+from normswap.passes.core.edits import EditPlan, TensorEdit
+from normswap.passes.streaming import plan_edits
 from normswap.passes.weightnorm.layers import RemoveWeightNorm
 from normswap.passes.weightnorm.stream import WeightNormValueError
 from normswap.rewrites import BY_OPTION, streamed_options

@@ -261,7 +261,7 @@ def test_a_killed_run_leaves_no_directory_that_looks_complete(dirs, tmp_path):
 @pytest.mark.parametrize("in_dim", [0, 1])
 def test_the_fold_in_slices_equals_the_fold_on_the_whole_weight(in_dim):
     from normswap.passes.affine.fold import fold_affine_into_linear
-    from normswap.passes.core.edits import _fold_in_slices
+    from normswap.passes.affine.stream import _fold_in_slices
 
     generator = torch.Generator().manual_seed(0)
     shape = (37, 24) if in_dim == 1 else (24, 37)  # 37 output features, 24 inputs
@@ -291,9 +291,9 @@ def test_a_group_holds_one_tensor_and_an_untied_copy_is_the_inputs_bytes(dirs, t
 
 
 def test_a_group_that_fails_stops_the_copies_and_leaves_nothing(dirs, tmp_path, monkeypatch):
-    import normswap.passes.core.edits as tensor_edits
+    import normswap.passes.recenter.stream as recenter_stream
 
-    real = tensor_edits._center_edit
+    real = recenter_stream._tensor_edit
     calls = []
 
     def failing(*args, **kwargs):
@@ -303,7 +303,7 @@ def test_a_group_that_fails_stops_the_copies_and_leaves_nothing(dirs, tmp_path, 
         calls.append(edit)
         return edit
 
-    monkeypatch.setattr(tensor_edits, "_center_edit", failing)
+    monkeypatch.setattr(recenter_stream, "_tensor_edit", failing)
     with pytest.raises(MemoryError, match="no memory for this group"):
         stream(dirs["opt"], tmp_path / "out", to="rmsnorm", exact=True)
     assert list(tmp_path.iterdir()) == []  # neither the output nor its temporary folder

@@ -108,7 +108,7 @@ def test_the_streamed_fold_writes_what_the_in_memory_route_writes(tmp_path, name
 
 
 def test_a_wrong_fold_is_caught_by_its_check_and_nothing_is_written(tmp_path, monkeypatch):
-    from normswap.passes import tensor_edits_batchnorm
+    from normswap.passes.batchnorm import stream as tensor_edits_batchnorm
 
     source, _ = _directory(tmp_path, "resnet")
     real = tensor_edits_batchnorm.folded_weights

@@ -40,11 +40,11 @@ from normswap.passes.batchnorm.arithmetic import (
 from normswap.passes.batchnorm.fold import FoldBatchNorm, FoldPlan
 from normswap.passes.batchnorm.layers import class_name, layer_text
 from normswap.passes.batchnorm.match import bn_eps, bn_statistics_problem
-from normswap.passes.core.base import Change, PassContext, PassReport, Skip, SkipCause
+from normswap.passes.core.base import Change, PassContext, Skip, SkipCause
+from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors
 from normswap.passes.swap.norm_act import is_identity, norm_act_tail
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
-Tensors = dict[str, torch.Tensor]
 # The layer classes a recipe rebuilds: a subclass with a forward of its own would lose it.
 STREAM_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV = {nn.Conv1d: F.conv1d, nn.Conv2d: F.conv2d, nn.Conv3d: F.conv3d}
@@ -171,17 +171,14 @@ def plan_batchnorm_folds(
     model: nn.Module,
     ctx: PassContext,
     stored: set[str],
-    make_edit: Callable[..., Any],
     read: Callable[[str], torch.Tensor],
-) -> tuple[list[Any], list[FoldedGroup], dict[str, Any], PassReport]:
-    """The edit groups of ``--fold-bn`` on ``model`` (meta device), made by ``make_edit(label, reads,
-    compute, writes, creates, drops)``; the groups for :func:`check_folds`, the module recipes and the
-    report. ``read`` gives a stored tensor by name (the statistics are checked before the stream)."""
+) -> EditPlan:
+    """The edit groups of ``--fold-bn`` on ``model`` (meta device), with the groups for :func:`check_folds`,
+    the module recipes and the report. ``read`` gives a stored tensor by name (the statistics are
+    checked before the stream)."""
     rewrite = FoldBatchNorm()
     report = rewrite.new_report()
-    edits: list[Any] = []
-    groups: list[FoldedGroup] = []
-    recorded: dict[str, Any] = {}
+    plan = EditPlan(report=report)
     written: set[str] = set()
     for site, checked in rewrite.decide(ctx, None):
         if isinstance(checked, Skip):
@@ -197,10 +194,12 @@ def plan_batchnorm_folds(
         reads, compute, writes = _edit_parts(group)
         drops = tuple(n for n in sorted(stored) if n.startswith(group.bn + "."))
         creates = {} if group.bias_stored else {group.bias: (group.weight, (_out_features(group.original),))}
-        edits.append(make_edit(f"fold {group.bn}", reads, compute, writes, creates, drops))
-        groups.append(group)
-        recorded[group.bn] = {"class": "Identity", "kwargs": {}}
-        recorded[group.layer] = group.recipe
+        plan.edits.append(
+            TensorEdit(f"fold {group.bn}", reads, compute, writes, creates=creates, drops=drops)
+        )
+        plan.folds.append(group)
+        plan.recorded[group.bn] = {"class": "Identity", "kwargs": {}}
+        plan.recorded[group.layer] = group.recipe
         into = "folded into" if group.direction == "backward" else "folded forward into the next layer"
         report.changes.append(
             Change(
@@ -215,7 +214,7 @@ def plan_batchnorm_folds(
                 },
             )
         )
-    return edits, groups, recorded, report
+    return plan
 
 
 def _out_features(layer: nn.Module) -> int:

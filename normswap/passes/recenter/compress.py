@@ -46,7 +46,13 @@ from normswap.graph.stream_params import Stream
 from normswap.modules.zero_sum import ZeroSumRMSNorm
 from normswap.passes.core.base import Change, Needs, Pass, PassContext, Refusal, RewriteKind, SkipCause
 from normswap.passes.core.graph_rewrite import finish_graph
-from normswap.passes.recenter.layernorm import center_along, named_tensors, under_any
+from normswap.passes.recenter.writers import (
+    center_along,
+    named_tensors,
+    stream_edits,
+    tensor_aliases,
+    under_any,
+)
 from normswap.verify.variants import describe_error
 
 # Ops whose shape argument (args[1]) states the sizes of their output, hidden dim included.
@@ -119,30 +125,39 @@ def _within(path: str, modules: set[str]) -> bool:
 
 
 def _narrow_params(gm: fx.GraphModule, narrowing: Narrowing) -> list[str]:
-    """Center and keep the first d - 1 output coordinates of every writer; untie what others read."""
+    """Run the stream's recentring edits (:func:`stream_edits`) on the graph's tensors, each narrowed to
+    its first d - 1 output coordinates; an untied writer's uses read a new tensor."""
     stream, keep = narrowing.stream, narrowing.stream.hidden - 1
     nodes = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
     named = dict(named_tensors(gm))
     done = []
-    for param in stream.params:
-        tensor = named[param.name]
+    for edit in stream_edits(stream, tensor_aliases(gm), set()):
+        tensor, param = named[edit.name], edit.param
+        is_parameter = isinstance(tensor, nn.Parameter)
+        if param is None:  # a LayerScale folded into its writer: ones, narrowed along the stream's dim
+            dims = [i for i, size in enumerate(tensor.shape) if size == stream.hidden]
+            _set_attr(
+                gm,
+                edit.name,
+                torch.ones_like(tensor.detach()).narrow(dims[-1], 0, keep).clone(),
+                is_parameter,
+            )
+            done.append(edit.describe())
+            continue
         scale = named[param.scale] if param.scale else None
         value = center_along(tensor.detach(), param.dim, scale).narrow(param.dim, 0, keep).clone()
-        is_parameter = isinstance(tensor, nn.Parameter)
-        readers = stream.shared.get(param.name, set()) - {""}
-        if not readers:
-            _set_attr(gm, param.name, value, is_parameter)
-            done.append(f"{param.name} (dim {param.dim}, via {param.via})")
+        if not edit.readers:
+            _set_attr(gm, edit.name, value, is_parameter)
+            done.append(edit.describe())
             continue
-        # Untie: the writer's uses read a new tensor, under a name of the tied tensor that no other
-        # reader owns (GPT-2: transformer.wte.weight, while lm_head.weight keeps the original).
-        source = nodes[param.name]
-        writers = [u for u in source.users if not _within(module_path(u), readers)]
-        own = [n for n, t in named.items() if t is tensor and not _within(n.rpartition(".")[0], readers)]
+        # The writer's uses read a new tensor, under a name of the tied tensor that no other reader owns
+        # (GPT-2: transformer.wte.weight, while lm_head.weight keeps the original).
+        source = nodes[edit.name]
+        writers = [u for u in source.users if not _within(module_path(u), set(edit.readers))]
         name = (
-            own[0]
-            if own
-            else _free_name(gm, f"{param.module_path}.{param.name.rpartition('.')[2]}".lstrip("."))
+            edit.rewritten[0]
+            if edit.rewritten
+            else _free_name(gm, f"{param.module_path}.{edit.name.rpartition('.')[2]}".lstrip("."))
         )
         _set_attr(gm, name, value, is_parameter)
         with gm.graph.inserting_after(source):
@@ -151,14 +166,8 @@ def _narrow_params(gm: fx.GraphModule, narrowing: Narrowing) -> list[str]:
         for user in writers:
             user.replace_input_with(source, fresh)
         done.append(
-            f"{name} (dim {param.dim}, via {param.via}; untied from {param.name}, which keeps the original)"
+            f"{name} (dim {param.dim}, via {param.via}; untied from {edit.name}, which keeps the original)"
         )
-    for name in stream.folded_scales:  # LayerScales folded into their writers: ones, narrowed
-        tensor = named[name]
-        dims = [i for i, size in enumerate(tensor.shape) if size == stream.hidden]
-        ones = torch.ones_like(tensor.detach()).narrow(dims[-1], 0, keep).clone()
-        _set_attr(gm, name, ones, isinstance(tensor, nn.Parameter))
-        done.append(f"{name} (folded into the layer before it, now ones)")
     return done
 
 

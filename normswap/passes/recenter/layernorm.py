@@ -39,7 +39,7 @@ from torch import fx, nn
 from normswap.discover import NormSite
 from normswap.graph.ops import CAST_OPS, op_name
 from normswap.graph.stream import close_stream
-from normswap.graph.stream_params import CenteredParam, Stream
+from normswap.graph.stream_params import Stream
 from normswap.passes.core.base import (
     Change,
     Pass,
@@ -52,74 +52,15 @@ from normswap.passes.core.base import (
     capture_refusal,
     replace_submodule,
 )
+from normswap.passes.recenter.writers import (
+    WriterEdit,
+    center_along,
+    named_tensors,
+    stream_edits,
+    tensor_aliases,
+    untie_problem,
+)
 from normswap.passes.swap.swap_norm import build_norm
-
-
-def center_along(
-    tensor: torch.Tensor,
-    dim: int,
-    scale: torch.Tensor | None = None,
-    *,
-    out: torch.Tensor | None = None,
-    chunk_elements: int = 1 << 19,
-) -> torch.Tensor:
-    """``tensor`` (first multiplied by ``scale`` along ``dim``, if given) minus its mean over ``dim``.
-
-    fp64 inside, cast back to the tensor's dtype. ``scale`` is a LayerScale vector folded into the
-    weight of the layer it scales: ``gamma * (W x + b) = (diag(gamma) W) x + gamma * b``.
-
-    The fp64 work runs on slices of about ``chunk_elements`` values across another dim, so that a large
-    weight (an embedding) costs one output tensor and not several fp64 copies of itself, and a slice's
-    fp64 values stay in the CPU's cache (4 MB slices center a bf16 weight 4-10x faster than 32 MB ones
-    on this project's machine); each slice holds whole lines along ``dim``, so the result is the same as
-    on the whole tensor. ``out`` may be ``tensor`` itself: each slice is read whole before it is
-    written, and no other slice reads it.
-    """
-    if tensor.ndim == 1:
-        centered = _centered(tensor.detach(), 0, scale)
-        return centered if out is None else out.detach().copy_(centered)
-    dim %= tensor.ndim
-    across = max((d for d in range(tensor.ndim) if d != dim), key=lambda d: tensor.shape[d])
-    step = max(1, chunk_elements * tensor.shape[across] // max(1, tensor.numel()))
-    if out is None:
-        out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    out = out.detach()
-    for start in range(0, tensor.shape[across], step):
-        length = min(step, tensor.shape[across] - start)
-        _centered(
-            tensor.detach().narrow(across, start, length), dim, scale, out.narrow(across, start, length)
-        )
-    return out
-
-
-def _centered(
-    tensor: torch.Tensor, dim: int, scale: torch.Tensor | None, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """One slice of :func:`center_along`, into ``out`` (or a new tensor of ``tensor``'s dtype)."""
-    # a copy even when the tensor is float64 already (.double() would return it, and the in-place ops
-    # below would center the caller's tensor: a tied weight's other reader, a float64 model)
-    t = tensor.to(torch.float64, copy=True)
-    if scale is not None:
-        shape = [1] * t.ndim
-        shape[dim] = -1
-        t.mul_(scale.detach().double().reshape(shape))
-    t.sub_(t.mean(dim=dim, keepdim=True))
-    return t.to(tensor.dtype) if out is None else out.copy_(t)
-
-
-def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]
-
-
-def _owner(model: nn.Module, holder: str) -> nn.Module:
-    return model.get_submodule(holder.rpartition(".")[0])
-
-
-def under_any(name: str, paths: set[str]) -> bool:
-    return any(p == "" or name.startswith(p + ".") for p in paths)
 
 
 class StreamPlan:
@@ -132,6 +73,7 @@ class StreamPlan:
         self.stream_of: dict[fx.Node, int] = {}
         self.applied: set[int] = set()
         self.centered: set[str] = set()
+        self.aliases = tensor_aliases(ctx.model)
         # streams refused for a limitation of normswap rather than the model's graph
         self.unsupported: set[int] = set()
         mean_blind = _mean_blind_nodes(ctx)
@@ -145,7 +87,7 @@ class StreamPlan:
                     if seed not in self.stream_of:
                         stream = close_stream(ctx.view, seed, mean_blind, ctx.modules)
                         if stream.ok:
-                            stream.reason = _untie_problem(ctx.model, stream)
+                            stream.reason = untie_problem(ctx.model, stream)
                             if stream.reason is not None:
                                 self.unsupported.add(len(self.streams))
                         elif stream.limit:  # the analysis could not tell, the graph did not show it
@@ -179,66 +121,28 @@ def _mean_blind_nodes(ctx: PassContext) -> set[fx.Node]:
     return nodes
 
 
-def _holders(named: list[tuple[str, torch.Tensor]], name: str) -> tuple[torch.Tensor, list[str]]:
-    """The tensor called ``name`` in ``named`` (a model's named tensors) and every name it has there."""
-    tensor = dict(named)[name]
-    return tensor, [n for n, t in named if t is tensor]
-
-
-def _untie_problem(model: nn.Module, stream: Stream) -> str | None:
-    """Why a centered parameter that other modules also read cannot be given its own copy, if so."""
-    named = named_tensors(model)
-    names = dict(named)
-    for param in stream.params:
-        if param.name not in names:
-            return f"parameter {param.name} of the graph is not found in the model"
-    for name, readers in stream.shared.items():
-        _, holders = _holders(named, name)
-        others = [h for h in holders if under_any(h, readers - {""})]
-        where = ", ".join(sorted(r or "<root>" for r in readers))
-        if "" in readers or not others or len(others) == len(holders):
-            return f"{name} is written into the stream and also read by {where}, and cannot be untied there"
-        keep = [h for h in holders if h not in others]
-        if {id(_owner(model, h)) for h in keep} & {id(_owner(model, h)) for h in others}:
-            # one module registered under several names (encoder.embed_tokens = decoder.embed_tokens)
-            return f"{name} is written into the stream and also read by {where} through the same module"
-    return None
-
-
-def _apply(model: nn.Module, stream: Stream, done: set[str]) -> dict[str, Any]:
-    """Center the stream's writers in ``model``; returns what was changed, for the report."""
+def _apply(model: nn.Module, edits: list[WriterEdit]) -> dict[str, list[str]]:
+    """Run a stream's edits on ``model``'s own tensors; returns what was changed, for the report."""
     centered, untied = [], []
-    # read once: untying only re-points names whose parameter is then done, so the rest stay valid
-    named = named_tensors(model)
-    by_name: dict[str, CenteredParam] = {p.name: p for p in stream.params}
-    for name, param in by_name.items():
-        if name in done:
-            continue
-        done.add(name)
-        tensor, holders = _holders(named, name)
-        scale = _holders(named, param.scale)[0] if param.scale else None
-        others = [h for h in holders if under_any(h, stream.shared.get(name, set()) - {""})]
-        if not others:
+    # read once: untying only re-points the names of a tensor that is then done, so the rest stay valid
+    tensors = dict(named_tensors(model))
+    for edit in edits:
+        tensor, param = tensors[edit.name], edit.param
+        centered.append(edit.describe())
+        if param is None:
+            with torch.no_grad():
+                tensor.fill_(1.0)
+        elif not edit.keep_original:
             # in place: a large writer (an embedding) is not held twice
-            center_along(tensor, param.dim, scale, out=tensor)
+            center_along(tensor, param.dim, tensors[param.scale] if param.scale else None, out=tensor)
         else:
-            new_value = center_along(tensor, param.dim, scale)
-            for holder in holders:
-                if holder in others:
-                    continue
+            value = center_along(tensor, param.dim, tensors[param.scale] if param.scale else None)
+            if isinstance(tensor, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+            for holder in edit.rewritten:
                 owner, _, attr = holder.rpartition(".")
-                module = model.get_submodule(owner)
-                if isinstance(tensor, nn.Parameter):
-                    setattr(module, attr, nn.Parameter(new_value, requires_grad=tensor.requires_grad))
-                else:
-                    setattr(module, attr, new_value)
-                untied.append(f"{holder} (kept the original for {', '.join(others)})")
-        centered.append(f"{name} (dim {param.dim}, via {param.via})")
-    for name in stream.folded_scales:
-        with torch.no_grad():
-            _holders(named, name)[0].fill_(1.0)
-    if stream.folded_scales:
-        centered += [f"{name} (folded into the layer before it, now ones)" for name in stream.folded_scales]
+                setattr(model.get_submodule(owner), attr, value)
+                untied.append(f"{holder} (kept the original for {', '.join(edit.keep_original)})")
     config = getattr(model, "config", None)
     if untied and config is not None and getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False  # else a Hugging Face save/load round trip ties them again
@@ -308,7 +212,7 @@ class RecenterLayerNorm(Pass[NormSite, RecenterPlan, StreamPlan | None]):
         for i in plan.streams:
             if i not in streams.applied:
                 streams.applied.add(i)
-                done = _apply(ctx.model, streams.streams[i], streams.centered)
+                done = _apply(ctx.model, stream_edits(streams.streams[i], streams.aliases, streams.centered))
                 details["centered"] += done["centered"]
                 details["untied"] += done["untied"]
         old = site.module

@@ -32,8 +32,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from normswap.modules.recipes import build_from_recipe, module_recipe
-from normswap.passes.batchnorm.stream import STREAM_LAYERS, Tensors, layer_filled, layer_probe
-from normswap.passes.core.base import Change, PassReport, Skip, SkipCause, parameters_context
+from normswap.passes.batchnorm.stream import STREAM_LAYERS, layer_filled, layer_probe
+from normswap.passes.core.base import Change, Skip, SkipCause, parameters_context
+from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors
 from normswap.passes.weightnorm.layers import (
     AddPlan,
     AddWeightNorm,
@@ -133,16 +134,13 @@ def plan_weight_norm(
     model: nn.Module,
     rewrite: AddWeightNorm | RemoveWeightNorm,
     stored: set[str],
-    make_edit: Callable[..., Any],
-) -> tuple[list[Any], list[WeightNormGroup], dict[str, Any], PassReport]:
-    """The edit groups of one weight-norm pass on ``model`` (meta device), made by ``make_edit(label,
-    reads, compute, writes, creates, drops)``; the groups for :func:`check_layers`, the recipes, the report."""
+) -> EditPlan:
+    """The edit groups of one weight-norm pass on ``model`` (meta device), with the layers for
+    :func:`check_layers`, the recipes and the report."""
     adding = isinstance(rewrite, AddWeightNorm)
     ctx = parameters_context(model)
     report = rewrite.new_report()
-    edits: list[Any] = []
-    groups: list[WeightNormGroup] = []
-    recorded: dict[str, Any] = {}
+    plan = EditPlan(report=report)
     for site, checked in rewrite.decide(ctx, None):
         if isinstance(checked, Skip):
             report.skips.append(checked)
@@ -154,18 +152,18 @@ def plan_weight_norm(
         shapes = _shapes(group)
         anchor = group.before[-1]  # new tensors go where the layer's weight was
         creates = {name: (anchor, shapes[name]) for name in group.after}
-        edits.append(
-            make_edit(
+        plan.edits.append(
+            TensorEdit(
                 f"{rewrite.name} {group.path}",
                 group.before,
                 _compute(group),
                 group.after,
-                creates,
-                group.before,
+                creates=creates,
+                drops=group.before,
             )
         )
-        groups.append(group)
-        recorded[group.path] = group.recipe
+        plan.layers.append(group)
+        plan.recorded[group.path] = group.recipe
         dim = "all" if group.dim == -1 else group.dim
         what = (
             f"weight -> g * v / ||v|| (dim {dim})"
@@ -177,7 +175,7 @@ def plan_weight_norm(
                 rewrite.name, site.path, rewrite.kind, what, {"dim": None if group.dim == -1 else group.dim}
             )
         )
-    return edits, groups, recorded, report
+    return plan
 
 
 def check_layers(

@@ -65,6 +65,7 @@ OPTIONS: tuple[Rewrite, ...] = (
         "Fold each LayerScale (ViT's ls1/ls2, DINOv2's layer_scale, ConvNeXt's gamma) into the Linear or conv "
         "that writes what it scales (exact).",
         "convert/fold-layerscale.md",
+        streams=True,
     ),
     Rewrite(
         "fold_norm_affine",

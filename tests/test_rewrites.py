@@ -53,6 +53,13 @@ def test_what_streams_is_what_the_stream_can_plan():
         assert (stream_problem(config) is None) is entry.streams, entry.option
 
 
+def test_every_rewrite_that_streams_has_its_planner_and_no_other_has_one():
+    from normswap.passes.streaming import GRAPH_PLANNERS, PARAMETER_PLANNERS
+
+    streamed = {entry.option for entry in rewrites.REWRITES if entry.streams}
+    assert streamed == set(GRAPH_PLANNERS) | PARAMETER_PLANNERS
+
+
 def test_every_rewrite_has_its_docs_page_and_a_row_in_the_readme():
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## What it does") :]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_dirs import make_directory
+from hf_dirs import make_directory, wav2vec2_config
 from hf_dirs import stored_tensors as _tensors
 from normswap_cli.app import app
 from typer.testing import CliRunner
@@ -22,8 +22,14 @@ from typer.testing import CliRunner
 transformers = pytest.importorskip("transformers")
 
 runner = CliRunner()
-# what the stream builds from a text model's config: batch 1 x 16 token ids
-SAME_INPUTS = ["--input-shape", "int64:1,16"]
+# what the stream builds from each model's config (normswap.load.config_inputs): batch 1 x 16 token ids,
+# one image of the configured size (224 where the config has none), raw audio for 16 frames
+SAME_INPUTS = {
+    "text": ["--input-shape", "int64:1,16"],
+    "resnet": ["--input-shape", "float32:1,3,224,224"],
+    "convnext": ["--input-shape", "float32:1,3,64,64"],
+    "wav2vec2": ["--input-shape", f"float32:1,{17 * 5 * 2 + 10 + 3}"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,24 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.manual_seed(0)
     transformers.BertModel(config).eval().save_pretrained(root / "bert")
     made["bert"] = root / "bert"
+    resnet = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5)
+    made["resnet"] = _saved(transformers.ResNetForImageClassification(resnet), root / "resnet")
+    convnext = transformers.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 2], num_stages=2, image_size=64)
+    made["convnext"] = _saved(transformers.ConvNextModel(convnext), root / "convnext")
+    made["wav2vec2"] = _saved(transformers.Wav2Vec2ForCTC(wav2vec2_config(vocab_size=20)), root / "wav2vec2")
     return made
+
+
+def _saved(model: torch.nn.Module, path: Path) -> Path:
+    """``model`` with random norm statistics and scales (not its initial ones and zeros), saved in shards."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith(("running_var", "layer_scale_parameter")):
+                tensor.copy_(torch.rand_like(tensor) + 0.5)
+            elif name.endswith("running_mean"):
+                tensor.copy_(torch.randn_like(tensor))
+    model.eval().save_pretrained(path, max_shard_size="50KB")
+    return path
 
 
 def _run(argv: list[str], report: Path) -> tuple[int, dict]:
@@ -63,6 +86,10 @@ def _decisions(report: dict) -> list[tuple]:
         ("llama", ["--fold-norm-affine"], 0),
         ("gpt2", ["--to", "rmsnorm", "--exact"], 0),
         ("gpt2", ["--fold-bn"], 0),  # nothing to change: done, said, the model written as it was
+        ("resnet", ["--fold-bn"], 0),
+        ("convnext", ["--fold-layerscale"], 0),
+        ("wav2vec2", ["--remove-weight-norm"], 0),
+        ("wav2vec2", ["--add-weight-norm", "lm_head"], 0),
         ("bert", ["--to", "rmsnorm", "--exact"], 1),  # post-LN: refused by the exact policy
     ],
 )
@@ -71,13 +98,16 @@ def test_streamed_and_in_memory_agree(dirs, tmp_path, name, options, exit_code):
     streamed_out, memory_out = tmp_path / "streamed", tmp_path / "memory"
     code_s, streamed = _run(["convert", source, *options, "-o", str(streamed_out)], tmp_path / "s.json")
     code_m, memory = _run(
-        ["convert", source, *options, *SAME_INPUTS, "-o", str(memory_out)], tmp_path / "m.json"
+        ["convert", source, *options, *SAME_INPUTS.get(name, SAME_INPUTS["text"]), "-o", str(memory_out)],
+        tmp_path / "m.json",
     )
     assert (streamed["route"], memory["route"]) == ("streamed", "in memory")
     assert code_s == code_m == exit_code
     assert streamed["verdict"] == memory["verdict"]
     assert streamed["refusal"] == memory["refusal"]
     assert _decisions(streamed) == _decisions(memory)
+    nothing = any(note.startswith("nothing to change") for note in streamed["notes"])
+    assert nothing or any(changes for _, changes, _ in _decisions(streamed)), "compared no change"
     assert streamed["written"] == memory["written"] == (exit_code == 0)
     # the same notes, but the route's own ("... does not stream yet: converting in memory") and what only
     # a model in memory can measure: the hidden states a caller may ask for (None: not measured)

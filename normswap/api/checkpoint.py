@@ -319,9 +319,7 @@ def plan_checkpoint(
         args,
         kwargs,
         set(checkpoint.weight_map),
-        fold_norm_affine=config.fold_norm_affine,
-        recenter=config.to is not None,
-        fold_bn=config.fold_bn,
+        config.rewrites()[0],
         read=reader(checkpoint),
         weight_norm=weight_norm,
     )
@@ -353,8 +351,8 @@ def write_checkpoint(
         fold_checks: list[TensorComparison] = []
         if not plan.edits:
             say("nothing to rewrite: every tensor copied as bytes")  # the input's bytes: nothing to verify
-        elif plan.folds or plan.layers:
-            say(f"verifying {len(plan.folds) + len(plan.layers)} rewritten layers against the originals")
+        elif plan.checks:
+            say(f"verifying {len(plan.checks)} rewritten layers against the originals")
             fold_checks = check_rewritten_layers(checkpoint, written, plan)
         else:
             say("verifying block by block against the original")

@@ -60,14 +60,10 @@ def reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
 def check_rewritten_layers(
     checkpoint: CheckpointDirectory, written: CheckpointDirectory, plan: EditPlan
 ) -> list[TensorComparison]:
-    """Each rewritten layer as written against what it replaces in the input (a folded BatchNorm and
-    its layer; a layer before weight norm was added or removed), on random inputs."""
-    from normswap.passes.batchnorm.stream import check_folds
-    from normswap.passes.weightnorm.stream import check_layers
-
+    """Each rewritten layer as written against what it replaces in the input (a folded BatchNorm or
+    LayerScale and its layer; a layer before weight norm was added or removed), on random inputs."""
     original, output = reader(checkpoint), reader(written)
-    checks = check_folds(plan.folds, original, output)
-    checks += check_layers(plan.layers, original, output, set(checkpoint.weight_map))
+    checks = [layer.check(original, output) for layer in plan.checks]
     for check in checks:
         if not check.within_tolerance:
             raise CheckFailedError(

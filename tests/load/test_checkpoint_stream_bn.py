@@ -167,6 +167,6 @@ def test_the_cli_streams_a_fold_and_says_how_it_was_checked(tmp_path):
     )
     assert both.exit_code == 0, both.output
     assert (
-        "note: a stream runs one rewrite: --fold-bn, --fold-norm-affine, --add-weight-norm, --remove-weight-norm or --to rmsnorm --exact: converting in memory"
+        "note: a stream runs one rewrite: --fold-bn, --fold-layerscale, --fold-norm-affine, --add-weight-norm, --remove-weight-norm or --to rmsnorm --exact: converting in memory"
         in " ".join(both.output.split())
     )

@@ -15,7 +15,7 @@ What a stream of tensors cannot write is refused with the reason, and ``convert`
 becomes a ChannelAffine), a norm+act BN keeping its activation, a layer whose class is not torch's own
 Conv1d/2d/3d or Linear (a recipe names only those), and a second fold into a layer another fold writes.
 
-:func:`check_folds` verifies a written result group by group: each group's function on random inputs,
+each group's ``check`` verifies a written result group by group: each group's function on random inputs,
 ``bn(layer(x))`` (or ``layer(bn(x))``) from the input's tensors against ``layer'(x)`` from the output's,
 within the exact tolerance of the stored dtype. Memory is one group's tensors, whatever the model's size.
 """
@@ -65,6 +65,16 @@ class FoldedGroup:
     bias_stored: bool
     original: nn.Module
     recipe: dict[str, Any]
+
+    def check(
+        self, read_original: Callable[[str], torch.Tensor], read_written: Callable[[str], torch.Tensor]
+    ) -> TensorComparison:
+        """:func:`check_fold` of this group, its tensors read now."""
+        names = [self.weight, *((self.bias,) if self.bias_stored else ())]
+        names += [n for n in self.stats.values() if n is not None]
+        original = {name: read_original(name) for name in names}
+        written = {name: read_written(name) for name in (self.weight, self.bias)}
+        return check_fold(self, original, written)
 
 
 def _bn_names(path: str, bn: nn.Module, stored: set[str]) -> dict[str, str | None] | str:
@@ -173,7 +183,7 @@ def plan_batchnorm_folds(
     stored: set[str],
     read: Callable[[str], torch.Tensor],
 ) -> EditPlan:
-    """The edit groups of ``--fold-bn`` on ``model`` (meta device), with the groups for :func:`check_folds`,
+    """The edit groups of ``--fold-bn`` on ``model`` (meta device), each group with its check,
     the module recipes and the report. ``read`` gives a stored tensor by name (the statistics are
     checked before the stream)."""
     rewrite = FoldBatchNorm()
@@ -197,7 +207,7 @@ def plan_batchnorm_folds(
         plan.edits.append(
             TensorEdit(f"fold {group.bn}", reads, compute, writes, creates=creates, drops=drops)
         )
-        plan.folds.append(group)
+        plan.checks.append(group)
         plan.recorded[group.bn] = {"class": "Identity", "kwargs": {}}
         plan.recorded[group.layer] = group.recipe
         into = "folded into" if group.direction == "backward" else "folded forward into the next layer"
@@ -272,19 +282,3 @@ def check_fold(group: FoldedGroup, original: Tensors, written: Tensors) -> Tenso
     with torch.no_grad():
         reference = bn(before(x)) if group.direction == "backward" else before(bn(x))
         return compare_tensors(f"{group.bn} -> {group.layer}", reference, after(x))
-
-
-def check_folds(
-    groups: list[FoldedGroup],
-    read_original: Callable[[str], torch.Tensor],
-    read_written: Callable[[str], torch.Tensor],
-) -> list[TensorComparison]:
-    """:func:`check_fold` of every group, each group's tensors read when it is checked."""
-    results = []
-    for group in groups:
-        names = [group.weight, *((group.bias,) if group.bias_stored else ())]
-        names += [n for n in group.stats.values() if n is not None]
-        original = {name: read_original(name) for name in names}
-        written = {name: read_written(name) for name in (group.weight, group.bias)}
-        results.append(check_fold(group, original, written))
-    return results

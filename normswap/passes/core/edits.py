@@ -17,15 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from normswap.passes.core.base import PassReport
 
 if TYPE_CHECKING:
-    from normswap.passes.batchnorm.stream import FoldedGroup
-    from normswap.passes.weightnorm.stream import WeightNormGroup
+    from normswap.verify.metrics import TensorComparison
 
 Tensors = dict[str, torch.Tensor]
 
@@ -51,6 +50,15 @@ class TensorEdit:
     drops: tuple[str, ...] = ()
 
 
+class LayerCheck(Protocol):
+    """A rewritten layer that checks itself: its function as written against what it replaces, each read
+    by stored name, on a random input."""
+
+    def check(
+        self, read_original: Callable[[str], torch.Tensor], read_written: Callable[[str], torch.Tensor]
+    ) -> TensorComparison: ...
+
+
 @dataclass
 class EditPlan:
     """What streaming a conversion does: the edit groups, the modules whose class changes (path ->
@@ -60,10 +68,9 @@ class EditPlan:
     recorded: dict[str, Any] = field(default_factory=dict)
     config_changes: dict[str, Any] = field(default_factory=dict)
     report: PassReport | None = None
-    # --fold-bn: each group's function, checked on the written output (batchnorm.stream.check_folds)
-    folds: list[FoldedGroup] = field(default_factory=list)
-    # weight norm added or removed: each layer, checked on the written output (check_layers)
-    layers: list[WeightNormGroup] = field(default_factory=list)
+    # the rewritten layers whose function is checked on the written output, where the rewrite is local
+    # to a layer (a folded BatchNorm or LayerScale, weight norm added or removed)
+    checks: list[LayerCheck] = field(default_factory=list)
 
     @property
     def writes(self) -> set[str]:

@@ -17,7 +17,7 @@ where the config builds weight norm, as wav2vec2's positional conv), so each is 
 rebuilds it. Refused in a stream, with the reason: a layer that is not torch's own Conv1d/2d/3d or
 Linear (a recipe names only those), and the deprecated hook form (``weight_g``/``weight_v``).
 
-:func:`check_layers` verifies a written result layer by layer: the layer as it was (from the input's
+each group's ``check`` verifies a written result layer by layer: the layer as it was (from the input's
 tensors) and as written, on a random input, within the exact tolerance of the stored dtype.
 """
 
@@ -63,6 +63,21 @@ class WeightNormGroup:
     after: tuple[str, ...]  # names written (g, v; or weight)
     original: nn.Module
     recipe: dict[str, Any]
+    own: tuple[str, ...]  # the layer's own stored tensors (its bias, as it was)
+
+    def check(
+        self, read_original: Callable[[str], torch.Tensor], read_written: Callable[[str], torch.Tensor]
+    ) -> TensorComparison:
+        """The layer as written against the layer as it was, on a random input, in the stored dtype."""
+        original = {name: read_original(name) for name in dict.fromkeys((*self.before, *self.own))}
+        written = {name: read_written(name) for name in self.after}
+        written.update({n: original[n] for n in self.own if n not in self.before})
+        dtype = original[self.before[-1]].dtype
+        before = layer_filled(self.original, original, self.path, dtype)
+        after = layer_filled(build_from_recipe(self.recipe, device="meta"), written, self.path, dtype)
+        x = layer_probe(before, dtype)
+        with torch.no_grad():
+            return compare_tensors(self.path, before(x), after(x))
 
 
 def _base_class(module: nn.Module) -> type[nn.Module]:
@@ -95,7 +110,8 @@ def _group(plan: AddPlan | RemovePlan, adding: bool, stored: set[str]) -> Weight
     if missing:
         return f"{missing[0]} is not in the checkpoint's files"
     assert recipe is not None  # a class of STREAM_LAYERS has one
-    return WeightNormGroup(path, adding, dim, before, after, module, recipe)
+    own = tuple(sorted(n for n in stored if n.startswith(path + ".") and "." not in n[len(path) + 1 :]))
+    return WeightNormGroup(path, adding, dim, before, after, module, recipe, own)
 
 
 def _compute(group: WeightNormGroup) -> Callable[[Tensors], Tensors]:
@@ -136,7 +152,7 @@ def plan_weight_norm(
     stored: set[str],
 ) -> EditPlan:
     """The edit groups of one weight-norm pass on ``model`` (meta device), with the layers for
-    :func:`check_layers`, the recipes and the report."""
+    their checks, the recipes and the report."""
     adding = isinstance(rewrite, AddWeightNorm)
     ctx = parameters_context(model)
     report = rewrite.new_report()
@@ -162,7 +178,7 @@ def plan_weight_norm(
                 drops=group.before,
             )
         )
-        plan.layers.append(group)
+        plan.checks.append(group)
         plan.recorded[group.path] = group.recipe
         dim = "all" if group.dim == -1 else group.dim
         what = (
@@ -176,27 +192,3 @@ def plan_weight_norm(
             )
         )
     return plan
-
-
-def check_layers(
-    groups: list[WeightNormGroup],
-    read_original: Callable[[str], torch.Tensor],
-    read_written: Callable[[str], torch.Tensor],
-    stored: set[str],
-) -> list[TensorComparison]:
-    """Each layer as written against the layer as it was, on a random input, in the stored dtype."""
-    results = []
-    for group in groups:
-        own = sorted(
-            n for n in stored if n.startswith(group.path + ".") and "." not in n[len(group.path) + 1 :]
-        )
-        original = {name: read_original(name) for name in dict.fromkeys((*group.before, *own))}
-        written = {name: read_written(name) for name in group.after}
-        written.update({n: original[n] for n in own if n not in group.before})  # the bias, as it was
-        dtype = original[group.before[-1]].dtype
-        before = layer_filled(group.original, original, group.path, dtype)
-        after = layer_filled(build_from_recipe(group.recipe, device="meta"), written, group.path, dtype)
-        x = layer_probe(before, dtype)
-        with torch.no_grad():
-            results.append(compare_tensors(group.path, before(x), after(x)))
-    return results

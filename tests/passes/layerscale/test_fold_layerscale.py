@@ -185,7 +185,7 @@ def test_a_directory_whose_keys_transformers_renames_is_folded_and_loads_back(tm
     out = tmp_path / "folded"
     result = normswap.convert(tmp_path / "dinov2", normswap.ConvertConfig(fold_layerscale=True, output=out))
     assert result.ok and result.route == "in memory" and result.changes == 4
-    assert any("--fold-layerscale does not stream yet" in note for note in result.notes)
+    assert any("store tensors under other names than the model's" in note for note in result.notes)
     normswap.save(result)
     back = transformers.Dinov2Model.from_pretrained(out).eval()
     before, after = _run(model, (1, 3, 32, 32)), _run(back, (1, 3, 32, 32))
@@ -196,3 +196,42 @@ def test_a_directory_whose_keys_transformers_renames_is_folded_and_loads_back(tm
     )
     assert folded.ok and folded.route == "in memory"
     assert any("store tensors under other names than the model's" in note for note in folded.notes)
+
+
+def _convnext_directory(root: Path) -> tuple[Path, nn.Module]:
+    config = transformers.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 2], num_stages=2, image_size=64)
+    model = _random_scales(transformers.ConvNextModel(config)).eval()
+    model.save_pretrained(root / "convnext", max_shard_size="50KB")
+    return root / "convnext", model
+
+
+def test_a_directory_streams_each_scale_folded_and_verified_and_loads_back(tmp_path: Path):
+    source, model = _convnext_directory(tmp_path)
+    out = tmp_path / "folded"
+    result = normswap.convert(source, normswap.ConvertConfig(fold_layerscale=True, output=out))
+    assert result.ok and result.route == "streamed" and result.changes == 3  # one scale per block
+    back = transformers.ConvNextModel.from_pretrained(out).eval()
+    scales = {k: v for k, v in back.state_dict().items() if k.endswith("layer_scale_parameter")}
+    assert len(scales) == 3 and all(torch.equal(v, torch.ones_like(v)) for v in scales.values())
+    for shape in ((1, 3, 64, 64), (2, 3, 48, 80)):  # the checked size and another
+        before, after = _run(model, shape), _run(back, shape)
+        assert ((before - after).abs().max() / before.abs().max()).item() < 1e-5
+
+
+def test_a_wrong_streamed_fold_is_caught_by_its_check_and_nothing_is_written(tmp_path: Path, monkeypatch):
+    import normswap.passes.layerscale.stream as layerscale_stream
+
+    source, _ = _convnext_directory(tmp_path)
+
+    def off_by_a_little(weight, bias, scale):
+        return fold_scale_into_writer(weight, bias, scale * (1 + 1e-3))
+
+    monkeypatch.setattr(layerscale_stream, "fold_scale_into_writer", off_by_a_little)
+    result = normswap.convert(source, normswap.ConvertConfig(fold_layerscale=True, output=tmp_path / "out"))
+    assert not result.ok and result.verdict is normswap.Verdict.EXACT_FAILURE
+    assert result.refusal.startswith(
+        "verification: encoder.stages.0.layers.0.layer_scale_parameter -> encoder.stages.0.layers.0.pwconv2 "
+        "as written is outside the exact tolerance"
+    )
+    assert result.refusal.endswith("nothing written")
+    assert [p.name for p in tmp_path.iterdir()] == ["convnext"]  # no output, no temporary sibling

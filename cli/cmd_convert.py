@@ -3,6 +3,8 @@ the result, save it. What runs, in which order, and when a result is refused is 
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -73,8 +75,26 @@ CalibrateOpt = Annotated[
         rich_help_panel=CALIBRATION_PANEL,
     ),
 ]
-FuseAddOpt = Annotated[bool, rewrite_flag("--fuse-add")]
-FuseInlineOpt = Annotated[bool, rewrite_flag("--fuse-inline")]
+# the on/off rewrites, one flag each by its config field; --add-weight-norm takes a module list (below)
+ON_OFF = tuple(r for r in rewrites.OPTIONS if r.field != "add_weight_norm")
+
+
+def with_rewrite_flags(command: Callable[..., None], after: str) -> Callable[..., None]:
+    """``command``, taking one on/off option per rewrite of the registry into its ``**flags``, listed after
+    its parameter ``after`` (typer reads the options from the signature and the annotations, and calls
+    with keywords), so a new rewrite needs no edit here."""
+    signature = inspect.signature(command, eval_str=True)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    at = next(i for i, p in enumerate(params) if p.name == after) + 1
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for entry in reversed(ON_OFF):
+        annotation = Annotated[bool, rewrite_flag(entry.option)]
+        params.insert(at, inspect.Parameter(entry.field, kind, default=False, annotation=annotation))
+        command.__annotations__[entry.field] = annotation
+    command.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return command
+
+
 AddWeightNormOpt = Annotated[
     str | None,
     typer.Option(
@@ -138,12 +158,6 @@ def convert(
         ),
     ] = None,
     batch_size: BatchSizeOpt = None,
-    fold_bn: Annotated[bool, rewrite_flag("--fold-bn")] = False,
-    fold_layerscale: Annotated[bool, rewrite_flag("--fold-layerscale")] = False,
-    fuse_add: FuseAddOpt = False,
-    fuse_inline: FuseInlineOpt = False,
-    fold_norm_affine: Annotated[bool, rewrite_flag("--fold-norm-affine")] = False,
-    defer_rms: Annotated[bool, rewrite_flag("--defer-rms")] = False,
     add_weight_norm: AddWeightNormOpt = None,
     weight_norm_dim: Annotated[
         str,
@@ -153,7 +167,6 @@ def convert(
             rich_help_panel=rewrites.WEIGHT_NORM,
         ),
     ] = "output",
-    remove_weight_norm: Annotated[bool, rewrite_flag("--remove-weight-norm")] = False,
     exact: Annotated[
         bool, flag("--exact", help="Fail instead of applying any non-exact rewrite.", panel=POLICY_PANEL)
     ] = False,
@@ -167,6 +180,7 @@ def convert(
     input_shape: InputShapeOpt = None,
     report: ReportOpt = None,
     overwrite: OverwriteOpt = False,
+    **flags: bool,
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
     from normswap.api import SAVE_FORMATS, ConvertConfig, convert, save
@@ -178,19 +192,13 @@ def convert(
         overwrite,
     )
     config = ConvertConfig(
+        **flags,
         to=to,
         from_kinds=from_kinds,
         groups=groups,
         layers=layers,
-        fold_bn=fold_bn,
-        fold_layerscale=fold_layerscale,
-        fold_norm_affine=fold_norm_affine,
-        defer_rms=defer_rms,
-        fuse_add=fuse_add,
-        fuse_inline=fuse_inline,
         add_weight_norm=add_weight_norm,
         weight_norm_dim=weight_norm_dim,
-        remove_weight_norm=remove_weight_norm,
         exact=exact,
         allow_lossy=allow_lossy,
         calibration_data=calibrate,
@@ -229,3 +237,6 @@ def convert(
         write_json(report, {"model": model, **result.to_dict()})
     if not result.ok:
         raise CheckFailedError(result.refusal or "nothing written")
+
+
+with_rewrite_flags(convert, after="batch_size")

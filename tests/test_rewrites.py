@@ -81,3 +81,27 @@ def test_the_help_of_the_command_is_the_registrys():
     shown = " ".join(CliRunner().invoke(app, ["convert", "--help"], env={"COLUMNS": "200"}).output.split())
     for entry in rewrites.OPTIONS:
         assert " ".join(entry.help.split()) in shown.replace("│ ", "").replace(" │", ""), entry.option
+
+
+def test_every_on_off_rewrite_reaches_the_config_from_its_flag(monkeypatch, tmp_path):
+    """convert's on/off flags are made from the registry: each sets its own field and no other."""
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    import normswap.api
+
+    seen = []
+
+    def capture(model, config, **kwargs):
+        seen.append(config)
+        raise normswap.BadInputError("captured")
+
+    monkeypatch.setattr(normswap.api, "convert", capture)
+    on_off = [entry for entry in rewrites.OPTIONS if entry.field != "add_weight_norm"]
+    for entry in on_off:
+        needs = entry.needs.split() if entry.needs else []  # "--to fused" for --fuse-add
+        argv = ["convert", "m.pt2", *needs, entry.option, "-o", str(tmp_path / "out.pt2")]
+        result = CliRunner().invoke(app, argv)
+        assert "captured" in result.output, (entry.option, result.output)
+        asked = {e.field for e in on_off if getattr(seen[-1], e.field)}
+        assert asked == {entry.field}, entry.option

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.passes.core.base import Pass
 from normswap.passes.core.pipeline import ExactOnlyError, Pipeline
-from normswap.rewrites import BY_OPTION, REWRITES, TARGETS, graph_options
+from normswap.rewrites import BY_OPTION, OPTIONS, REWRITES, TARGETS, graph_options
 
 if TYPE_CHECKING:
     from normswap.passes import AddWeightNorm
@@ -295,8 +295,6 @@ class ConvertConfig:
 
             passes.append(DeferRMS())
         if not passes:
-            raise BadInputError(
-                "nothing to do: give --to KIND, --fold-bn, --fold-norm-affine, --defer-rms, --add-weight-norm "
-                "or --remove-weight-norm"
-            )
+            options = [entry.option for entry in OPTIONS if entry.needs is None]
+            raise BadInputError(f"nothing to do: give --to KIND, {', '.join(options[:-1])} or {options[-1]}")
         return passes

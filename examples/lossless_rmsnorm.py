@@ -39,8 +39,8 @@ def main() -> None:
         print(f"skipped {skip.site}: {skip.reason}")
     remaining = sum(isinstance(m, torch.nn.LayerNorm) for m in converted.modules())
     print(f"LayerNorm modules left: {remaining}")
-    untied = [u for c in rewrite.changes for u in c.details["untied"]]
-    print("untied:", ", ".join(untied) or "nothing")
+    tied = converted.lm_head.weight is converted.transformer.wte.weight
+    print(f"LM head tied to the token embedding: {'yes' if tied else 'no'}")
     worst = max(report.overall.outputs, key=lambda o: o.max_rel)
     print(
         f"{len(rewrite.changes)} LayerNorms -> RMSNorm; logits max abs {worst.max_abs:.3g} "

@@ -25,7 +25,8 @@ from normswap.errors import BadInputError
 
 def _computed_buffers(checkpoint: Any) -> dict[str, torch.Tensor]:
     """The non-persistent buffers (computed when the model is built, never stored), by name."""
-    from normswap.load.checkpoint_dir import build_to_load, replace_recorded
+    from normswap.load.checkpoint_dir import build_to_load
+    from normswap.load.recorded import replace_recorded
 
     model = build_to_load(checkpoint)
     if checkpoint.replaced_modules:

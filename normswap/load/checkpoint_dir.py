@@ -352,6 +352,8 @@ def build_on_meta(checkpoint: CheckpointDirectory) -> nn.Module:
             f"transformers cannot build {checkpoint.architecture} from {checkpoint.path / CONFIG_FILE}: "
             f"{describe(exc)}"
         ) from None
+    from normswap.load.recorded import replace_recorded
+
     replace_recorded(model, checkpoint, device="meta")
     return model.eval()
 
@@ -390,36 +392,6 @@ def build_to_load(checkpoint: CheckpointDirectory, config: Any = None) -> nn.Mod
         # that a tied head is the embedding (one stored tensor) as in the model from_pretrained builds
         model.tie_weights()
     return model
-
-
-def replace_recorded(
-    model: nn.Module,
-    checkpoint: CheckpointDirectory,
-    device: torch.device | str,
-    only: dict[str, Any] | None = None,
-) -> None:
-    """Put the modules ``normswap.json`` records into ``model`` (built from the config), with fresh
-    tensors on ``device`` in the dtype of the modules they replace; ``only``: these recipes (path ->
-    recipe) instead of all. BadInputError for a recipe that is not one."""
-    from normswap.modules.recipes import build_from_recipe
-
-    recipes = checkpoint.replaced_modules if only is None else only
-    for path, recipe in recipes.items():
-        try:
-            old = model.get_submodule(path) if path else None
-        except AttributeError:
-            old = None
-        if old is None:
-            raise BadInputError(
-                f"{checkpoint.path / RECORD_FILE} replaces {path!r:.120}, which the model does not have"
-            )
-        dtype = next((t.dtype for t in old.parameters() if t.is_floating_point()), None)
-        try:
-            new = build_from_recipe(recipe, device=device, dtype=dtype)
-        except (ValueError, TypeError) as exc:
-            raise BadInputError(f"{checkpoint.path / RECORD_FILE}: module {path}: {exc}") from None
-        parent, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent), name, new)
 
 
 def load_checkpoint_directory(checkpoint: CheckpointDirectory) -> nn.Module:
@@ -465,6 +437,7 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
     """Build the stock model, put the recorded modules in, and load every tensor from the shards into it:
     each model tensor exactly once from the files (tied tensors through their one stored name), nothing
     left over, shapes as stored."""
+    from normswap.load.recorded import replace_recorded
     from normswap.load.safetensors_io import fill_tensor, read_header
 
     model = build_to_load(checkpoint)

@@ -19,6 +19,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _WeightNorm, weight_norm
 
 from normswap.kernels.reference import CASTING_MODES
+from normswap.modules.centered import CenteredEmbedding
 from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm, FusedLayerNorm, FusedRMSNorm
 from normswap.modules.norms import LayerNorm, RMSNorm
 
@@ -38,7 +39,7 @@ _PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
 # Recipe class name -> class. Names are normswap's own, not import paths: a file cannot name anything else.
 RECIPE_CLASSES: dict[str, type[nn.Module]] = {
-    cls.__name__: cls for cls in (*_AFFINE_NORMS, *_LAYERS, nn.Identity)
+    cls.__name__: cls for cls in (*_AFFINE_NORMS, *_LAYERS, nn.Identity, CenteredEmbedding)
 }
 
 
@@ -73,6 +74,9 @@ def module_recipe(module: nn.Module) -> dict[str, Any] | None:
         return {"class": name, "kwargs": {}}
     if cls in _LAYERS:
         return _layer_recipe(cls, module)
+    if cls is CenteredEmbedding:
+        sizes = {"num_embeddings": module.num_embeddings, "embedding_dim": module.embedding_dim}
+        return {"class": name, "kwargs": {**sizes, "padding_idx": module.padding_idx}}
     if (getattr(module, "_weight_key", "weight"), getattr(module, "_bias_key", "bias")) != ("weight", "bias"):
         return None  # a fused norm keeping a hand-written norm's own names ("gain"): not a plain class
     kwargs: dict[str, Any] = {
@@ -209,6 +213,22 @@ def _layer_kwargs(cls: type[nn.Module], kwargs: Mapping[str, Any]) -> dict[str, 
     }
 
 
+def _embedding_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    if set(kwargs) != {"num_embeddings", "embedding_dim", "padding_idx"}:
+        raise ValueError(
+            f"arguments must be exactly ['embedding_dim', 'num_embeddings', 'padding_idx'], got {sorted(kwargs)}"
+        )
+    count = _check_count("num_embeddings", kwargs["num_embeddings"])
+    padding = kwargs["padding_idx"]
+    if padding is not None and (type(padding) is not int or not -count <= padding < count):
+        raise ValueError(f"padding_idx must be null or an int in [-{count}, {count}), got {padding!r:.80}")
+    return {
+        "num_embeddings": count,
+        "embedding_dim": _check_count("embedding_dim", kwargs["embedding_dim"]),
+        "padding_idx": padding,
+    }
+
+
 def _weight_norm_recipe_dim(value: Any, ndim: int) -> int:
     if not isinstance(value, Mapping) or set(value) != {"dim"}:
         raise ValueError(f"weight_norm must be {{'dim': DIM}}, got {value!r:.80}")
@@ -243,6 +263,8 @@ def build_from_recipe(
         return nn.Identity()
     if cls in _LAYERS:
         return cls(**_layer_kwargs(cls, kwargs), device=device, dtype=dtype)
+    if cls is CenteredEmbedding:
+        return cls(**_embedding_kwargs(kwargs), device=device, dtype=dtype)
     checked = _affine_kwargs(kwargs, channel=cls in _CHANNEL_NORMS)
     channel_dim = checked.pop("channel_dim", None)
     module = cls(**checked, device=device, dtype=dtype)

@@ -39,9 +39,9 @@ from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
     build_to_load,
-    replace_recorded,
     transformers_config,
 )
+from normswap.load.recorded import replace_recorded
 from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header
 from normswap.verify.metrics import TensorComparison, compare_tensors
 

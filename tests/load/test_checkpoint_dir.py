@@ -204,15 +204,20 @@ def test_rmsnorm_exact_records_the_new_modules_and_normswap_loads_them(dirs, tmp
     assert result.ok
     out = tmp_path / "rms"
     written = save(result, out, source=loaded.checkpoint).directory
-    assert not written.stock and len(written.recorded_modules) == 5
+    assert not written.stock and len(written.recorded_modules) == 6
     record = json.loads((out / "normswap.json").read_text())
-    assert {r["class"] for r in record["modules"].values()} == {"RMSNorm"}
-    # GPT-2's LM head reads the embedding that recentering changed: untied, said in the config
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert {r["class"] for r in record["modules"].values()} == {"RMSNorm", "CenteredEmbedding"}
+    # GPT-2's LM head reads the token embedding: it stays one tensor, tied, and the embedding centres
+    # the rows it looks up; the files hold the matrix once
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in _stored_names(out)
     back = load_model(str(out))
     from normswap.modules import RMSNorm
+    from normswap.modules.centered import CenteredEmbedding
 
     assert isinstance(back.model.transformer.h[1].ln_2, RMSNorm)
+    assert isinstance(back.model.transformer.wte, CenteredEmbedding)
+    assert back.model.lm_head.weight is back.model.transformer.wte.weight
     ids = token_ids()
     assert rel(logits(loaded.model, ids), logits(back.model, ids)) <= 1e-5
 
@@ -309,3 +314,13 @@ def test_folded_batchnorms_of_a_hf_resnet_go_to_a_directory_and_load_back(tmp_pa
     with torch.no_grad():
         want, got = model(pixel_values=pixels).logits, back(pixel_values=pixels).logits
     assert rel(want.double(), got.double()) <= 1e-5
+
+
+def _stored_names(directory: Path) -> set[str]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return set(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
+        return set(handle.keys())

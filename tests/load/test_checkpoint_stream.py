@@ -87,10 +87,11 @@ def test_the_stream_writes_what_the_in_memory_route_writes(dirs, tmp_path, name,
     assert set(index["weight_map"]) == set(after) and len(streamed.shards) == len(
         set(index["weight_map"].values())
     )
+    # a tied token embedding stays tied (GPT-2's LM head): its module centres the rows it looks up
     config = json.loads((tmp_path / "streamed" / "config.json").read_text())
-    assert config["tie_word_embeddings"] is (
-        False if name == "gpt2" and "to" in options else config["tie_word_embeddings"]
-    )
+    original = json.loads((source / "config.json").read_text())
+    assert config["tie_word_embeddings"] == original.get("tie_word_embeddings", True)
+    assert set(after) == set(before)
     # verified on two input shapes, every block and the head within the exact tolerance
     blocks = 2
     assert [len(v.stages) for v in streamed.verification] == [blocks + 2, blocks + 2]
@@ -276,15 +277,17 @@ def test_the_fold_in_slices_equals_the_fold_on_the_whole_weight(in_dim):
         assert sliced[0] is into  # written over the weight it read: the group holds it once
 
 
-def test_a_group_holds_one_tensor_and_an_untied_copy_is_the_inputs_bytes(dirs, tmp_path):
-    """Recentering GPT-2 unties its LM head from the embedding: the head must be the input embedding's
-    bytes (copied from the file), and every writer centered in place."""
+def test_a_tied_embedding_is_stored_once_and_each_group_holds_one_tensor(dirs, tmp_path):
+    """Recentering GPT-2 keeps its LM head tied to the embedding: the matrix is stored once, as the input
+    stored it (its embedding centres the rows it looks up, recorded in normswap.json), and every other
+    writer is centred in place, a group's memory that one tensor."""
     source = dirs["gpt2"]
     streamed = stream(source, tmp_path / "out", to="rmsnorm", exact=True)
     before, after = _bytes(source), _bytes(tmp_path / "out")
-    assert after["lm_head.weight"] == before["transformer.wte.weight"]
-    assert after["transformer.wte.weight"] != before["transformer.wte.weight"]
-    # each group is one writer centered where it was read: its memory is that tensor, nothing more
+    assert set(after) == set(before) and "lm_head.weight" not in after
+    assert after["transformer.wte.weight"] == before["transformer.wte.weight"]
+    record = json.loads((tmp_path / "out" / "normswap.json").read_text())
+    assert record["modules"]["transformer.wte"]["class"] == "CenteredEmbedding"
     changed = [k for k in before if after[k] != before[k]]
     assert "transformer.h.0.mlp.c_proj.weight" in changed
     assert streamed.largest_group_bytes == max(len(before[k]) for k in changed)

@@ -16,9 +16,10 @@ output shape from the embeddings' width before the blocks run and views the fina
 torchvision's ViT reshapes its patch embedding with the ``hidden_dim`` it stored. On the graph those
 widths are constants at known positions of known nodes: the stream analysis (:mod:`normswap.graph.stream`)
 gives every stream value with its hidden dim, and each ``view``/``reshape``/``expand`` of a stream value
-gets ``d - 1`` where it said ``d``. A centered weight that something outside the stream also reads
-(GPT-2's LM head reads the embedding matrix) is untied in the graph: the writer's uses read a new,
-centered and narrowed parameter, under the name its module gives it; the other reader keeps the original.
+gets ``d - 1`` where it said ``d``. A token embedding whose matrix something outside the stream also
+reads (GPT-2's LM head) stays whole and tied: each lookup is followed by its centring and narrowing in the
+graph. Any other centered weight read outside the stream is untied in the graph: the writer's uses read a
+new, centered and narrowed parameter, under the name its module gives it; the other reader the original.
 
 A stream is narrowed whole or not at all: every LayerNorm that reads it is converted, or none, with the
 stream's reason. Since the graph may hold ops the analysis passes through but that still state a width
@@ -51,6 +52,7 @@ from normswap.passes.recenter.writers import (
     named_tensors,
     stream_edits,
     tensor_aliases,
+    tied_embeddings,
     under_any,
 )
 from normswap.verify.variants import describe_error
@@ -131,9 +133,13 @@ def _narrow_params(gm: fx.GraphModule, narrowing: Narrowing) -> list[str]:
     nodes = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
     named = dict(named_tensors(gm))
     done = []
-    for edit in stream_edits(stream, tensor_aliases(gm), set()):
+    for edit in stream_edits(stream, tensor_aliases(gm), set(), tied_embeddings(stream)):
         tensor, param = named[edit.name], edit.param
         is_parameter = isinstance(tensor, nn.Parameter)
+        if edit.center_output:
+            _center_rows(gm, nodes[edit.name], edit.readers, keep)
+            done.append(edit.describe())
+            continue
         if param is None:  # a LayerScale folded into its writer: ones, narrowed along the stream's dim
             dims = [i for i, size in enumerate(tensor.shape) if size == stream.hidden]
             _set_attr(
@@ -169,6 +175,32 @@ def _narrow_params(gm: fx.GraphModule, narrowing: Narrowing) -> list[str]:
             f"{name} (dim {param.dim}, via {param.via}; untied from {edit.name}, which keeps the original)"
         )
     return done
+
+
+def _center_rows(gm: fx.GraphModule, source: fx.Node, readers: frozenset[str], keep: int) -> None:
+    """Each lookup of a tied embedding's matrix ``source`` outside ``readers`` centres its rows (in fp32
+    for half precision, rounded once) and keeps the first ``keep``: the matrix stays whole and tied."""
+    for lookup in [u for u in source.users if not _within(module_path(u), set(readers))]:
+        later = list(lookup.users)
+        value = lookup.meta.get("val")
+        dtype = getattr(value, "dtype", torch.float32)
+        half = dtype in (torch.float16, torch.bfloat16)
+        ops, graph = torch.ops.aten, gm.graph
+        with graph.inserting_before(lookup.next):
+            wide = (
+                graph.call_function(ops._to_copy.default, (lookup,), {"dtype": torch.float32})
+                if half
+                else lookup
+            )
+            mean = graph.call_function(ops.mean.dim, (wide, [-1], True))
+            back = centred = graph.call_function(ops.sub.Tensor, (wide, mean))
+            if half:
+                back = graph.call_function(ops._to_copy.default, (centred,), {"dtype": dtype})
+            narrowed = graph.call_function(ops.slice.Tensor, (back, -1, 0, keep))
+        for node in {wide, mean, centred, back, narrowed} - {lookup}:
+            node.meta = {k: v for k, v in lookup.meta.items() if k != "val"}
+        for user in later:
+            user.replace_input_with(lookup, narrowed)
 
 
 def _narrow_shapes(gm: fx.GraphModule, narrowing: Narrowing) -> None:

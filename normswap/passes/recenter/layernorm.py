@@ -10,10 +10,12 @@ zero-mean input ``LayerNorm(x) = RMSNorm(x)`` with the same eps, weight and bias
 Refused, per stream and with the reason: a stream value read by anything that sees its mean (post-LN
 models such as BERT feed a LayerNorm's output straight into attention), a writer that is not a linear
 map with parameter weights (a graph input, a nonlinearity, a per-feature LayerScale), a LayerNorm over
-more than the last dim. A centered weight that something outside the stream also reads (GPT-2's LM
-head is the embedding matrix) is untied: the writer gets a centered copy, the other reader keeps the
+more than the last dim. A token embedding whose matrix something outside the stream also reads (GPT-2's
+LM head) keeps its matrix, still tied, and centres the rows it looks up
+(:class:`~normswap.modules.centered.CenteredEmbedding`); any other centered weight that something
+outside the stream reads is untied: the writer gets a centered copy, the other reader keeps the
 original, and a Hugging Face config's ``tie_word_embeddings`` is set to False so that a save/load round
-trip does not tie them again.
+trip does not tie them again (:mod:`.writers` states these edits for every route).
 
 Each refusal carries its cause (:class:`~normswap.passes.core.base.SkipCause`): "architecture" when the
 graph shows the stream cannot be recentered or the LayerNorm is not over the last dim (a post-LN model:
@@ -40,6 +42,7 @@ from normswap.discover import NormSite
 from normswap.graph.ops import CAST_OPS, op_name
 from normswap.graph.stream import close_stream
 from normswap.graph.stream_params import Stream
+from normswap.modules.centered import CenteredEmbedding
 from normswap.passes.core.base import (
     Change,
     Pass,
@@ -56,6 +59,7 @@ from normswap.passes.recenter.writers import (
     WriterEdit,
     center_along,
     named_tensors,
+    output_centring,
     stream_edits,
     tensor_aliases,
     untie_problem,
@@ -74,6 +78,9 @@ class StreamPlan:
         self.applied: set[int] = set()
         self.centered: set[str] = set()
         self.aliases = tensor_aliases(ctx.model)
+        # tied token embeddings that centre their output instead of their matrix (writers.output_centring)
+        self.center_outputs: set[str] = set()
+        calls = {path: len(found) for path, found in ctx.view.calls.items()}
         # streams refused for a limitation of normswap rather than the model's graph
         self.unsupported: set[int] = set()
         mean_blind = _mean_blind_nodes(ctx)
@@ -87,7 +94,9 @@ class StreamPlan:
                     if seed not in self.stream_of:
                         stream = close_stream(ctx.view, seed, mean_blind, ctx.modules)
                         if stream.ok:
-                            stream.reason = untie_problem(ctx.model, stream)
+                            centred = output_centring(stream, ctx.modules, calls, self.aliases)
+                            self.center_outputs |= centred
+                            stream.reason = untie_problem(ctx.model, stream, centred)
                             if stream.reason is not None:
                                 self.unsupported.add(len(self.streams))
                         elif stream.limit:  # the analysis could not tell, the graph did not show it
@@ -129,7 +138,11 @@ def _apply(model: nn.Module, edits: list[WriterEdit]) -> dict[str, list[str]]:
     for edit in edits:
         tensor, param = tensors[edit.name], edit.param
         centered.append(edit.describe())
-        if param is None:
+        if edit.center_output:
+            assert param is not None
+            embedding = model.get_submodule(param.module_path)
+            replace_submodule(model, param.module_path, CenteredEmbedding.sharing(embedding))
+        elif param is None:
             with torch.no_grad():
                 tensor.fill_(1.0)
         elif not edit.keep_original:
@@ -212,7 +225,12 @@ class RecenterLayerNorm(Pass[NormSite, RecenterPlan, StreamPlan | None]):
         for i in plan.streams:
             if i not in streams.applied:
                 streams.applied.add(i)
-                done = _apply(ctx.model, stream_edits(streams.streams[i], streams.aliases, streams.centered))
+                done = _apply(
+                    ctx.model,
+                    stream_edits(
+                        streams.streams[i], streams.aliases, streams.centered, streams.center_outputs
+                    ),
+                )
                 details["centered"] += done["centered"]
                 details["untied"] += done["untied"]
         old = site.module

@@ -2,9 +2,11 @@
 
 The streams and their edits are :class:`~normswap.passes.recenter.layernorm.RecenterLayerNorm`'s own
 (:func:`~normswap.passes.recenter.writers.stream_edits`), decided on the model built on the meta device.
-Each writer is one group, centred in place (``W - mean_out(W)``, a folded LayerScale first); the names a
-tied writer keeps for readers outside the stream (GPT-2's LM head) are written as new tensors that take
-the input's bytes as they are, and ``tie_word_embeddings`` becomes false. A folded LayerScale is a group
+Each writer is one group, centred in place (``W - mean_out(W)``, a folded LayerScale first). A tied token
+embedding (GPT-2's, read by its LM head) is no group: its matrix is copied as stored and its module is
+recorded as a ``CenteredEmbedding``. The names any other shared writer keeps for readers outside the
+stream are written as new tensors that take the input's bytes as they are, and ``tie_word_embeddings``
+becomes false. A folded LayerScale is a group
 that writes ones. Each LayerNorm becomes normswap's RMSNorm with the same eps, weight and bias, recorded
 as a module recipe.
 """
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.modules.centered import CenteredEmbedding
 from normswap.modules.recipes import module_recipe
 from normswap.passes.core.base import Change, Skip
 from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors
@@ -60,7 +63,13 @@ def plan_recenter(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
             continue
         assert streams is not None
         for i in checked.streams:
-            for edit in stream_edits(streams.streams[i], streams.aliases, streams.centered):
+            stream = streams.streams[i]
+            for edit in stream_edits(stream, streams.aliases, streams.centered, streams.center_outputs):
+                if edit.center_output:  # the matrix stays as stored, still tied; its module centres rows
+                    assert edit.param is not None
+                    path = edit.param.module_path
+                    plan.recorded[path] = module_recipe(CenteredEmbedding.sharing(model.get_submodule(path)))
+                    continue
                 plan.edits.append(_tensor_edit(edit, streams.aliases, stored))
                 if edit.keep_original:
                     plan.config_changes["tie_word_embeddings"] = False

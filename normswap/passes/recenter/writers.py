@@ -5,8 +5,11 @@ tensors that write into it. :func:`stream_edits` says which, as :class:`WriterEd
 
 - each writer centred along the dim it writes (``W - mean_out(W)``, its LayerScale folded in first,
   :func:`center_along`);
-- the untie: the names of a tied writer that readers outside the stream hold (GPT-2's LM head holds the
-  token embedding) keep the original values, the others get the centred ones;
+- a token embedding that readers outside the stream share (GPT-2's LM head reads the embedding matrix)
+  keeps its matrix, one tensor still tied, and centres the rows it looks up instead
+  (:class:`~normswap.modules.centered.CenteredEmbedding`, or the same ops on a graph);
+- the untie, for any other shared writer: the names that readers outside the stream hold keep the
+  original values, the others get the centred ones;
 - each LayerScale folded into its writer set to ones.
 
 Three executors run these same edits on what they hold: the in-memory pass on the model's modules
@@ -23,6 +26,7 @@ import torch
 from torch import nn
 
 from normswap.graph.stream_params import CenteredParam, Stream
+from normswap.modules.centered import plain_embedding
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,8 @@ class WriterEdit:
     param: CenteredParam | None = None
     readers: frozenset[str] = frozenset()
     keep_original: tuple[str, ...] = ()
+    # the tensor stays as it is and its embedding centres what it looks up (a tied token embedding)
+    center_output: bool = False
 
     @property
     def rewritten(self) -> tuple[str, ...]:
@@ -45,6 +51,8 @@ class WriterEdit:
     def describe(self) -> str:
         if self.param is None:
             return f"{self.name} (folded into the layer before it, now ones)"
+        if self.center_output:
+            return f"{self.name} (its rows centred as they are looked up; still tied to {', '.join(self.keep_original)})"
         return f"{self.name} (dim {self.param.dim}, via {self.param.via})"
 
 
@@ -77,16 +85,48 @@ def _readers(stream: Stream, name: str) -> frozenset[str]:
     return frozenset(stream.shared.get(name, set()) - {""})
 
 
-def stream_edits(stream: Stream, aliases: Mapping[str, list[str]], done: set[str]) -> list[WriterEdit]:
+def tied_embeddings(stream: Stream) -> set[str]:
+    """The stream's writers that are a token embedding's matrix shared with readers outside the stream:
+    those that centre their output rather than their matrix, where the executor can say so."""
+    return {
+        p.name for p in stream.params if p.via == "embedding" and p.scale is None and _readers(stream, p.name)
+    }
+
+
+def output_centring(
+    stream: Stream,
+    modules: Mapping[str, nn.Module],
+    calls: Mapping[str, int],
+    aliases: Mapping[str, list[str]],
+) -> set[str]:
+    """:func:`tied_embeddings` whose module can become a :class:`CenteredEmbedding`: torch's plain
+    ``nn.Embedding`` whose weight is that matrix, called at one site only (every call's output is
+    centred, so no call may feed anything but the stream)."""
+    chosen = set()
+    for param in stream.params:
+        if param.name not in tied_embeddings(stream):
+            continue
+        path = param.module_path
+        holds = f"{path}.weight" in aliases.get(param.name, [param.name])
+        if plain_embedding(modules.get(path)) and calls.get(path) == 1 and holds:
+            chosen.add(param.name)
+    return chosen
+
+
+def stream_edits(
+    stream: Stream, aliases: Mapping[str, list[str]], done: set[str], center_outputs: set[str] = frozenset()
+) -> list[WriterEdit]:
     """The edits that recentre ``stream``, writers first (a folded scale is read before it becomes ones);
-    tensors named in ``done`` (recentred with another stream) are left out and the new ones added."""
+    tensors named in ``done`` (recentred with another stream) are left out and the new ones added; the
+    writers in ``center_outputs`` centre their output (:func:`output_centring`)."""
     edits = []
     for param in stream.params:
         if param.name not in done:
             done.add(param.name)
             names = aliases.get(param.name, [param.name])
             kept = _kept_for_others(stream, param.name, names)
-            edits.append(WriterEdit(param.name, tuple(names), param, _readers(stream, param.name), kept))
+            readers, centred = _readers(stream, param.name), param.name in center_outputs
+            edits.append(WriterEdit(param.name, tuple(names), param, readers, kept, centred))
     for name in stream.folded_scales:
         if name not in done:
             done.add(name)
@@ -94,13 +134,16 @@ def stream_edits(stream: Stream, aliases: Mapping[str, list[str]], done: set[str
     return edits
 
 
-def untie_problem(model: nn.Module, stream: Stream) -> str | None:
-    """Why a centred writer that other modules also read cannot be given its own copy, if so."""
+def untie_problem(model: nn.Module, stream: Stream, center_outputs: set[str] = frozenset()) -> str | None:
+    """Why a centred writer that other modules also read cannot be given its own copy, if so (a writer in
+    ``center_outputs`` keeps its one tensor: nothing to untie)."""
     aliases = tensor_aliases(model)
     for param in stream.params:
         if param.name not in aliases:
             return f"parameter {param.name} of the graph is not found in the model"
     for name, readers in stream.shared.items():
+        if name in center_outputs:
+            continue
         holders = aliases[name]
         others = _kept_for_others(stream, name, holders)
         where = ", ".join(sorted(r or "<root>" for r in readers))

@@ -11,7 +11,9 @@ each such ``Split`` with its sizes as an int64 input (opset 18's ``num_outputs``
 with a smaller last one, ``d`` read from shape inference on the valid opset-18 model): a Split of that
 form means the same from opset 13 to 18, so it waits in a domain of its own while
 ``onnx.version_converter`` converts every other op, and comes back unchanged. A split over a dim that is
-not static has no sizes to write, and is refused with the reason. The file is then checked by
+not static has no sizes to write, and is refused with the reason. The converter also keeps opset 18's
+``noop_with_empty_axes`` on the reductions whose axes it moves back into an attribute (a converted
+model's RMSNorm is a ``ReduceMean``): it is dropped, as it changes nothing where axes are given. The file is then checked by
 ``onnx.checker`` and, as every export, in onnxruntime against PyTorch.
 """
 
@@ -84,6 +86,36 @@ def _repair_splits(model: object, dims: dict[str, list[int | None]]) -> int:
     return repaired
 
 
+# Reductions that took their axes as an input from opset 18 on, and gained ``noop_with_empty_axes`` there;
+# onnx's converter moves the axes back into an attribute and keeps the new attribute, which the older
+# schema rejects ("Unrecognized attribute: noop_with_empty_axes for operator ReduceMean")
+_AXES_INPUT_IN_18 = frozenset(
+    {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum"}
+    | {"ReduceLogSumExp", "ReduceSumSquare"}
+)
+
+
+def _drop_noop_with_empty_axes(model: object) -> None:
+    """Remove ``noop_with_empty_axes`` from the converted reductions: with axes given it changes nothing; a
+    reduction with no axes that was a no-op at 18 would reduce everything below it, and is refused."""
+    graphs = [model.graph.node, *(f.node for f in getattr(model, "functions", []))]  # type: ignore[attr-defined]
+    for nodes in graphs:
+        for node in nodes:
+            if node.op_type not in _AXES_INPUT_IN_18 or node.domain not in ("", "ai.onnx"):
+                continue
+            attributes = {a.name: a for a in node.attribute}
+            noop = attributes.get("noop_with_empty_axes")
+            if noop is None:
+                continue
+            has_axes = "axes" in attributes and len(attributes["axes"].ints) > 0
+            if noop.i and not has_axes:
+                raise BadInputError(
+                    f"ONNX export below opset {EXPORTER_OPSET}: {node.name or node.op_type} reduces no axes "
+                    f"as a no-op, which opsets before 18 cannot say; choose --opset {EXPORTER_OPSET}"
+                )
+            node.attribute.remove(noop)
+
+
 def convert_down(path: Path, opset: int, external_data_bytes: int | None = None) -> int:
     """Rewrite the file at ``path`` (written at opset 18 or more) at ``opset``; the number of Splits
     repaired. BadInputError when onnx cannot convert it or the result is not a valid model. Saved back
@@ -111,6 +143,7 @@ def convert_down(path: Path, opset: int, external_data_bytes: int | None = None)
     for node in converted.graph.node:
         if node.domain == _PARKED:
             node.domain = ""
+    _drop_noop_with_empty_axes(converted)
     kept = [o for o in converted.opset_import if o.domain != _PARKED]
     del converted.opset_import[:]
     converted.opset_import.extend(kept)

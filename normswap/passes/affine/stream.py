@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from normswap.passes.affine.fold import AffinePlan, FoldNormAffine, fold_affine_into_linear
-from normswap.passes.core.base import Change, Skip, SkipCause
-from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors
+from normswap.passes.core.base import Change
+from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors, plan_for
 
 
 def _fold_in_slices(
@@ -87,20 +87,15 @@ def _fold_edit(plan: AffinePlan, stored: set[str]) -> TensorEdit | str:
 def plan_fold(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
     """The groups of ``--fold-norm-affine`` on ``model`` (meta device), whose files store ``stored``."""
     rewrite = FoldNormAffine()
-    report = rewrite.new_report()
-    plan = EditPlan(report=report)
-    state = rewrite.prepare(ctx)
-    for site, checked in rewrite.decide(ctx, state):
-        if isinstance(checked, Skip):
-            report.skips.append(checked)
-            continue
+    plan = plan_for(rewrite)
+    for site, checked in plan.decided(rewrite, ctx, rewrite.prepare(ctx)):
         edit = _fold_edit(checked, stored)
         if isinstance(edit, str):
-            report.skips.append(Skip(rewrite.name, site.path, edit, SkipCause.UNSUPPORTED))
+            plan.cannot_stream(rewrite, site.path, edit)
             continue
         plan.edits.append(edit)
         into = ", ".join(r.path for r in checked.readers)
-        report.changes.append(
+        plan.report.changes.append(
             Change(rewrite.name, site.path, rewrite.kind, f"affine folded into {into}; stored neutral")
         )
     return plan

@@ -40,8 +40,8 @@ from normswap.passes.batchnorm.arithmetic import (
 from normswap.passes.batchnorm.fold import FoldBatchNorm, FoldPlan
 from normswap.passes.batchnorm.layers import class_name, layer_text
 from normswap.passes.batchnorm.match import bn_eps, bn_statistics_problem
-from normswap.passes.core.base import Change, PassContext, Skip, SkipCause
-from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors
+from normswap.passes.core.base import Change, PassContext
+from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors, plan_for
 from normswap.passes.swap.norm_act import is_identity, norm_act_tail
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
@@ -187,20 +187,14 @@ def plan_batchnorm_folds(
     the module recipes and the report. ``read`` gives a stored tensor by name (the statistics are
     checked before the stream)."""
     rewrite = FoldBatchNorm()
-    report = rewrite.new_report()
-    plan = EditPlan(report=report)
-    written: set[str] = set()
-    for site, checked in rewrite.decide(ctx, None):
-        if isinstance(checked, Skip):
-            report.skips.append(checked)
-            continue
+    plan = plan_for(rewrite)
+    for site, checked in plan.decided(rewrite, ctx):
         group = _group_of(checked, model, stored, read)
-        if not isinstance(group, str) and group.weight in written:
+        if not isinstance(group, str) and group.weight in plan.writes:
             group = f"{group.layer} takes another BatchNorm's fold already; a stream writes each tensor once"
         if isinstance(group, str):
-            report.skips.append(Skip(rewrite.name, site.path, group, SkipCause.UNSUPPORTED))
+            plan.cannot_stream(rewrite, site.path, group)
             continue
-        written.add(group.weight)
         reads, compute, writes = _edit_parts(group)
         drops = tuple(n for n in sorted(stored) if n.startswith(group.bn + "."))
         creates = {} if group.bias_stored else {group.bias: (group.weight, (_out_features(group.original),))}
@@ -211,7 +205,7 @@ def plan_batchnorm_folds(
         plan.recorded[group.bn] = {"class": "Identity", "kwargs": {}}
         plan.recorded[group.layer] = group.recipe
         into = "folded into" if group.direction == "backward" else "folded forward into the next layer"
-        report.changes.append(
+        plan.report.changes.append(
             Change(
                 rewrite.name,
                 group.bn,

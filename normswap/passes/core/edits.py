@@ -15,13 +15,13 @@ says why a conversion does not.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from normswap.passes.core.base import PassReport
+from normswap.passes.core.base import Pass, PassContext, PassReport, Skip, SkipCause
 
 if TYPE_CHECKING:
     from normswap.verify.metrics import TensorComparison
@@ -86,3 +86,23 @@ class EditPlan:
     def copies(self) -> dict[str, str]:
         """New tensor -> the stored tensor whose input bytes it takes."""
         return {new: source for edit in self.edits for new, source in edit.copies.items()}
+
+    def decided(self, rewrite: Pass, ctx: PassContext, state: Any = None) -> Iterator[tuple[Any, Any]]:
+        """The sites ``rewrite`` decides to change (its one driver, ``Pass.decide``), each with its plan;
+        the sites it skips go into this plan's report with their reasons."""
+        assert self.report is not None
+        for site, checked in rewrite.decide(ctx, state):
+            if isinstance(checked, Skip):
+                self.report.skips.append(checked)
+            else:
+                yield site, checked
+
+    def cannot_stream(self, rewrite: Pass, site: str, reason: str) -> None:
+        """A site the pass would change that the stream cannot write: skipped, with the reason."""
+        assert self.report is not None
+        self.report.skips.append(Skip(rewrite.name, site, reason, SkipCause.UNSUPPORTED))
+
+
+def plan_for(rewrite: Pass) -> EditPlan:
+    """An empty plan whose report is ``rewrite``'s."""
+    return EditPlan(report=rewrite.new_report())

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from normswap.passes.batchnorm.stream import layer_filled, layer_probe
-from normswap.passes.core.base import PassContext, Skip, SkipCause
-from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors
+from normswap.passes.core.base import PassContext
+from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors, plan_for
 from normswap.passes.layerscale.fold import FoldLayerScale, LayerScalePlan, fold_scale_into_writer
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
@@ -94,21 +94,15 @@ def plan_layerscale_folds(model: nn.Module, ctx: PassContext, stored: set[str]) 
     """The groups of ``--fold-layerscale`` on ``model`` (meta device), whose files store ``stored``, each
     with its check."""
     rewrite = FoldLayerScale()
-    report = rewrite.new_report()
-    plan = EditPlan(report=report)
-    written: set[str] = set()
-    for site, checked in rewrite.decide(ctx, None):
-        if isinstance(checked, Skip):
-            report.skips.append(checked)
-            continue
+    plan = plan_for(rewrite)
+    for site, checked in plan.decided(rewrite, ctx):
         group = _group(checked, model, stored)
-        if not isinstance(group, str) and group.weight in written:
+        if not isinstance(group, str) and group.weight in plan.writes:
             group = f"{group.layer_path} takes another scale's fold already; a stream writes each tensor once"
         if isinstance(group, str):
-            report.skips.append(Skip(rewrite.name, site.path, group, SkipCause.UNSUPPORTED))
+            plan.cannot_stream(rewrite, site.path, group)
             continue
-        written.add(group.weight)
         plan.edits.append(group.edit())
         plan.checks.append(group)
-        report.changes.append(rewrite.change(checked))
+        plan.report.changes.append(rewrite.change(checked))
     return plan

@@ -20,8 +20,8 @@ from torch import nn
 
 from normswap.modules.centered import CenteredEmbedding
 from normswap.modules.recipes import module_recipe
-from normswap.passes.core.base import Change, Skip
-from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors
+from normswap.passes.core.base import Change
+from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors, plan_for
 from normswap.passes.recenter.layernorm import RecenterLayerNorm
 from normswap.passes.recenter.writers import WriterEdit, center_along, stream_edits
 from normswap.passes.swap.swap_norm import build_norm
@@ -54,13 +54,9 @@ def _tensor_edit(edit: WriterEdit, aliases: dict[str, list[str]], stored: set[st
 def plan_recenter(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
     """The groups of ``--to rmsnorm --exact`` on ``model`` (meta device), whose files store ``stored``."""
     rewrite = RecenterLayerNorm()
-    report = rewrite.new_report()
-    plan = EditPlan(report=report)
+    plan = plan_for(rewrite)
     streams = rewrite.prepare(ctx)
-    for site, checked in rewrite.decide(ctx, streams):
-        if isinstance(checked, Skip):
-            report.skips.append(checked)
-            continue
+    for site, checked in plan.decided(rewrite, ctx, streams):
         assert streams is not None
         for i in checked.streams:
             stream = streams.streams[i]
@@ -78,7 +74,7 @@ def plan_recenter(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
         recipe = module_recipe(build_norm("rms", site, old))
         assert recipe is not None  # normswap's RMSNorm always has one
         plan.recorded[site.path] = recipe
-        report.changes.append(
+        plan.report.changes.append(
             Change(
                 rewrite.name,
                 site.path,

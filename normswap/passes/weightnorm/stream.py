@@ -33,8 +33,8 @@ from torch.nn.utils import parametrize
 
 from normswap.modules.recipes import build_from_recipe, module_recipe
 from normswap.passes.batchnorm.stream import STREAM_LAYERS, layer_filled, layer_probe
-from normswap.passes.core.base import Change, Skip, SkipCause, parameters_context
-from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors
+from normswap.passes.core.base import Change, parameters_context
+from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors, plan_for
 from normswap.passes.weightnorm.layers import (
     AddPlan,
     AddWeightNorm,
@@ -155,15 +155,11 @@ def plan_weight_norm(
     their checks, the recipes and the report."""
     adding = isinstance(rewrite, AddWeightNorm)
     ctx = parameters_context(model)
-    report = rewrite.new_report()
-    plan = EditPlan(report=report)
-    for site, checked in rewrite.decide(ctx, None):
-        if isinstance(checked, Skip):
-            report.skips.append(checked)
-            continue
+    plan = plan_for(rewrite)
+    for site, checked in plan.decided(rewrite, ctx):
         group = _group(checked, adding, stored)
         if isinstance(group, str):
-            report.skips.append(Skip(rewrite.name, site.path, group, SkipCause.UNSUPPORTED))
+            plan.cannot_stream(rewrite, site.path, group)
             continue
         shapes = _shapes(group)
         anchor = group.before[-1]  # new tensors go where the layer's weight was
@@ -186,7 +182,7 @@ def plan_weight_norm(
             if adding
             else f"g * v / ||v|| folded into a plain weight (dim {dim})"
         )
-        report.changes.append(
+        plan.report.changes.append(
             Change(
                 rewrite.name, site.path, rewrite.kind, what, {"dim": None if group.dim == -1 else group.dim}
             )

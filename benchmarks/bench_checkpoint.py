@@ -202,7 +202,16 @@ def bench(model: str, layers: int, root: Path, check_logits: bool, small: bool =
     seconds, peak = _run_rss(
         _normswap("convert", str(source), *rewrite, "-o", str(output), "--report", str(report))
     )
-    data = json.loads(report.read_text())
+    report_json = json.loads(report.read_text())
+    assert report_json["route"] == "streamed", report_json["route"]
+    # convert --report: the passes' changes and skips, and what the stream wrote under "streamed"
+    data = {
+        **report_json["streamed"],
+        "report": {
+            "changes": [c for p in report_json["passes"] for c in p["changes"]],
+            "skips": [s for p in report_json["passes"] for s in p["skips"]],
+        },
+    }
     row.update(
         rewrite=" ".join(rewrite),
         convert_s=seconds,

@@ -18,6 +18,7 @@ from normswap_cli.options import (
     OpsetOpt,
     OutputOpt,
     OverwriteOpt,
+    PortableOpt,
     ReportOpt,
     TrustPickleOpt,
     WeightsOpt,
@@ -180,6 +181,7 @@ def convert(
     input_shape: InputShapeOpt = None,
     report: ReportOpt = None,
     overwrite: OverwriteOpt = False,
+    portable: PortableOpt = False,
     **flags: bool,
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
@@ -206,6 +208,7 @@ def convert(
         batch_size=batch_size,
         output=output,
         overwrite=overwrite,
+        portable=portable,
         sequential=sequential,
         activation_memory=activation_memory,
     )

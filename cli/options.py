@@ -96,6 +96,15 @@ OverwriteOpt = Annotated[
         "A symlink is never written through.",
     ),
 ]
+PortableOpt = Annotated[
+    bool,
+    flag(
+        "--portable",
+        help="A .pt2 that plain torch.export.load reads with torch alone: outputs as plain dicts and tuples, "
+        "normswap's fused ops as torch's own (without their kernels).",
+        panel=OUTPUT_PANEL,
+    ),
+]
 ReportOpt = Annotated[
     Path | None,
     typer.Option(

@@ -158,7 +158,8 @@ def test_a_lossy_fallback_needs_consent():
         (ConvertConfig(fold_bn=True, calibration_data="x.pt"), "--calibrate fits swapped norms"),
         (ConvertConfig(to="rmsnorm", exact=True, allow_lossy=True), "--allow-lossy and --exact contradict"),
         (ConvertConfig(fold_bn=True, output="m.bin"), "-o m.bin: unknown output format"),
-        (ConvertConfig(to="fused", fuse_add=True, output="m.pt"), "--fuse-add makes the model an exported"),
+        (ConvertConfig(to="fused", fuse_add=True, output="m"), "--fuse-add makes the model an exported"),
+        (ConvertConfig(to="rmsnorm", exact=True, output="m.pt", portable=True), "--portable is for a .pt2"),
         (ConvertConfig(add_weight_norm="all", weight_norm_dim="x"), "--weight-norm-dim 'x': give output"),
     ],
 )

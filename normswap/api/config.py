@@ -50,6 +50,8 @@ class ConvertConfig:
       :func:`normswap.save` writes there by default.
     - ``overwrite``: replace ``output`` when it exists (atomically); without it an existing output is
       refused before the work (:func:`normswap.load.paths.check_output`).
+    - ``portable``: a .pt2 ``output`` that plain ``torch.export.load`` reads with torch alone (its outputs
+      plain containers, normswap's fused ops as torch's own); refused for any other output.
     - ``sequential``: a model directory converted into a model directory with an architectural ``to`` and
       ``calibration_data`` is swapped and calibrated block by block (taken unasked when the model does
       not fit in memory); ``activation_memory``: GB of activations it holds before spilling to disk.
@@ -75,6 +77,8 @@ class ConvertConfig:
     batch_size: int | None = None
     output: str | Path | None = None
     overwrite: bool = False
+    # a .pt2 output that torch.export.load reads with torch alone (normswap.load.pt2_file.portable_program)
+    portable: bool = False
     sequential: bool = False
     activation_memory: float | None = None
 
@@ -150,6 +154,8 @@ class ConvertConfig:
         from normswap.load.paths import check_output
 
         output = self.output_path
+        if self.portable and (output is None or output.suffix.lower() != ".pt2"):
+            raise BadInputError(f"--portable is for a .pt2 output, not {output or 'no output'}")
         if output is None:
             return
         # the output rule, before the model is loaded: an existing path, a symlink, a missing folder
@@ -165,12 +171,6 @@ class ConvertConfig:
             raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
         if SAVE_FORMATS[output.suffix] != "pickle":
             return
-        if (flag := self._graph_flag()) is not None:
-            # said before the run, not after it: an exported program's module does not pickle
-            raise BadInputError(
-                f"{flag} makes the model an exported torch.fx GraphModule, which cannot be pickled to "
-                f"{output}: save as .pt2 or .onnx"
-            )
         if self.add_weight_norm is not None:
             raise BadInputError(
                 f"--add-weight-norm makes parametrized modules, which torch.save cannot pickle to {output}: "

@@ -53,6 +53,7 @@ def save(
     source: CheckpointDirectory | None = None,
     target: str = "standard",
     overwrite: bool | None = None,
+    portable: bool | None = None,
 ) -> SavedOutput:
     """Save a conversion's model (or any model) to ``path``, atomically, in the format its suffix names.
 
@@ -60,7 +61,9 @@ def save(
     :class:`~normswap.errors.CheckFailedError` unless ``result.ok``; ``path`` defaults to its config's
     ``output``, the inputs to those it was checked on; the result records what was written), or a
     module with ``example_args``/``example_kwargs`` (a .pt2 or .onnx is an export on them). ``opset``
-    and ``dynamic_batch`` apply to .onnx, which is checked in onnxruntime before it is kept.
+    and ``dynamic_batch`` apply to .onnx, which is checked in onnxruntime before it is kept; ``portable``
+    to .pt2: a program that ``torch.export.load`` reads with torch alone (plain output containers,
+    normswap's fused ops as torch's own), where by default the note says what loading it needs.
     ``refuse_path``: the input model's file, never to be overwritten.
 
     A path without a suffix is a Hugging Face model directory (a transformers model only), loaded back
@@ -91,6 +94,8 @@ def save(
             example_args, example_kwargs = conversion.example_args, conversion.example_kwargs
         if overwrite is None:
             overwrite = conversion.config.overwrite
+        if portable is None:
+            portable = conversion.config.portable
     else:
         assert not isinstance(result, ConversionResult)  # narrows the union for the type checker
         model = result
@@ -117,6 +122,7 @@ def save(
             refuse_path,
             target,
             replace,
+            bool(portable),
         )
     if conversion is not None:
         conversion.saved = saved
@@ -133,12 +139,15 @@ def _write(
     refuse_path: str | Path | None,
     target: str = "standard",
     overwrite: bool = False,
+    portable: bool = False,
 ) -> SavedOutput:
     from normswap.graph.capture import capture_friendly, capture_notes
     from normswap.load import SAVE_FORMATS, save_model
 
     refuse = None if refuse_path is None else Path(refuse_path)
     label = SAVE_FORMATS.get(path.suffix.lower())
+    if portable and label != "pt2":
+        raise BadInputError(f"--portable is for a .pt2 program; {path} is {label}")
     if label != "pickle" and args is None and kwargs is None:
         raise BadInputError(f"writing {path} exports the model: give example inputs")
     args, kwargs = tuple(args or ()), dict(kwargs or {})
@@ -159,8 +168,17 @@ def _write(
                 overwrite=overwrite,
             )
         return SavedOutput(path=path, format="onnx", onnx=checked, notes=list(notes))
-    label = save_model(model, path, args, kwargs, refuse_path=refuse, overwrite=overwrite)
+    needs: list[str] = []
+    label = save_model(
+        model, path, args, kwargs, refuse_path=refuse, overwrite=overwrite, portable=portable, needs=needs
+    )
     notes = capture_notes(model, args, kwargs) if label == "pt2" else []
+    if needs:
+        imports = " and ".join(f"import {name}" for name in needs)
+        notes.append(
+            f"{path} loads with torch.export.load after {imports} (its operators or its output classes); "
+            "--portable writes one that needs torch alone"
+        )
     return SavedOutput(path=path, format=label, notes=notes)
 
 

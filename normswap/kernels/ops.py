@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd import forward_ad
@@ -307,6 +308,21 @@ def _define(family: _OpFamily) -> None:
 
 
 _EAGER_FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
+
+
+def reference_decompositions() -> dict[Any, Any]:
+    """Each forward op -> the same computation in torch's own operators (the reference math), for a
+    program that must run without normswap (``ExportedProgram.run_decompositions``: a portable .pt2)."""
+    table = {}
+    for family in _FAMILIES:
+
+        def decomposed(*args: Any, family: _OpFamily = family) -> tuple[torch.Tensor, ...]:
+            x, residual, weight, bias, eps, casting, weight_offset = family.split_fwd_args(args)
+            outputs = reference_fwd(family.kind, x, residual, weight, bias, eps, casting, weight_offset)
+            return family.pack_fwd_outputs(*outputs)
+
+        table[getattr(torch.ops.normswap, f"{family.name}_fwd").default] = decomposed
+    return table
 
 
 def _differentiable_bwd(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,12 +85,23 @@ def pt2_refusal(path: Path, problem: str) -> BadInputError:
 
 
 def write_pt2(
-    model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path, path: Path
-) -> None:
+    model: nn.Module,
+    example_args: tuple,
+    example_kwargs: dict | None,
+    temp: Path,
+    path: Path,
+    *,
+    portable: bool = False,
+) -> list[str]:
+    """Export ``model`` and write the program to ``temp``; what loading it needs besides torch
+    (:func:`program_needs`). ``portable``: a program that needs nothing else (:func:`portable_program`)."""
     from normswap.graph.capture import export_program
 
     try:
-        ep = export_program(model, example_args, example_kwargs, grow_unit_dims=True)
+        if portable:
+            ep = portable_program(model, example_args, example_kwargs)
+        else:
+            ep = export_program(model, example_args, example_kwargs, grow_unit_dims=True)
     except Exception as exc:
         raise BadInputError(
             f"torch.export could not trace the model for .pt2 output ({describe(exc)}); save as .pt instead"
@@ -103,6 +115,64 @@ def write_pt2(
         writer.flush()
     if writer.error is not None:
         raise writer.error
+    return program_needs(ep)
+
+
+def program_needs(program: torch.export.ExportedProgram) -> list[str]:
+    """What ``torch.export.load`` of ``program`` needs imported besides torch: the packages whose
+    operators its graph calls (normswap's fused norms) and whose classes its inputs and outputs are
+    (a Hugging Face model's output class), each as the import that provides it."""
+    needs: set[str] = set()
+    for node in program.graph.nodes:
+        namespace = getattr(node.target, "namespace", None)
+        if node.op == "call_function" and namespace == "normswap":
+            needs.add("normswap.kernels")
+    for spec in (program.call_spec.in_spec, program.call_spec.out_spec):
+        stack = [spec] if spec is not None else []
+        while stack:
+            node = stack.pop()
+            module = getattr(node.type, "__module__", "") or ""
+            if node.type is not None and module.split(".")[0] not in ("builtins", "torch", "collections"):
+                needs.add(module)
+            stack.extend(node.children_specs)
+    return sorted(needs)
+
+
+class _PlainOutputs(nn.Module):
+    """``model`` returning its outputs as plain dicts, tuples and lists (a Hugging Face ``ModelOutput``
+    becomes the dict of its fields), so a program of it names no class of the model's library."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _plain(self.model(*args, **kwargs))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):  # ModelOutput is an OrderedDict of its set fields
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return (
+            type(value)(_plain(v) for v in value)
+            if type(value) in (tuple, list)
+            else tuple(map(_plain, value))
+        )
+    return value
+
+
+def portable_program(
+    model: nn.Module, example_args: tuple, example_kwargs: dict | None
+) -> torch.export.ExportedProgram:
+    """The program of ``model`` that loads with plain ``torch.export.load``: its outputs plain
+    containers, normswap's fused-norm ops replaced by the same math in torch's operators (the reference
+    forward: no fused kernel, the numbers as the reference computes them)."""
+    from normswap.graph.capture import export_program
+    from normswap.kernels.ops import reference_decompositions
+
+    program = export_program(_PlainOutputs(model), example_args, example_kwargs, grow_unit_dims=True)
+    return program.run_decompositions(reference_decompositions())
 
 
 def captured_pt2_problem(graph: torch.fx.Graph) -> str | None:

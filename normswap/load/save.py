@@ -363,7 +363,19 @@ def check_writable(
         )
 
 
-def _write_pickle(model: nn.Module, temp: Path) -> None:
+def _write_pickle(model: nn.Module, temp: Path, example_args: tuple, example_kwargs: dict | None) -> None:
+    if isinstance(model, torch.fx.GraphModule) and pickle_problem(model) is not None:
+        # an exported graph (a graph rewrite's result): its module holds export's guard hooks, which do
+        # not pickle; the .pt holds the program instead (normswap.load.exported_module)
+        from normswap.graph.capture import export_program
+        from normswap.load.exported_module import ExportedModule
+
+        try:
+            model = ExportedModule(export_program(model, example_args, example_kwargs, grow_unit_dims=True))
+        except Exception as exc:
+            raise BadInputError(
+                f"torch.export could not trace the graph for .pt output ({describe(exc)})"
+            ) from None
     try:
         torch.save(model, temp)
     except (pickle.PicklingError, TypeError, AttributeError, RuntimeError) as exc:
@@ -412,8 +424,14 @@ def save_model(
     refuse_path: Path | None = None,
     opset: int | None = None,
     overwrite: bool = False,
+    portable: bool = False,
+    needs: list[str] | None = None,
 ) -> str:
     """Save ``model`` in the format its suffix names (.pt2, .pt/.pth, .onnx) and return that format's label.
+
+    A .pt2's program: ``portable`` writes one that loads with torch alone
+    (:func:`normswap.load.pt2_file.portable_program`); ``needs``, when given, receives what loading the
+    written one needs imported besides torch (:func:`normswap.load.pt2_file.program_needs`).
 
     ``refuse_path`` is the input model file: writing over it would destroy the only copy of the original.
     ``opset`` is the ONNX opset for .onnx outputs (None: the exporter's default); other formats ignore it.
@@ -432,11 +450,13 @@ def save_model(
 
     def write(temp: Path) -> None:
         if label == "pt2":
-            write_pt2(model, example_args, example_kwargs, temp, path)
+            found = write_pt2(model, example_args, example_kwargs, temp, path, portable=portable)
+            if needs is not None:
+                needs[:] = found
         elif label == "onnx":
             _write_onnx(model, example_args, example_kwargs, temp, opset)
         else:
-            _write_pickle(model, temp)
+            _write_pickle(model, temp, example_args, example_kwargs)
 
     if label == "onnx":
         atomic_write_onnx(path, write, overwrite=overwrite)

@@ -189,6 +189,9 @@ def print_conversion(result: Any) -> None:
     else:
         print_pipeline(result.report)
         print_capture_notes(result.graph_notes, captured_what(result.graph_method), ANALYSIS_ONLY)
+    if result.size is not None:
+        (v0, b0), (v1, b1) = ((s.values, s.bytes) for s in result.size)
+        out.print(f"size: {v0:,} -> {v1:,} values, {b0 / 1e6:,.2f} -> {b1 / 1e6:,.2f} MB stored")
     for note in result.notes:
         out.print(f"note: {note}", soft_wrap=True)
     if result.calibration is not None:

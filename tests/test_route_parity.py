@@ -114,6 +114,23 @@ def test_streamed_and_in_memory_agree(dirs, tmp_path, name, options, exit_code):
     measured = ("converting in memory", "outputs not preserved when asked for")
     assert streamed["notes"] == [n for n in memory["notes"] if not any(m in n for m in measured)]
     assert streamed["outputs_not_preserved"] is None
+    # what the model stores before and after, measured from the files and from the model: the same, but
+    # that a norm folded in memory is weightless where a directory stores its class with neutral values
+    if exit_code == 0:
+        assert (
+            streamed["size"]["before"] == memory["size"]["before"] and memory["size"]["before"]["values"] > 0
+        )
+        stored = _tensors(streamed_out)
+        changed = [
+            c["site"]
+            for p in streamed["passes"]
+            if p["pass_name"] == "fold_norm_affine"
+            for c in p["changes"]
+        ]
+        neutral = sum(
+            stored[f"{s}.{k}"].numel() for s in changed for k in ("weight", "bias") if f"{s}.{k}" in stored
+        )
+        assert streamed["size"]["after"]["values"] - memory["size"]["after"]["values"] == neutral
     if exit_code:
         assert not streamed_out.exists() and not memory_out.exists()
         return

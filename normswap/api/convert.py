@@ -26,6 +26,7 @@ from torch import nn
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError
 from normswap.passes.core.pipeline import Pipeline, PipelineReport
+from normswap.verify.size import ModelSize, model_size
 
 if TYPE_CHECKING:
     from normswap.api.save import SavedOutput
@@ -86,6 +87,8 @@ class ConversionResult:
     example_kwargs: dict[str, Any] = field(default_factory=dict)
     # set by normswap.save once the result is written
     saved: SavedOutput | None = None
+    # what the model stores before and after (normswap.verify.size); None where not measured
+    size: tuple[ModelSize, ModelSize] | None = None
     # which route ran: "in memory", "streamed" (a model directory rewritten tensor by tensor, written as
     # it goes) or "block by block" (swapped and calibrated one block at a time, written as it goes)
     route: str = "in memory"
@@ -132,6 +135,8 @@ class ConversionResult:
             if "calibration" in written:  # where the in-memory route's calibration is
                 data["calibration"] = written.pop("calibration")
             data[self.route.replace(" ", "_")] = written
+        if self.size is not None:
+            data["size"] = {"before": self.size[0].to_dict(), "after": self.size[1].to_dict()}
         data["graph_notes"] = self.graph_notes
         data["outputs_not_preserved"] = self.outputs_not_preserved
         data["notes"] = self.notes
@@ -230,6 +235,7 @@ def convert_model(
             graph_notes=list(captured.notes),
             example_args=args,
             example_kwargs=kwargs,
+            size=(model_size(model), model_size(converted)),
         )
         if report.ok and _only_exact_changes(report):
             say("asking both models for the outputs they return only when asked")

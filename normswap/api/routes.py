@@ -93,6 +93,8 @@ def convert_source(
 
 def _streamed(checkpoint: Any, config: ConvertConfig, say: Callable[[str], None]) -> ConversionResult:
     from normswap.api.checkpoint import plan_checkpoint, write_checkpoint
+    from normswap.load.checkpoint_dir import read_checkpoint_directory
+    from normswap.verify.size import stored_size
 
     planned = plan_checkpoint(checkpoint, config, say)
     result = ConversionResult(
@@ -105,6 +107,9 @@ def _streamed(checkpoint: Any, config: ConvertConfig, say: Callable[[str], None]
         result.written_directory = write_checkpoint(planned, config, say)
     except CheckFailedError as exc:  # the verification against the source: what exact failures are
         result.verdict, result.refusal = Verdict.EXACT_FAILURE, str(exc)
+        return result
+    written = read_checkpoint_directory(result.written_directory.path)
+    result.size = (stored_size(checkpoint), stored_size(written))
     return result
 
 

@@ -1,18 +1,24 @@
-"""Every exact rewrite of the models it applies to is written as ONNX at the lowest and the highest opset
-the exporter offers (17: converted down from 18; 23: RMSNormalization as a standard op) and checked in
-onnxruntime against PyTorch: HF GPT-2 and Llama from configs, timm's ViT (with LayerScale), torchvision's
+"""Every exact rewrite of the models it applies to is written in every format: ONNX at the lowest and the
+highest opset the exporter offers (17: converted down from 18; 23: RMSNormalization as a standard op),
+checked in onnxruntime against PyTorch; .pt2 and .pt, loaded back and run; a model directory for the
+Hugging Face models, loaded back (the others are refused before the work: a directory holds a
+transformers model). Models: HF GPT-2 and Llama from configs, timm's ViT (with LayerScale), torchvision's
 ResNet-18. The opset-17 route was proven on unconverted models only; a converted model's norms are new
-ops (an RMSNorm's ReduceMean), and onnx's converter left opset 18's ``noop_with_empty_axes`` on them."""
+ops (an RMSNorm's ReduceMean), and onnx's converter left opset 18's ``noop_with_empty_axes`` on them.
+The opsets between (18-22): ``benchmarks/sweep_onnx_opsets.py``."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import model_zoo
 import pytest
+import torch
 
 import normswap
+from normswap import rewrites
 
 pytest.importorskip("onnxruntime")
 
@@ -44,16 +50,51 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("opset", [17, 23])
+def _outputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    return out["logits"] if isinstance(out, dict) else out
+
+
 @pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}-{'-'.join(o)}" for n, o in CASES])
-def test_every_exact_rewrite_writes_onnx_that_onnxruntime_runs_as_pytorch(
-    tmp_path: Path, name, options, opset
-):
+def test_every_exact_rewrite_is_written_in_every_format(tmp_path: Path, name, options):
     model, args, kwargs = MODELS[name]()
-    config = normswap.ConvertConfig(output=tmp_path / "m.onnx", **options)
-    result = normswap.convert(model, config, example_args=args, example_kwargs=kwargs)
+    result = normswap.convert(
+        model, normswap.ConvertConfig(**options), example_args=args, example_kwargs=kwargs
+    )
     assert result.ok and result.changes > 0, result.refusal
-    onnx = normswap.save(result, opset=opset).onnx
-    assert onnx is not None and onnx.opset == opset
-    assert onnx.within_tolerance, [(o.name, o.max_rel) for o in onnx.outputs]
-    assert onnx.outputs and all(o.max_rel <= 1e-4 for o in onnx.outputs)
+    want = _outputs(result.model, args, kwargs)
+    for opset in (17, 23):
+        onnx = normswap.save(result, tmp_path / f"m{opset}.onnx", opset=opset).onnx
+        assert onnx is not None and onnx.opset == opset and onnx.within_tolerance
+        assert onnx.outputs and all(o.max_rel <= 1e-4 for o in onnx.outputs), [
+            o.max_rel for o in onnx.outputs
+        ]
+    normswap.save(result, tmp_path / "m.pt2")
+    back = _outputs(torch.export.load(tmp_path / "m.pt2").module(), args, kwargs)
+    assert ((back - want).abs().max() / want.abs().max()).item() < 1e-5
+    if "add_weight_norm" in options:  # torch cannot pickle a parametrized module: refused before the work
+        config = normswap.ConvertConfig(output=tmp_path / "m.pt", **options)
+        with pytest.raises(
+            normswap.BadInputError, match=r"makes parametrized modules, which torch\.save cannot"
+        ):
+            normswap.convert(model, config, example_args=args, example_kwargs=kwargs)
+    else:
+        normswap.save(result, tmp_path / "m.pt")
+        back = _outputs(torch.load(tmp_path / "m.pt", weights_only=False), args, kwargs)
+        assert ((back - want).abs().max() / want.abs().max()).item() < 1e-5
+    graph = bool(set(result.config.rewrites()) & set(rewrites.graph_options()))
+    if name in ("gpt2", "llama") and not graph:
+        normswap.save(result, tmp_path / "dir")
+        back = _outputs(normswap.load_model(str(tmp_path / "dir")).model, args, kwargs)
+        assert ((back - want).abs().max() / want.abs().max()).item() < 1e-5
+    else:  # an exported graph, or not a transformers model: refused before anything is written
+        reason = (
+            "makes the model an exported torch.fx GraphModule, which a model directory cannot hold"
+            if graph
+            else "a model directory is written for a transformers model (save_pretrained)"
+        )
+        config = normswap.ConvertConfig(output=tmp_path / "dir", **options)
+        with pytest.raises(normswap.BadInputError, match=re.escape(reason)):
+            normswap.convert(model, config, example_args=args, example_kwargs=kwargs)
+        assert not (tmp_path / "dir").exists()

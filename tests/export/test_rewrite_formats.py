@@ -27,17 +27,30 @@ def _vit_with_layerscale() -> tuple:
     return model_zoo.timm_vit(init_values=0.5)
 
 
+def _resnet_with_weight_norm() -> tuple:
+    """torchvision's ResNet-18 with torch's weight norm on its classifier and first conv, as a user
+    trained it."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model, args, kwargs = model_zoo.resnet18()
+    weight_norm(model.fc)
+    weight_norm(model.conv1)
+    return model, args, kwargs
+
+
 MODELS: dict[str, Callable[[], tuple]] = {
     "gpt2": model_zoo.gpt2,
     "llama": model_zoo.llama,
     "vit": _vit_with_layerscale,
     "resnet": model_zoo.resnet18,
+    "resnet-wn": _resnet_with_weight_norm,
 }
 # (model, the rewrite as ConvertConfig fields): each exact rewrite on the models that have its sites
 CASES = [
     ("gpt2", {"to": "rmsnorm", "exact": True}),
     ("gpt2", {"to": "crmsnorm", "exact": True}),
     ("gpt2", {"fold_norm_affine": True}),
+    ("gpt2", {"to": "fused", "exact": True}),
     ("gpt2", {"to": "fused", "fuse_add": True, "exact": True}),
     ("llama", {"fold_norm_affine": True}),
     ("llama", {"defer_rms": True}),
@@ -47,7 +60,12 @@ CASES = [
     ("vit", {"to": "fused", "fuse_inline": True, "exact": True}),
     ("resnet", {"fold_bn": True}),
     ("resnet", {"add_weight_norm": ["fc", "layer1.0.conv1"]}),
+    ("resnet-wn", {"remove_weight_norm": True}),
 ]
+
+
+def _label(options: dict) -> str:
+    return "-".join(k if v is True else f"{k}={v}" for k, v in options.items())
 
 
 def _outputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -56,7 +74,7 @@ def _outputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     return out["logits"] if isinstance(out, dict) else out
 
 
-@pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}-{'-'.join(o)}" for n, o in CASES])
+@pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}-{_label(o)}" for n, o in CASES])
 def test_every_exact_rewrite_is_written_in_every_format(tmp_path: Path, name, options):
     model, args, kwargs = MODELS[name]()
     result = normswap.convert(

@@ -249,7 +249,10 @@ def bench_gpt2(repeats: int, tmp: str, against: str | None = None) -> dict[str, 
         out = f"{tmp}/g{layers}.pt2"
         baseline = [sys.executable, str(HERE), "--baseline-export", "gpt2", f"{tmp}/b.pt2"]
         commands = {
-            "convert": (_normswap("convert", f"{HERE}:gpt2", "--to", "rmsnorm", "--exact", "-o", out), env),
+            "convert": (
+                _normswap("convert", f"{HERE}:gpt2", "--to", "rmsnorm", "--exact", "-o", out, "--overwrite"),
+                env,
+            ),
             "build+export+save": (baseline, env),
             "build+export dynamic+save": ([*baseline, "dynamic"], env),
         }
@@ -292,7 +295,7 @@ def bench_resnet50(repeats: int, tmp: str, against: str | None = None) -> dict[s
     )
     commands = {
         "convert --fold-bn": (
-            _normswap("convert", f"{HERE}:resnet50", "--fold-bn", "-o", f"{tmp}/r.pt2"),
+            _normswap("convert", f"{HERE}:resnet50", "--fold-bn", "-o", f"{tmp}/r.pt2", "--overwrite"),
             {},
         ),
         "build+fx fuse+compare+save": (

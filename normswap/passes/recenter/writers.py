@@ -102,9 +102,9 @@ def output_centring(
     """:func:`tied_embeddings` whose module can become a :class:`CenteredEmbedding`: torch's plain
     ``nn.Embedding`` whose weight is that matrix, called at one site only (every call's output is
     centred, so no call may feed anything but the stream)."""
-    chosen = set()
+    chosen, tied = set(), tied_embeddings(stream)
     for param in stream.params:
-        if param.name not in tied_embeddings(stream):
+        if param.name not in tied:
             continue
         path = param.module_path
         holds = f"{path}.weight" in aliases.get(param.name, [param.name])

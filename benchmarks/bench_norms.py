@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -349,6 +350,9 @@ def _meta(device: str, on_cuda: bool, copy_gbps: float, timer: Timer) -> dict:
             else getattr(timer, "__name__", type(timer).__name__)
         ),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        # normswap's eager route per shape (normswap.kernels._routes): built-in rules or a tuner's file
+        "route_rules": os.environ.get("NORMSWAP_ROUTE_RULES", "built-in"),
+        "forced_route": os.environ.get("NORMSWAP_KERNEL_ROUTE", "none"),
     }
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What the GPU figures in benchmarks/results/ were produced with, one step per argument, in order:
 #   bash benchmarks/gpu_session.sh setup gputests tune suite
+#   bash benchmarks/gpu_session.sh setup routes normsbench models gputests   (issue 27: per-shape routes)
 # setup installs normswap (editable, no dependencies: the machine has them) and any wheels in .whl/
 # (Liger-Kernel); every other step writes its log and results under $OUT (default ./gpu_out).
 set -uo pipefail
@@ -26,7 +27,22 @@ for step in "$@"; do
       $PY -c "import torch; from torch._library.triton import triton_ops_to_kernels as t; import normswap.kernels; n = sorted(k for k in t if k.startswith('normswap')); print(len(n), 'normswap ops are triton_ops' if n else 'normswap ops are custom ops (opaque to Inductor)')"
       ;;
     gputests)
-      timeout 300 $PY -m pytest -q -m gpu -n "${GPU_WORKERS:-1}" -p no:cacheprovider -rfE --tb=short tests 2>&1 | tee "$OUT/gputests.log" | tail -40
+      timeout "${GPUTESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n "${GPU_WORKERS:-1}" -p no:cacheprovider -rfE --tb=short \
+        ${GPUTESTS_ARGS:-} tests 2>&1 | tee "$OUT/gputests.log" | tail -40
+      ;;
+    routes)
+      # Where each route of an eager call wins, per shape; the rules the later steps apply (their
+      # NORMSWAP_ROUTE_RULES) unless ROUTES_RULES names others.
+      timeout "${ROUTES_TIMEOUT:-300}" $PY benchmarks/tune_routes.py --out "$OUT/routes.json" --python 2>&1 | tail -40
+      ;;
+    normsbench)
+      # bench_norms with the routes just tuned: normswap against eager on every shape.
+      NORMSWAP_ROUTE_RULES=${ROUTES_RULES:-$OUT/routes.json} timeout "${BENCH_TIMEOUT:-560}" $PY benchmarks/bench_norms.py \
+        --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\(rms\|layer\) " | tail -40
+      ;;
+    models)
+      NORMSWAP_ROUTE_RULES=${ROUTES_RULES:-$OUT/routes.json} timeout "${MODELS_TIMEOUT:-300}" $PY benchmarks/bench_models_fused.py \
+        --out "$OUT/models.json" ${MODELS_ARGS:-} 2>&1 | grep -v -i "warn\|output = func\|return forward_call" | tail -40
       ;;
     suite)
       # One thread per worker: 14 workers of 16 threads each oversubscribe the cores many times over.

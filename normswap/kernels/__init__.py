@@ -8,7 +8,8 @@ Three tiers, as in Liger-Kernel:
 2. custom ops ``torch.ops.normswap.*`` (:mod:`.ops`) with fake and autograd registrations: Triton on
    CUDA, the reference math of :mod:`.reference` (the definition of the norms' semantics) elsewhere;
 3. differentiable functions (:func:`rms_norm`, ...), which the modules of :mod:`normswap.modules.fused`
-   call.
+   call. An eager call on CUDA takes the kernel or torch's own ops, whichever was measured faster for
+   its shape (:mod:`._routes`; :func:`kernel_route` forces one, :func:`route_rules` sets the rules).
 
 :mod:`.onnx_translation` translates the ops to standard ONNX ops for the exporter; it imports onnxscript
 and is imported only where ONNX is written.
@@ -19,6 +20,7 @@ without it they are custom ops and nothing needs triton.
 """
 
 from normswap.kernels._launch import interpreter_enabled, triton_available
+from normswap.kernels._routes import kernel_route, route_rules
 from normswap.kernels.ops import (
     add_layer_norm,
     add_rms_norm,
@@ -33,8 +35,10 @@ __all__ = [
     "add_rms_norm",
     "fused_norm",
     "interpreter_enabled",
+    "kernel_route",
     "layer_norm",
     "rms_norm",
+    "route_rules",
     "triton_available",
     "triton_on_cpu",
 ]

@@ -22,7 +22,9 @@ into it.
 
 Where they run: Triton on CUDA tensors of fp32/fp16/bf16; the reference math of
 :mod:`normswap.kernels.reference` (and its hand-derived backward) everywhere else, and on CPU
-unless a test asks for the Triton interpreter with :func:`triton_on_cpu`.
+unless a test asks for the Triton interpreter with :func:`triton_on_cpu`. An eager call on a CUDA
+tensor takes torch's own ops instead where they are measured faster for its shape (a few rows, short
+rows: :mod:`normswap.kernels._routes`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from normswap.kernels._launch import (
     triton_supports,
 )
 from normswap.kernels._registration import register_op
+from normswap.kernels._routes import takes_torch_route, torch_route
 from normswap.kernels.reference import REFERENCES, KernelNormKind, reference_bwd, reference_fwd
 
 _force_triton_on_cpu = 0
@@ -404,7 +407,10 @@ def _norm(
         rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
     name = f"{'add_' if rf is not None else ''}{kind}_norm"
     args = (xf, *((rf,) if rf is not None else ()), w, b, float(eps), casting, float(weight_offset))
-    if _skips_dispatcher(xf, rf, w, b):
+    eager = _skips_dispatcher(xf, rf, w, b)
+    if eager and takes_torch_route(kind, xf, rf, w, b, casting, weight_offset):
+        return torch_route(kind, x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
+    if eager:
         outputs = _EAGER_FUNCTIONS[name].apply(*args)
     else:
         outputs = getattr(torch.ops.normswap, f"{name}_fwd")(*args)

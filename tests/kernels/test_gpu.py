@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from normswap.kernels import kernel_route
 from normswap.kernels._launch import norm_bwd, norm_fwd
+from normswap.kernels._routes import BUILTIN_RULES
 from normswap.modules import LayerNorm, RMSNorm
 from normswap.modules.fused import FusedLayerNorm, FusedRMSNorm
 from tests.kernels.conftest import (
@@ -100,3 +102,41 @@ def test_inductor_compile(ref_cls, fused_cls):
     y.float().square().sum().backward()
     y2.float().square().sum().backward()
     check_all({"dx": x.grad}, {"dx": x2.grad}, torch.bfloat16, names=("dx",))
+
+
+@pytest.mark.parametrize("route", ["torch", "triton"])
+@pytest.mark.parametrize(("casting", "offset"), [*CASTINGS, ("llama", 1.0)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_both_routes(kind, residual, casting, offset, route):
+    """Each route of an eager call, forced, against the reference: few rows (where the torch route is
+    taken) and many, bf16, gradients included."""
+    for shape in ((3, 768), (4096, 2048)):
+        dtype = torch.bfloat16
+        x, dy = _on_cuda(randn(shape, dtype, seed=0), randn(shape, dtype, seed=1))
+        r, dh = (
+            _on_cuda(randn(shape, dtype, seed=2), randn(shape, dtype, seed=3)) if residual else (None, None)
+        )
+        w, b = _on_cuda(*make_params(shape[-1], dtype, affine=True, bias=kind == "layer"))
+        args = (
+            kind,
+            x,
+            r,
+            w.requires_grad_(),
+            b.requires_grad_() if b is not None else None,
+            1e-6,
+            casting,
+            offset,
+            dy,
+            dh,
+        )
+        with kernel_route(route):
+            got = fused_grads(*args, triton=True)
+        check_all(got, reference_grads(*args), dtype)
+
+
+def test_builtin_rules_are_measured():
+    """The shipped rules came from a GPU run (benchmarks/tune_routes.py): not empty, ascending."""
+    assert BUILTIN_RULES, "no measured route rules: run benchmarks/tune_routes.py on a GPU"
+    for key, rule in BUILTIN_RULES.items():
+        assert [n for n, _ in rule] == sorted({n for n, _ in rule}), key

@@ -1,0 +1,222 @@
+"""Which route an eager fused-norm call takes: the Triton kernel, or torch's own operators, per shape.
+
+A fused norm replaces what the original model ran: ``F.layer_norm`` / ``F.rms_norm`` (one native kernel
+each) or a handful of elementwise ops (HF Llama's cast-before-weight RMSNorm, Gemma's ``(1 + w)``). At
+many rows the Triton kernel wins by moving each byte once. At a few rows the GPU work is a few
+microseconds and the call costs what the host spends on it; at short rows a native kernel can also be
+the faster one. A converted model must never be slower than its original, so each eager call takes the
+faster route for its shape, from rules measured on a GPU (``benchmarks/tune_routes.py``, as
+``_tiling.py``'s launch rules are): the kernel where it wins, torch's own ops where they do. Under
+torch.compile, export and the transforms the ops stay whole (Inductor compiles their kernels into its
+own code and CUDA graphs remove the launches), so only eager calls are routed.
+
+A rule is keyed by what changes the answer: the norm, whether the residual add is fused, whether torch
+has one native kernel for the function (``native``: plain casting, no weight offset, parameters in the
+input's dtype, no bias on an RMSNorm) or composes it from several ops, the element size, and whether
+autograd records the call (``train``: forward and backward are one decision). For each key it lists
+``(n_max, min_rows)``: rows of length up to ``n_max`` take the kernel from ``min_rows`` rows on; rows
+longer than the last ``n_max`` always take the kernel.
+
+``NORMSWAP_ROUTE_RULES=rules.json`` replaces the built-in rules by a tuner's output (another GPU);
+``NORMSWAP_KERNEL_ROUTE=triton|torch`` (or :func:`kernel_route`) forces one route, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from normswap.kernels._launch import check_args
+from normswap.kernels.reference import REFERENCES, KernelNormKind
+
+Route = Literal["triton", "torch"]
+ROUTES: tuple[str, ...] = ("triton", "torch")
+
+# Rows of length <= n_max take the kernel from min_rows rows on.
+RouteRule = Sequence[tuple[int, int]]
+
+# Measured on an NVIDIA H200 (benchmarks/results/routes_h200.json, `python benchmarks/tune_routes.py`);
+# regenerate with the tuner's --python output. Keys: see route_key.
+BUILTIN_RULES: dict[str, RouteRule] = {}
+
+
+def route_key(kind: str, residual: bool, native: bool, itemsize: int, train: bool) -> str:
+    """The rules' key for a call: ``rms+add:native:half:train`` and the like."""
+    return (
+        f"{kind}{'+add' if residual else ''}:{'native' if native else 'composed'}:"
+        f"{'half' if itemsize == 2 else 'fp32'}:{'train' if train else 'infer'}"
+    )
+
+
+_forced: Route | None = None
+_rules_override: Mapping[str, RouteRule] | None = None
+
+
+def forced_route() -> Route | None:
+    """The route forced by :func:`kernel_route` or ``NORMSWAP_KERNEL_ROUTE``, else None."""
+    if _forced is not None:
+        return _forced
+    env = os.environ.get("NORMSWAP_KERNEL_ROUTE")
+    if env in (None, "", "auto"):
+        return None
+    if env not in ROUTES:
+        raise ValueError(f"NORMSWAP_KERNEL_ROUTE must be one of triton, torch, auto; got {env!r}")
+    return env  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def kernel_route(route: Route | None) -> Iterator[None]:
+    """Force every eager fused-norm call in the block onto ``route`` (None: the measured choice)."""
+    global _forced
+    if route is not None and route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES} or None, got {route!r}")
+    saved, _forced = _forced, route
+    try:
+        yield
+    finally:
+        _forced = saved
+
+
+def load_rules(path: str | Path) -> dict[str, RouteRule]:
+    """The ``rules`` of a tuner's JSON output, checked: key -> ascending ``(n_max, min_rows)`` pairs."""
+    data = json.loads(Path(path).read_text())
+    rules = data.get("rules") if isinstance(data, dict) else None
+    if not isinstance(rules, dict):
+        raise ValueError(f"{path}: no 'rules' table (expected the output of benchmarks/tune_routes.py)")
+    checked: dict[str, RouteRule] = {}
+    for key, pairs in rules.items():
+        try:
+            rule = tuple((int(n_max), int(min_rows)) for n_max, min_rows in pairs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: rule {key!r} is not a list of [n_max, min_rows] pairs") from e
+        if [n for n, _ in rule] != sorted({n for n, _ in rule}):
+            raise ValueError(f"{path}: rule {key!r} must list n_max in ascending order, once each")
+        checked[str(key)] = rule
+    return checked
+
+
+@contextlib.contextmanager
+def route_rules(rules: Mapping[str, RouteRule] | None) -> Iterator[None]:
+    """Use ``rules`` instead of the built-in (or environment's) rules inside the block."""
+    global _rules_override
+    saved, _rules_override = _rules_override, rules
+    _min_rows.cache_clear()
+    try:
+        yield
+    finally:
+        _rules_override = saved
+        _min_rows.cache_clear()
+
+
+@functools.cache
+def _environment_rules(path: str) -> Mapping[str, RouteRule]:
+    return load_rules(path)
+
+
+def _active_rules() -> Mapping[str, RouteRule]:
+    if _rules_override is not None:
+        return _rules_override
+    path = os.environ.get("NORMSWAP_ROUTE_RULES")
+    return _environment_rules(path) if path else BUILTIN_RULES
+
+
+@functools.lru_cache(maxsize=4096)  # host time counts at a few rows, and shapes repeat
+def _min_rows(key: str, n: int, rules_id: int) -> int:
+    for n_max, min_rows in _active_rules().get(key, ()):
+        if n <= n_max:
+            return min_rows
+    return 0
+
+
+def choose_route(
+    kind: str, residual: bool, native: bool, dtype: torch.dtype, train: bool, rows: int, n: int
+) -> Route:
+    """The route for an eager call on a CUDA tensor of ``rows`` rows of length ``n``."""
+    forced = forced_route()
+    if forced is not None:
+        return forced
+    key = route_key(kind, residual, native, dtype.itemsize, train)
+    return "torch" if rows < _min_rows(key, n, id(_active_rules())) else "triton"
+
+
+def _native(
+    kind: KernelNormKind,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    casting: str,
+    weight_offset: float,
+) -> bool:
+    """Whether torch has one native kernel for this norm: ``F.layer_norm`` / ``F.rms_norm`` compute
+    plain casting (fp32 statistics, the affine in fp32, one rounding) with parameters in x's dtype."""
+    if casting != "none" or weight_offset != 0.0 or (kind == "rms" and bias is not None):
+        return False
+    return all(t is None or t.dtype == x.dtype for t in (weight, bias))
+
+
+def takes_torch_route(
+    kind: KernelNormKind,
+    xf: torch.Tensor,
+    rf: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    casting: str,
+    weight_offset: float,
+) -> bool:
+    """Whether an eager call goes to torch's own ops rather than the kernel (normswap.kernels._routes)."""
+    if xf.device.type != "cuda" and forced_route() is None:
+        return False  # the interpreter (CPU tests) runs the kernels it was asked for
+    n = xf.shape[-1]
+    if n == 0:
+        return False  # the kernel route refuses an empty row with its own error
+    check_args(xf, rf, weight, bias, casting)  # the same refusals on both routes
+    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xf, rf, weight, bias))
+    native = _native(kind, xf, weight, bias, casting, weight_offset)
+    rows = xf.numel() // n
+    return choose_route(kind, rf is not None, native, xf.dtype, train, rows, n) == "torch"
+
+
+def torch_route(
+    kind: KernelNormKind,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    casting: str,
+    weight_offset: float,
+    normalized_ndim: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The norm by torch's own ops, differentiated by autograd: what the original model ran."""
+    h = x + residual if residual is not None else None
+    src = h if h is not None else x
+    if _native(kind, src, weight, bias, casting, weight_offset):
+        shape = src.shape[src.ndim - normalized_ndim :]
+        if kind == "layer":
+            return F.layer_norm(src, shape, weight, bias, eps), h
+        return F.rms_norm(src, shape, weight, eps), h
+    return REFERENCES[kind](src, normalized_ndim, weight, bias, eps, casting, weight_offset), h
+
+
+__all__ = [
+    "BUILTIN_RULES",
+    "ROUTES",
+    "Route",
+    "RouteRule",
+    "choose_route",
+    "forced_route",
+    "kernel_route",
+    "load_rules",
+    "route_key",
+    "route_rules",
+    "takes_torch_route",
+    "torch_route",
+]

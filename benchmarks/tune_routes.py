@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROWS = (1, 8, 64, 512, 4096, 32768)
+ROWS = (1, 16, 256, 4096, 32768)
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 # (kind, residual add, native, dtype, train), most used first: HF Llama's cast-before-weight RMSNorm
 # (composed), GPT-2/BERT/ViT's LayerNorm (native), plain RMSNorm, their residual-add forms; inference,

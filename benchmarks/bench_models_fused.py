@@ -9,7 +9,7 @@ as three variants in the same run:
     converted             the fused modules, each eager call on its measured route (kernel or torch)
     converted kernel-only the fused modules forced onto the Triton kernel (the route before routing)
 
-Rows: prefill (forward, no grad, batch 1, seq 512 and 2048), decode (one token with a KV cache of 512,
+Rows: prefill (forward, no grad, batch 1, seq 512 and 2048, or GPT-2's 1024), decode (one token with a KV cache of 512,
 batch 1 and 32; the cache is cropped back after each step) and a training step (forward, cross entropy,
 backward, fused AdamW). Timing: CUDA events around a loop of calls, median of 5 loops. Eager only (a
 compiled run is future work: see the README). Route rules come from the built-in table or from
@@ -111,7 +111,8 @@ def _rows(model, config, vocab: int) -> list[tuple[str, Callable[[], object]]]:
     import torch.nn.functional as F
 
     rows = []
-    for seq in (512, 2048):
+    longest = getattr(config, "n_positions", None) or config.max_position_embeddings
+    for seq in (512, min(2048, longest)):  # GPT-2 has 1024 positions
         ids = torch.randint(0, vocab, (1, seq), device="cuda")
 
         def prefill(ids=ids):

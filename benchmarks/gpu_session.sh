@@ -93,6 +93,38 @@ with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 PYEOF
       ;;
+    hostprof)
+      # Host time of one eager call at one row, per route, and where the kernel route's time goes.
+      timeout 90 $PY - <<'PYEOF' 2>&1 | tail -45
+import cProfile, pstats, time
+import torch
+import torch.nn.functional as F
+from normswap.kernels import kernel_route, rms_norm
+x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+def us(fn, calls=3000):
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+with torch.no_grad():
+    print(f"F.rms_norm {us(lambda: F.rms_norm(x, (4096,), w, 1e-6)):.1f} us/call")
+    for route in ("torch", "triton"):
+        with kernel_route(route):
+            print(f"normswap rms_norm, route {route}: {us(lambda: rms_norm(x, w, None, 1e-6)):.1f} us/call")
+    with kernel_route("triton"):
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(3000):
+            rms_norm(x, w, None, 1e-6)
+        pr.disable()
+pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+PYEOF
+      ;;
     *)
       echo "unknown step $step"
       exit 2

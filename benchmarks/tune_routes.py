@@ -32,7 +32,7 @@ ROWS = (1, 16, 256, 4096, 32768)
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 # (kind, residual add, native, dtype, train), most used first: HF Llama's cast-before-weight RMSNorm
 # (composed), GPT-2/BERT/ViT's LayerNorm (native), plain RMSNorm, their residual-add forms; inference,
-# then training; bf16, then fp32.
+# then training; bf16, then fp32; every key is measured.
 KEYS = [
     (kind, add, native, dtype, train)
     for dtype, train in (("bf16", False), ("bf16", True), ("fp32", False), ("fp32", True))
@@ -42,8 +42,10 @@ KEYS = [
         ("rms", False, True),
         ("rms", True, False),
         ("layer", True, True),
+        ("rms", True, True),
+        ("layer", False, False),
+        ("layer", True, False),
     )
-    if dtype == "bf16" or native
 ]
 NEVER = 1 << 62  # min_rows meaning "never the kernel at this length"
 

@@ -19,6 +19,7 @@ Importing this package registers the ops (our own namespace only). Where triton 
 without it they are custom ops and nothing needs triton.
 """
 
+from normswap.kernels._eager import triton_on_cpu
 from normswap.kernels._launch import interpreter_enabled, triton_available
 from normswap.kernels._routes import kernel_route, route_rules
 from normswap.kernels.ops import (
@@ -27,7 +28,6 @@ from normswap.kernels.ops import (
     fused_norm,
     layer_norm,
     rms_norm,
-    triton_on_cpu,
 )
 
 __all__ = [

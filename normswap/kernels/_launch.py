@@ -189,9 +189,49 @@ def norm_fwd(
     check_args(x, residual, weight, bias, casting)
     if not triton_supports(x, weight, bias):
         raise TypeError(f"the Triton norm kernels take fp32/fp16/bf16 tensors, got {x.dtype}")
-    n = _row_length(x)
-    if n == 0:
+    if x.shape[-1] == 0:
         raise ValueError("cannot normalize over an empty last dimension")
+    return launch_fwd(kind, x, residual, weight, bias, eps, casting, weight_offset, max_block_n)
+
+
+@functools.lru_cache(maxsize=256)
+def _fwd_switches(
+    kind: str,
+    has_residual: bool,
+    has_w: bool,
+    has_b: bool,
+    llama: bool,
+    has_offset: bool,
+    prod: torch.dtype,
+    interpret: bool,
+) -> dict:
+    """The forward kernels' compile-time switches (read-only: the launch unpacks a copy)."""
+    return {
+        "IS_RMS": kind == "rms",
+        "HAS_RESIDUAL": has_residual,
+        "HAS_W": has_w,
+        "HAS_B": has_b,
+        "LLAMA": llama,
+        "HAS_OFFSET": has_offset,
+        "PROD_DTYPE": _tl_dtype(prod),
+        "RNE_BF16": interpret,
+    }
+
+
+def launch_fwd(
+    kind: KernelNormKind,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    casting: str,
+    weight_offset: float,
+    max_block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """:func:`norm_fwd` without its argument checks, for callers that made them (the eager path: at a
+    few rows the host time of a call is its cost)."""
+    n = _row_length(x)
     lead = x.shape[:-1]
     x2 = _rows(x, n)
     m = x2.shape[0]
@@ -207,7 +247,6 @@ def norm_fwd(
     if m > 0:
         interpret = interpreter_enabled()  # read once: the environment lookup costs at a few rows
         ker = kernel_module(interpret)
-        llama = casting == "llama"
         prod = torch.promote_types(x.dtype, weight.dtype) if weight is not None else x.dtype
         cfg = fwd_config(_concrete_rows(m), n, max_block_n, interpret)
         args = (
@@ -222,16 +261,16 @@ def norm_fwd(
             x2.stride(0),
             r2.stride(0) if r2 is not None else 0,
         )
-        consts = {
-            "IS_RMS": kind == "rms",
-            "HAS_RESIDUAL": residual is not None,
-            "HAS_W": weight is not None,
-            "HAS_B": bias is not None,
-            "LLAMA": llama,
-            "HAS_OFFSET": weight is not None and weight_offset != 0.0,
-            "PROD_DTYPE": _tl_dtype(prod),
-            "RNE_BF16": interpret,
-        }
+        consts = _fwd_switches(
+            kind,
+            residual is not None,
+            weight is not None,
+            bias is not None,
+            casting == "llama",
+            weight is not None and weight_offset != 0.0,
+            prod,
+            interpret,
+        )
         # eps and the offset go in as Python floats: triton passes them as fp32 kernel arguments.
         if cfg.chunked:
             _launcher(ker.norm_fwd_chunked_kernel, interpret, x2)[(m,)](
@@ -288,6 +327,23 @@ def norm_bwd(
         raise ValueError("the LayerNorm backward needs the saved mean")
     if not triton_supports(dy, dh, x, weight, bias):
         raise TypeError("the Triton norm kernels take fp32/fp16/bf16 tensors")
+    return launch_bwd(kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset, max_block_n)
+
+
+def launch_bwd(
+    kind: KernelNormKind,
+    dy: torch.Tensor,
+    dh: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    casting: str,
+    weight_offset: float,
+    max_block_n: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`norm_bwd` without its argument checks (the eager path's backward: its forward checked)."""
     n = _row_length(x)
     x2 = _rows(x, n)
     m = x2.shape[0]
@@ -304,7 +360,11 @@ def norm_bwd(
     num_col_blocks = _cdiv(n, cfg.block_n) if cfg.chunked else 1
     num_tiles = _cdiv(m, cfg.block_m)
     target_programs = _bwd_programs(device, cfg)
-    grid_m = torch.sym_max(1, torch.sym_min(num_tiles, target_programs // num_col_blocks))
+    wanted = target_programs // num_col_blocks
+    if isinstance(num_tiles, int):  # plain ints: torch.sym_* would cost several µs per call
+        grid_m = max(1, min(num_tiles, wanted))
+    else:  # a symbolic row count (torch.compile with dynamic shapes)
+        grid_m = torch.sym_max(1, torch.sym_min(num_tiles, wanted))
     # [grid_m, N] fp32 partial sums, one row per program: no atomics, deterministic dw/db.
     dw_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if weight is not None else None
     db_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if bias is not None else None
@@ -387,6 +447,8 @@ __all__ = [
     "fwd_config",
     "interpreter_enabled",
     "kernel_module",
+    "launch_bwd",
+    "launch_fwd",
     "norm_bwd",
     "norm_fwd",
     "output_dtype",

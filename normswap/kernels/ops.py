@@ -29,93 +29,23 @@ rows: :mod:`normswap.kernels._routes`).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd import forward_ad
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from normswap.kernels._eager import _skips_dispatcher, _transformed, _use_triton
 from normswap.kernels._launch import (
     check_args,
-    interpreter_enabled,
+    launch_bwd,
+    launch_fwd,
     norm_bwd,
     norm_fwd,
     output_dtype,
-    triton_available,
-    triton_supports,
 )
 from normswap.kernels._registration import register_op
 from normswap.kernels._routes import takes_torch_route, torch_route
 from normswap.kernels.reference import REFERENCES, KernelNormKind, reference_bwd, reference_fwd
-
-_force_triton_on_cpu = 0
-
-
-@contextlib.contextmanager
-def triton_on_cpu() -> Iterator[None]:
-    """Make the ops run their Triton kernels on CPU tensors, through the interpreter.
-
-    For tests on machines without a GPU: it needs triton and ``TRITON_INTERPRET=1``. A plain counter
-    rather than a context variable, because the autograd engine may run the backward on another thread.
-    """
-    global _force_triton_on_cpu
-    if not triton_available():
-        raise RuntimeError("triton_on_cpu() needs triton installed")
-    if not interpreter_enabled():
-        raise RuntimeError(
-            "triton_on_cpu() needs TRITON_INTERPRET=1: compiled kernels cannot read CPU memory"
-        )
-    _force_triton_on_cpu += 1
-    try:
-        yield
-    finally:
-        _force_triton_on_cpu -= 1
-
-
-def _use_triton(*tensors: torch.Tensor | None) -> bool:
-    x = tensors[0]
-    assert x is not None
-    if not triton_supports(*tensors):
-        return False
-    if x.device.type == "cuda":
-        return triton_available()
-    return x.device.type == "cpu" and _force_triton_on_cpu > 0
-
-
-# Parameters are plain tensors too; any other subclass (FakeTensor, DTensor, ...) must see the op.
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
-def _transformed() -> bool:
-    """Whether a torch.func transform (grad, vmap, jacfwd, ...) or forward-mode AD is active."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0
-
-
-def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
-    """Whether an eager call may launch the kernels without going through the custom op.
-
-    The op costs a Python round trip through the dispatcher and the custom-op autograd on every call,
-    several times the launcher's own host time, and at a few rows that host time is the whole cost.
-    It is only needed when something records or transforms the call: torch.compile, a dispatch mode
-    (export's fake and proxy tracing), a functorch transform or the legacy vmap of batched gradients,
-    torch.jit.trace, or a tensor subclass. Plain tensors the Triton kernels take, with nothing watching,
-    go to the same kernels through an autograd.Function (``_EAGER_FUNCTIONS``) instead; CPU tensors and
-    other dtypes keep the op and its reference math.
-    """
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    if _transformed() or torch._C._get_tracing_state():
-        return False  # a functorch transform, or torch.jit.trace (the TorchScript ONNX exporter)
-    for t in tensors:
-        if t is None:
-            continue
-        # the legacy vmap of is_grads_batched / jacobian(vectorize=True) hides behind a plain type
-        if type(t) not in _PLAIN_TENSOR_TYPES or torch._C._functorch.is_legacy_batchedtensor(t):
-            return False
-    return _use_triton(*tensors)
 
 
 def _empty_grad(like: torch.Tensor) -> torch.Tensor:
@@ -283,8 +213,10 @@ def _define(family: _OpFamily) -> None:
             dx, dw, db = _differentiable_bwd(family.kind, ctx, dy, dh, source, weight, bias)
         else:
             bwd_args = (dy, *dh, normalized, weight, bias, *stats, ctx.casting, ctx.weight_offset)
-            impl = bwd if _skips_dispatcher(dy, *dh, normalized, weight, bias) else bwd_op
-            dx, dw, db = impl(*bwd_args)
+            if _skips_dispatcher(dy, *dh, normalized, weight, bias):  # its forward checked the arguments
+                dx, dw, db = launch_bwd(family.kind, *family.split_bwd_args(bwd_args))
+            else:
+                dx, dw, db = bwd_op(*bwd_args)
         # Gradients in input order: x[, residual], weight, bias, then None for eps, casting, offset.
         # x and residual enter only through h = x + residual: both get dh, the same tensor.
         i_w = 2 if family.with_residual else 1
@@ -299,7 +231,8 @@ def _define(family: _OpFamily) -> None:
     # _skips_dispatcher); it returns what the op returns. The forward takes ctx itself: with a separate
     # setup_context, Function.apply binds the arguments through inspect.signature on every call.
     def eager_forward(ctx, *args):
-        outputs = fwd(*args)
+        # _norm checked the arguments and that the kernels take them
+        outputs = family.pack_fwd_outputs(*launch_fwd(family.kind, *family.split_fwd_args(args)))
         setup_context(ctx, args, outputs)
         return outputs
 
@@ -407,11 +340,19 @@ def _norm(
         rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
     name = f"{'add_' if rf is not None else ''}{kind}_norm"
     args = (xf, *((rf,) if rf is not None else ()), w, b, float(eps), casting, float(weight_offset))
-    eager = _skips_dispatcher(xf, rf, w, b)
-    if eager and takes_torch_route(kind, xf, rf, w, b, casting, weight_offset):
-        return torch_route(kind, x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
-    if eager:
-        outputs = _EAGER_FUNCTIONS[name].apply(*args)
+    if _skips_dispatcher(xf, rf, w, b):
+        # Eager, plain tensors the kernels take: the cheapest way to the same function (see _routes)
+        check_args(xf, rf, w, b, casting)
+        if xf.shape[-1] == 0:
+            raise ValueError("cannot normalize over an empty last dimension")
+        train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xf, rf, w, b))
+        if takes_torch_route(kind, xf, rf, w, b, casting, weight_offset, train):
+            return torch_route(kind, x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
+        if train:
+            outputs = _EAGER_FUNCTIONS[name].apply(*args)
+        else:  # nothing to differentiate: no autograd node, no saved tensors
+            y, h, _mean, _rstd = launch_fwd(kind, xf, rf, w, b, float(eps), casting, float(weight_offset))
+            outputs = (y, h)
     else:
         outputs = getattr(torch.ops.normswap, f"{name}_fwd")(*args)
     if normalized_ndim > 1:  # unflatten

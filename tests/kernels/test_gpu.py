@@ -132,7 +132,9 @@ def test_both_routes(kind, residual, casting, offset, route):
         )
         with kernel_route(route):
             got = fused_grads(*args, triton=True)
-        check_all(got, reference_grads(*args), dtype)
+        # the torch route is the original's own ops: its llama dweight is autograd's, rounded per row
+        want = reference_grads(*args, exact_llama_dweight=route == "triton")
+        check_all(got, want, dtype)
 
 
 def test_builtin_rules_are_measured():

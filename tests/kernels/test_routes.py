@@ -83,7 +83,7 @@ def test_torch_route_computes_the_norm_and_its_gradients(interpreter, kind, resi
         # the CPU's F.layer_norm sums a bf16 bias gradient in bf16 (CUDA's sums in fp32, which
         # tests/kernels/test_gpu.py checks); the route hands the call to it, so that is its figure here
         names.remove("dbias")
-    check_all(got, reference_grads(*args), dtype, names=tuple(names))
+    check_all(got, reference_grads(*args, exact_llama_dweight=False), dtype, names=tuple(names))
 
 
 def test_torch_route_is_torchs_own_ops_and_the_kernel_route_is_not(interpreter):

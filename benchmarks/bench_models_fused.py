@@ -11,7 +11,8 @@ as three variants in the same run:
 
 Rows: prefill (forward, no grad, batch 1, seq 512 and 2048, or GPT-2's 1024), decode (one token with a KV cache of 512,
 batch 1 and 32; the cache is cropped back after each step) and a training step (forward, cross entropy,
-backward, fused AdamW). Timing: CUDA events around a loop of calls, median of 5 loops. Eager only (a
+backward, fused AdamW). Timing: CUDA events around a loop of calls; the variants' loops interleaved, 9
+rounds, the median of each. Eager only (a
 compiled run is future work: see the README). Route rules come from the built-in table or from
 ``NORMSWAP_ROUTE_RULES`` (a tuner's output), which the JSON records.
 
@@ -33,31 +34,40 @@ from pathlib import Path
 MODELS = ("gpt2", "gpt2-medium", "llama")
 
 
-def _time_ms(fn: Callable[[], object], loops: int = 5, min_loop_ms: float = 20.0) -> float:
+def _calls_for(fn: Callable[[], object], min_loop_ms: float = 20.0) -> int:
+    """How many back-to-back calls make a loop long enough to time (after a warm-up call)."""
     import torch
 
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     calls = 1
-    while True:
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) >= min_loop_ms or calls >= 256:
-            break
+    while calls < 256 and _loop_ms(fn, calls) * calls < min_loop_ms:
         calls *= 2
-    samples = []
-    for _ in range(loops):
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / calls)
-    return statistics.median(samples)
+    return calls
+
+
+def _loop_ms(fn: Callable[[], object], calls: int) -> float:
+    """Milliseconds per call of one loop of ``calls`` calls, by CUDA events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def _interleaved_ms(fns: dict[str, Callable[[], object]], repeats: int = 9) -> dict[str, float]:
+    """Median ms per call of each function, their loops interleaved (A B C A B C ...) so that drift of
+    the clocks or the host over the run falls on every variant alike."""
+    calls = {name: _calls_for(fn) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(_loop_ms(fn, calls[name]))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _build(name: str):
@@ -147,10 +157,15 @@ def _rows(model, config, vocab: int) -> list[tuple[str, Callable[[], object]]]:
     return rows
 
 
+def _with_route(fn: Callable[[], object], route: str | None) -> object:
+    from normswap.kernels import kernel_route
+
+    with kernel_route(route):
+        return fn()
+
+
 def bench(name: str) -> dict:
     import torch
-
-    from normswap.kernels import kernel_route
 
     model, config = _build(name)
     converted, conversion = _convert(model)
@@ -166,17 +181,18 @@ def bench(name: str) -> dict:
         "converted kernel-only": (converted, "triton"),
     }
     results: dict[str, dict[str, float | str]] = {}
-    for variant, (m, route) in variants.items():
-        row_fns = _rows(m, config, vocab)
-        for row, fn in row_fns:
-            try:
-                with kernel_route(route):
-                    ms = _time_ms(fn)
-                results.setdefault(row, {})[variant] = ms
-            except Exception as e:  # recorded, and the run goes on
-                results.setdefault(row, {})[variant] = f"{type(e).__name__}: {e}"[:500]
-        del row_fns
-        torch.cuda.empty_cache()
+    rows = {variant: dict(_rows(m, config, vocab)) for variant, (m, _route) in variants.items()}
+    for row in rows["original"]:
+        fns = {}
+        for variant, (_m, route) in variants.items():
+            fn = rows[variant][row]
+            fns[variant] = lambda fn=fn, route=route: _with_route(fn, route)
+        try:
+            results[row] = dict(_interleaved_ms(fns))
+        except Exception as e:  # recorded, and the run goes on
+            results[row] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    del rows
+    torch.cuda.empty_cache()
     for row, by_variant in results.items():
         base = by_variant.get("original")
         cells = []
@@ -212,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "route_rules": os.environ.get("NORMSWAP_ROUTE_RULES", "built-in"),
-            "timing": "CUDA events around a loop of calls, median of 5 loops; ratio = original ms / variant ms",
+            "timing": "CUDA events around a loop of calls, variants interleaved, median of 9 rounds; ratio = original ms / variant ms",
         },
         "models": {},
     }

@@ -8,8 +8,9 @@ just wrote), the median of several loops, so a call bound by host time is measur
 keys time forward and backward together, one decision covering both.
 
 A key's rule says, per row length, from how many rows the kernel takes over: the smallest measured row
-count from which the kernel is at least as fast at that and every larger measured count. Row lengths
-beyond the grid take the kernel. Written: every timing and the rules as JSON (``--out``); ``--python``
+count from which the kernel is at least as fast at that and every larger measured count, and never more
+than a shorter row needs (noise at a few rows otherwise gives rules that zigzag over the lengths). Row
+lengths beyond the grid take the kernel. ``--from-json`` re-derives the rules from a run's timings. Written: every timing and the rules as JSON (``--out``); ``--python``
 prints the rules as the literal for ``BUILTIN_RULES``. Keys run in order of how often models hit them
 and the JSON is rewritten after each key, so a run stopped by a time limit keeps what it measured.
 
@@ -128,6 +129,11 @@ def rule_from(timings: list[dict]) -> list[tuple[int, int]]:
         if min_rows == at_n[-1]["m"]:
             min_rows = 0  # the kernel at every measured count
         rule.append((n, min_rows))
+    # A longer row moves more bytes per call, so the kernel's lead can only grow with the length: a
+    # length never needs more rows than a longer one did. Taking the larger of the two where timings
+    # say otherwise (noise at a few rows) keeps torch's route, the original's own ops, when in doubt.
+    for i in range(len(rule) - 2, -1, -1):
+        rule[i] = (rule[i][0], max(rule[i][1], rule[i + 1][1]))
     # Trailing lengths where the kernel always wins need no entry (beyond the rule: the kernel).
     while rule and rule[-1][1] == 0:
         rule.pop()
@@ -140,7 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     p.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
     p.add_argument("--python", action="store_true", help="print the rules as a Python literal")
+    p.add_argument("--from-json", type=Path, help="derive the rules from this run's timings; measure nothing")
     args = p.parse_args(argv)
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        keys = dict.fromkeys(t["key"] for t in result["timings"])
+        result["rules"] = {k: rule_from([t for t in result["timings"] if t["key"] == k]) for k in keys}
+        result["meta"]["rules_from"] = "tune_routes.py --from-json (monotone in the row length)"
+        args.out.write_text(json.dumps(result, indent=1))
+        _print_python(result["rules"])
+        return 0
 
     import torch
 
@@ -199,11 +214,16 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.python:
-        print("BUILTIN_RULES = {")
-        for key, rule in result["rules"].items():
-            print(f"    {key!r}: {rule!r},")
-        print("}")
+        _print_python(result["rules"])
     return 0
+
+
+def _print_python(rules: dict) -> None:
+    print("BUILTIN_RULES: dict[str, RouteRule] = {")
+    for key, rule in rules.items():
+        shown = ", ".join(f"({n}, {'NEVER' if m == NEVER else m})" for n, m in rule)
+        print(f"    {key!r}: ({shown}{',' if len(rule) == 1 else ''}),")
+    print("}")
 
 
 if __name__ == "__main__":

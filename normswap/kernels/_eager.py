@@ -2,19 +2,24 @@
 
 The custom ops cost a Python round trip through the dispatcher and the custom-op autograd on every call;
 plain tensors with nothing recording or transforming the call do not need it (:func:`_skips_dispatcher`).
-Also here: :func:`triton_on_cpu`, which lets the tests run the kernels on CPU tensors in the interpreter.
+:func:`eager_plan` answers that, the argument checks and the route (:mod:`._routes`) once per kind of
+call: in a model every layer makes the same calls, and at a few rows each microsecond of host time is
+the model's. Also here: :func:`triton_on_cpu`, which lets the tests run the kernels on CPU tensors in
+the interpreter.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from normswap.kernels._launch import interpreter_enabled, triton_available, triton_supports
+from normswap.kernels._launch import check_args, interpreter_enabled, triton_available, triton_supports
+from normswap.kernels._routes import choose_route, forced_route, native_kernel, route_state
 
 _force_triton_on_cpu = 0
 
@@ -83,4 +88,97 @@ def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     return _use_triton(*tensors)
 
 
-__all__ = ["triton_on_cpu"]
+@dataclass(frozen=True)
+class EagerPlan:
+    """How an eager call runs: ``torch`` (torch's own ops; ``native``: one native kernel) or the kernel."""
+
+    torch: bool
+    native: bool
+
+
+_KERNEL_PLAN = EagerPlan(torch=False, native=False)
+_PLANS: dict[tuple, EagerPlan | None] = {}
+_MAX_PLANS = 4096  # distinct kinds of call kept; a model makes a handful, so this only bounds a leak
+
+
+def _flat_check(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    casting: str,
+    normalized_ndim: int,
+) -> None:
+    """The launcher's refusals, made on the shapes the kernels will see (the last dims flattened)."""
+    if normalized_ndim < 1 or x.ndim < normalized_ndim:
+        raise ValueError(f"cannot normalize the last {normalized_ndim} dims of a {x.ndim}-d input")
+    flat = x.flatten(-normalized_ndim) if normalized_ndim > 1 else x
+    w = weight.reshape(-1) if weight is not None and normalized_ndim > 1 else weight
+    b = bias.reshape(-1) if bias is not None and normalized_ndim > 1 else bias
+    r = residual.flatten(-normalized_ndim) if residual is not None and normalized_ndim > 1 else residual
+    check_args(flat, r, w, b, casting)
+    if flat.shape[-1] == 0:
+        raise ValueError("cannot normalize over an empty last dimension")
+
+
+def eager_plan(
+    kind: str,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    casting: str,
+    weight_offset: float,
+    normalized_ndim: int,
+    train: bool,
+) -> EagerPlan | None:
+    """How an eager call runs, or None when it must go through the op (see :func:`_skips_dispatcher`).
+
+    Raises the launcher's errors for arguments it refuses. The answer depends only on what the key
+    holds (shapes, dtypes, device, numerics, whether autograd records, the forced route and the rules),
+    so it is computed once per key; the watchers (torch.compile, dispatch modes, tracing, tensor
+    subclasses) are looked at on every call.
+    """
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return None
+    if torch._C._get_tracing_state():
+        return None
+    is_batched = torch._C._functorch.is_legacy_batchedtensor
+    for t in (x, residual, weight, bias):
+        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or is_batched(t)):
+            return None
+    key = (
+        kind,
+        x.shape,
+        x.dtype,
+        x.device,
+        None if residual is None else (residual.shape, residual.dtype),
+        None if weight is None else (weight.shape, weight.dtype),
+        None if bias is None else (bias.shape, bias.dtype),
+        casting,
+        weight_offset,
+        normalized_ndim,
+        train,
+        _force_triton_on_cpu > 0,
+        route_state(),
+    )
+    if key in _PLANS:
+        return _PLANS[key]
+    if not _use_triton(x, residual, weight, bias):
+        plan = None  # the op: the reference math (CPU, float64, ...)
+    else:
+        _flat_check(x, residual, weight, bias, casting, normalized_ndim)
+        plan = _KERNEL_PLAN
+        if x.device.type == "cuda" or forced_route() is not None:
+            native = native_kernel(kind, x, weight, bias, casting, weight_offset)
+            n = x.shape[x.ndim - normalized_ndim :].numel()
+            route = choose_route(kind, residual is not None, native, x.dtype, train, x.numel() // n, n)
+            if route == "torch":
+                plan = EagerPlan(torch=True, native=native)
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+__all__ = ["EagerPlan", "eager_plan", "triton_on_cpu"]

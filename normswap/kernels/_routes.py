@@ -276,18 +276,35 @@ def route_key(kind: str, residual: bool, native: bool, itemsize: int, train: boo
 
 _forced: Route | None = None
 _rules_override: Mapping[str, RouteRule] | None = None
+# The environment is read when normswap.kernels is imported (a call must not pay for os.environ);
+# reload_environment() reads it again.
+_env_route: str | None = None
+_env_rules_path: str | None = None
+
+
+def reload_environment() -> None:
+    """Read ``NORMSWAP_KERNEL_ROUTE`` and ``NORMSWAP_ROUTE_RULES`` again (they are read at import)."""
+    global _env_route, _env_rules_path
+    _env_route = os.environ.get("NORMSWAP_KERNEL_ROUTE")
+    _env_rules_path = os.environ.get("NORMSWAP_ROUTE_RULES") or None
+    _min_rows.cache_clear()
 
 
 def forced_route() -> Route | None:
     """The route forced by :func:`kernel_route` or ``NORMSWAP_KERNEL_ROUTE``, else None."""
     if _forced is not None:
         return _forced
-    env = os.environ.get("NORMSWAP_KERNEL_ROUTE")
+    env = _env_route
     if env in (None, "", "auto"):
         return None
     if env not in ROUTES:
         raise ValueError(f"NORMSWAP_KERNEL_ROUTE must be one of triton, torch, auto; got {env!r}")
     return env  # type: ignore[return-value]
+
+
+def route_state() -> tuple[Route | None, int]:
+    """What a cached route decision depends on besides the call: the forced route and the rules."""
+    return forced_route(), id(_active_rules())
 
 
 @contextlib.contextmanager
@@ -342,8 +359,7 @@ def _environment_rules(path: str) -> Mapping[str, RouteRule]:
 def _active_rules() -> Mapping[str, RouteRule]:
     if _rules_override is not None:
         return _rules_override
-    path = os.environ.get("NORMSWAP_ROUTE_RULES")
-    return _environment_rules(path) if path else BUILTIN_RULES
+    return _environment_rules(_env_rules_path) if _env_rules_path else BUILTIN_RULES
 
 
 @functools.lru_cache(maxsize=4096)  # host time counts at a few rows, and shapes repeat
@@ -365,7 +381,7 @@ def choose_route(
     return "torch" if rows < _min_rows(key, n, id(_active_rules())) else "triton"
 
 
-def _native(
+def native_kernel(
     kind: KernelNormKind,
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -377,29 +393,12 @@ def _native(
     plain casting (fp32 statistics, the affine in fp32, one rounding) with parameters in x's dtype."""
     if casting != "none" or weight_offset != 0.0 or (kind == "rms" and bias is not None):
         return False
-    return all(t is None or t.dtype == x.dtype for t in (weight, bias))
-
-
-def takes_torch_route(
-    kind: KernelNormKind,
-    xf: torch.Tensor,
-    rf: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    casting: str,
-    weight_offset: float,
-    train: bool,
-) -> bool:
-    """Whether an eager call on checked arguments (a non-empty last dim) goes to torch's own ops."""
-    if xf.device.type != "cuda" and forced_route() is None:
-        return False  # the interpreter (CPU tests) runs the kernels it was asked for
-    n = xf.shape[-1]
-    native = _native(kind, xf, weight, bias, casting, weight_offset)
-    return choose_route(kind, rf is not None, native, xf.dtype, train, xf.numel() // n, n) == "torch"
+    return (weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype)
 
 
 def torch_route(
     kind: KernelNormKind,
+    native: bool,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -409,10 +408,11 @@ def torch_route(
     weight_offset: float,
     normalized_ndim: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The norm by torch's own ops, differentiated by autograd: what the original model ran."""
+    """The norm by torch's own ops, differentiated by autograd: what the original model ran
+    (``native``: :func:`native_kernel`'s answer for these arguments)."""
     h = x + residual if residual is not None else None
     src = h if h is not None else x
-    if _native(kind, src, weight, bias, casting, weight_offset):
+    if native:
         shape = src.shape[src.ndim - normalized_ndim :]
         if kind == "layer":
             return F.layer_norm(src, shape, weight, bias, eps), h
@@ -430,8 +430,12 @@ __all__ = [
     "forced_route",
     "kernel_route",
     "load_rules",
+    "native_kernel",
+    "reload_environment",
     "route_key",
     "route_rules",
-    "takes_torch_route",
+    "route_state",
     "torch_route",
 ]
+
+reload_environment()

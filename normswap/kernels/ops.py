@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from normswap.kernels._eager import _skips_dispatcher, _transformed, _use_triton
+from normswap.kernels._eager import _skips_dispatcher, _transformed, _use_triton, eager_plan
 from normswap.kernels._launch import (
     check_args,
     launch_bwd,
@@ -44,7 +44,7 @@ from normswap.kernels._launch import (
     output_dtype,
 )
 from normswap.kernels._registration import register_op
-from normswap.kernels._routes import takes_torch_route, torch_route
+from normswap.kernels._routes import torch_route
 from normswap.kernels.reference import REFERENCES, KernelNormKind, reference_bwd, reference_fwd
 
 
@@ -334,27 +334,30 @@ def _norm(
         reference = REFERENCES[kind]
         y = reference(h if h is not None else x, normalized_ndim, weight, bias, eps, casting, weight_offset)
         return y, h
+    train = torch.is_grad_enabled() and (
+        x.requires_grad
+        or (residual is not None and residual.requires_grad)
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
+    plan = eager_plan(kind, x, residual, weight, bias, casting, weight_offset, normalized_ndim, train)
+    if plan is not None and plan.torch:
+        return torch_route(
+            kind, plan.native, x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim
+        )
     xf, w, b = _flatten(x, weight, bias, normalized_ndim)
     rf = None
     if residual is not None:
         rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual
     name = f"{'add_' if rf is not None else ''}{kind}_norm"
     args = (xf, *((rf,) if rf is not None else ()), w, b, float(eps), casting, float(weight_offset))
-    if _skips_dispatcher(xf, rf, w, b):
-        # Eager, plain tensors the kernels take: the cheapest way to the same function (see _routes)
-        check_args(xf, rf, w, b, casting)
-        if xf.shape[-1] == 0:
-            raise ValueError("cannot normalize over an empty last dimension")
-        train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (xf, rf, w, b))
-        if takes_torch_route(kind, xf, rf, w, b, casting, weight_offset, train):
-            return torch_route(kind, x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
-        if train:
-            outputs = _EAGER_FUNCTIONS[name].apply(*args)
-        else:  # nothing to differentiate: no autograd node, no saved tensors
-            y, h, _mean, _rstd = launch_fwd(kind, xf, rf, w, b, float(eps), casting, float(weight_offset))
-            outputs = (y, h)
-    else:
+    if plan is None:
         outputs = getattr(torch.ops.normswap, f"{name}_fwd")(*args)
+    elif train:  # eager, checked by the plan: straight to the kernels (see _eager)
+        outputs = _EAGER_FUNCTIONS[name].apply(*args)
+    else:  # nothing to differentiate: no autograd node, no saved tensors
+        y, h, _mean, _rstd = launch_fwd(kind, xf, rf, w, b, float(eps), casting, float(weight_offset))
+        outputs = (y, h)
     if normalized_ndim > 1:  # unflatten
         outputs = [t.view(x.shape) for t in outputs[: 2 if rf is not None else 1]]
     return outputs[0], outputs[1] if rf is not None else None

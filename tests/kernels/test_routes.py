@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from normswap.kernels import kernel_route, layer_norm, rms_norm, route_rules
-from normswap.kernels._routes import choose_route, load_rules, route_key
+from normswap.kernels._routes import choose_route, load_rules, reload_environment, route_key
 from normswap.modules.fused import FusedRMSNorm
 from tests.kernels.conftest import CASTINGS, check_all, fused_grads, make_params, randn, reference_grads
 
@@ -58,11 +58,32 @@ def test_rules_file_is_checked(tmp_path):
 
 
 def test_environment_forces_a_route_or_refuses_a_bad_one(monkeypatch):
-    monkeypatch.setenv("NORMSWAP_KERNEL_ROUTE", "torch")
-    assert choose_route("rms", False, True, torch.bfloat16, False, 1 << 20, 768) == "torch"
-    monkeypatch.setenv("NORMSWAP_KERNEL_ROUTE", "fast")
-    with pytest.raises(ValueError, match="NORMSWAP_KERNEL_ROUTE must be one of"):
-        choose_route("rms", False, True, torch.bfloat16, False, 1, 768)
+    try:
+        monkeypatch.setenv("NORMSWAP_KERNEL_ROUTE", "torch")
+        # read at import: the rules decide (the kernel beyond the longest rule)
+        assert choose_route("rms", False, True, torch.bfloat16, False, 1, 65536) == "triton"
+        reload_environment()
+        assert choose_route("rms", False, True, torch.bfloat16, False, 1, 65536) == "torch"
+        monkeypatch.setenv("NORMSWAP_KERNEL_ROUTE", "fast")
+        reload_environment()
+        with pytest.raises(ValueError, match="NORMSWAP_KERNEL_ROUTE must be one of"):
+            choose_route("rms", False, True, torch.bfloat16, False, 1, 768)
+    finally:
+        monkeypatch.delenv("NORMSWAP_KERNEL_ROUTE")
+        reload_environment()
+
+
+def test_environment_rules_file(monkeypatch, tmp_path):
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"rules": {KEY: [[1024, 512]]}}))
+    try:
+        monkeypatch.setenv("NORMSWAP_ROUTE_RULES", str(rules))
+        reload_environment()
+        assert choose_route("rms", False, True, torch.bfloat16, False, 511, 768) == "torch"
+        assert choose_route("rms", False, True, torch.bfloat16, False, 512, 768) == "triton"
+    finally:
+        monkeypatch.delenv("NORMSWAP_ROUTE_RULES")
+        reload_environment()
 
 
 @pytest.mark.parametrize(("casting", "offset"), [*CASTINGS, ("llama", 1.0)])

@@ -8,7 +8,8 @@ just wrote), the median of several loops, so a call bound by host time is measur
 keys time forward and backward together, one decision covering both.
 
 A key's rule says, per row length, from how many rows the kernel takes over: the smallest measured row
-count from which the kernel is at least as fast at that and every larger measured count, and never more
+count from which the kernel is not clearly slower (by more than ``CLEAR_LOSS``) at that and every larger
+measured count, and never more
 than a shorter row needs (noise at a few rows otherwise gives rules that zigzag over the lengths). Row
 lengths beyond the grid take the kernel. ``--from-json`` re-derives the rules from a run's timings. Written: every timing and the rules as JSON (``--out``); ``--python``
 prints the rules as the literal for ``BUILTIN_RULES``. Keys run in order of how often models hit them
@@ -49,6 +50,11 @@ KEYS = [
     )
 ]
 NEVER = 1 << 62  # min_rows meaning "never the kernel at this length"
+# The kernel gives way only where it is clearly slower: host-bound calls (a few rows) vary by 10-40%
+# from one loop to the next on a GPU host, and a tie is no reason to leave the kernel.
+CLEAR_LOSS = 1.10
+# Row counts up to this are host-bound at every measured length (16 x 16K bf16 is 512 KB: microseconds).
+HOST_BOUND_ROWS = 16
 
 
 def _time_ms(fn: Callable[[], object], loops: int = 5, min_loop_ms: float = 2.0) -> float:
@@ -118,12 +124,25 @@ def _call(kind: str, add: bool, native: bool, dtype, train: bool, m: int, n: int
 def rule_from(timings: list[dict]) -> list[tuple[int, int]]:
     """(n_max, min_rows) per measured length: the kernel from the smallest row count at which it is at
     least as fast there and at every larger count."""
+    # At a few rows both routes are host-bound: the time does not depend on the length, so one verdict
+    # per row count from all lengths (the median ratio) beats a verdict per noisy shape.
+    pooled = {
+        m: statistics.median(t["triton_ms"] / t["torch_ms"] for t in timings if t["m"] == m) > CLEAR_LOSS
+        for m in {t["m"] for t in timings}
+        if m <= HOST_BOUND_ROWS
+    }
+
+    def kernel_loses(t: dict) -> bool:
+        if t["m"] in pooled:
+            return pooled[t["m"]]
+        return t["triton_ms"] > t["torch_ms"] * CLEAR_LOSS
+
     rule = []
     for n in sorted({t["n"] for t in timings}):
         at_n = sorted((t for t in timings if t["n"] == n), key=lambda t: t["m"], reverse=True)
         min_rows = NEVER
         for t in at_n:  # from the most rows down, while the kernel keeps winning
-            if t["triton_ms"] > t["torch_ms"]:
+            if kernel_loses(t):
                 break
             min_rows = t["m"]
         if min_rows == at_n[-1]["m"]:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from normswap_cli import render
+from normswap_cli import render, render_validation
 from normswap_cli.options import (
     DATA_SHORT_HELP,
     BatchSizeOpt,
@@ -112,7 +112,7 @@ def validate(
             on_progress=shown.count,
         )
     if result.layerwise is not None:
-        render.print_validation(result.layerwise)
+        render_validation.print_validation(result.layerwise)
     else:
         _print_blockwise(result)
     if result.plot is not None:

@@ -194,6 +194,9 @@ def test_the_cli_report_is_the_results_to_dict(tmp_path):
 
     assert from_cli.pop("model") == f"{ZOO}:resnet18_factory"
     assert from_cli.pop("output") == str(cli_out) and from_library.pop("output") == str(out)
+    # sentences about the written file name it: the same sentences, each with its own path
+    cli_said = [m.replace(str(cli_out), "OUT") for m in from_cli.pop("output_messages")]
+    assert cli_said == [m.replace(str(out), "OUT") for m in from_library.pop("output_messages")]
     assert from_cli == from_library
     assert from_cli["written"] and from_cli["verdict"] == "ok" and from_cli["refusal"] is None
 

@@ -3,13 +3,17 @@ in onnxruntime against PyTorch). Nothing is written when a check fails, and neve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from normswap.errors import BadInputError, CheckFailedError
+from normswap.verify.variants import InputVariant
+from normswap.verify.written import WrittenShapes, shapes_taken
 
 if TYPE_CHECKING:
     from normswap.api.convert import ConversionResult
@@ -29,6 +33,10 @@ class SavedOutput:
     onnx: OnnxExport | None = None
     notes: list[str] = field(default_factory=list)
     directory: WrittenDirectory | None = None
+    # sentences about the written file: what loading it needs, a program fixed at the example's shapes
+    messages: list[str] = field(default_factory=list)
+    # a written program (.pt2, a graph's .pt) run on the shapes its conversion was verified on
+    shapes: WrittenShapes | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The keys ``normswap convert --report`` adds for a written output."""
@@ -36,9 +44,14 @@ class SavedOutput:
             return {"directory": self.directory.to_dict()}
         if self.onnx is not None:
             return {"onnx": {**self.onnx.to_dict(), "capture_notes": self.notes}}
+        data: dict[str, Any] = {}
         if self.format == "pt2":
-            return {"output_notes": self.notes}
-        return {}
+            data["output_notes"] = self.notes
+        if self.messages:
+            data["output_messages"] = self.messages
+        if self.shapes is not None:
+            data["written_shapes"] = self.shapes.to_dict()
+        return data
 
 
 def save(
@@ -112,6 +125,13 @@ def save(
             model, Path(path), example_args, example_kwargs, refuse_path, source, replace
         )
     else:
+        verified = None
+        if conversion is not None:
+            from normswap.verify.written import verified_variants
+
+            verified = verified_variants(
+                example_args, example_kwargs, conversion.report.input_variants if conversion.report else None
+            )
         saved = _write(
             model,
             Path(path),
@@ -123,6 +143,8 @@ def save(
             target,
             replace,
             bool(portable),
+            verified=verified,
+            exact=bool(conversion is not None and conversion.config.exact),
         )
     if conversion is not None:
         conversion.saved = saved
@@ -140,7 +162,13 @@ def _write(
     target: str = "standard",
     overwrite: bool = False,
     portable: bool = False,
+    *,
+    verified: list[InputVariant] | None = None,
+    exact: bool = False,
 ) -> SavedOutput:
+    """Write ``model`` as ``path``'s format. A program (``.pt2``, a graph's ``.pt``) is loaded back and run
+    on ``verified`` (the shapes its conversion was verified on) before it takes its name: with ``exact``
+    one that rejects a verified batch or length is refused, else the output records which it takes."""
     from normswap.graph.capture import capture_friendly, capture_notes
     from normswap.load import SAVE_FORMATS, save_model
 
@@ -169,17 +197,55 @@ def _write(
             )
         return SavedOutput(path=path, format="onnx", onnx=checked, notes=list(notes))
     needs: list[str] = []
+    fallbacks: list[str] = []
+    taken: list[WrittenShapes] = []
+    is_program = label == "pt2" or isinstance(model, torch.fx.GraphModule)
+
+    def check(temp: Path, written_as: str) -> None:
+        if verified is None or not is_program:
+            return
+        shapes = shapes_taken(_loaded_program(temp, written_as), verified)
+        if shapes.rejected_free and exact:
+            why = f" ({fallbacks[0]})" if fallbacks else ""
+            raise CheckFailedError(
+                f"{path} would not take every input shape the conversion was verified on: it "
+                f"{shapes.summary()}{why}; nothing written (an exact conversion is written only for the "
+                "shapes it was proven on; without --exact the file is written and says which it takes)"
+            )
+        taken.append(shapes)
+
     label = save_model(
-        model, path, args, kwargs, refuse_path=refuse, overwrite=overwrite, portable=portable, needs=needs
+        model,
+        path,
+        args,
+        kwargs,
+        refuse_path=refuse,
+        overwrite=overwrite,
+        portable=portable,
+        needs=needs,
+        fallbacks=fallbacks,
+        check=check,
     )
     notes = capture_notes(model, args, kwargs) if label == "pt2" else []
+    messages = [f"{path}: {reason}" for reason in fallbacks]
     if needs:
         imports = " and ".join(f"import {name}" for name in needs)
-        notes.append(
+        messages.append(
             f"{path} loads with torch.export.load after {imports} (its operators or its output classes); "
             "--portable writes one that needs torch alone"
         )
-    return SavedOutput(path=path, format=label, notes=notes)
+    shapes = taken[0] if taken else None
+    if shapes is not None:
+        fixed = " (a saved program's image size is the example's)" if shapes.rejected else ""
+        messages.append(f"{path} {shapes.summary()}{fixed if not shapes.rejected_free else ''}")
+    return SavedOutput(path=path, format=label, notes=notes, messages=messages, shapes=shapes)
+
+
+def _loaded_program(temp: Path, written_as: str) -> Callable[[tuple, dict[str, Any]], Any]:
+    """The program just written to ``temp``, loaded back as a user would, as a call on (args, kwargs)."""
+    # a .pt here is normswap's own file, written a moment ago (a graph's program pickled: ExportedModule)
+    module = torch.export.load(temp).module() if written_as == "pt2" else torch.load(temp, weights_only=False)
+    return lambda args, kwargs: module(*args, **kwargs)
 
 
 def _write_directory(

@@ -268,13 +268,16 @@ def export_program(
     *,
     friendly: bool = True,
     grow_unit_dims: bool = False,
+    fallbacks: list[str] | None = None,
 ) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with the batch dim and the sequence dims of integer inputs dynamic where
     the model leaves them free (``Dim.AUTO``: export keeps a dim static where the code fixes it, see
     :func:`_free_dim`); a fully static export when that fails. Captured under :func:`capture_friendly`
     unless ``friendly`` is False: the program of a Hugging Face model built with a default config then
     returns no cache. ``grow_unit_dims`` (a program to save): the dynamic export traces inputs whose
-    free dims of size 1 are repeated to 2, so those dims stay dynamic (:func:`_unit_dims_grown`)."""
+    free dims of size 1 are repeated to 2, so those dims stay dynamic (:func:`_unit_dims_grown`).
+    ``fallbacks`` hears why, when the dynamic export failed and the program is fixed at the example's
+    shapes: never a silent fallback (a saved program must say which shapes it takes)."""
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
     settings = capture_friendly(model, args, kwargs) if friendly else contextlib.nullcontext()
     with settings, _quiet_export():
@@ -286,8 +289,21 @@ def export_program(
             return torch.export.export(
                 model, traced_args, kwargs=traced_kwargs, dynamic_shapes=dynamic, strict=False
             )
-        except Exception:  # data-dependent shapes and the like: the static program still serves
-            return torch.export.export(model, args, kwargs=kwargs, strict=False)
+        except Exception as exc:  # data-dependent shapes and the like: the static program still serves
+            program = torch.export.export(model, args, kwargs=kwargs, strict=False)
+            if fallbacks is not None:
+                fallbacks.append(
+                    f"the export with free batch and sequence dims failed ({_short_error(exc)}), so the "
+                    f"program is fixed at the example's shapes {_shapes_text(args, kwargs)}"
+                )
+            return program
+
+
+def _shapes_text(args: tuple, kwargs: dict[str, Any]) -> str:
+    """``1x32``, or ``1x32 + 1x32`` for several input tensors."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    shapes = ["x".join(map(str, t.shape)) or "scalar" for t in leaves if isinstance(t, torch.Tensor)]
+    return " + ".join(shapes) or "no tensor"
 
 
 # Loggers through which a failing or dynamic export talks to the user: the failure is reported by
@@ -339,7 +355,8 @@ def export_module(
     The module replaces the model, so it must return what the model returns: no setting is turned off
     for this export (a GraphModule exported with ``use_cache=False`` would drop the model's cache)."""
     try:
-        program = export_program(model, example_args, example_kwargs, friendly=False)
+        # size-1 free dims grown: a graph exported from a batch-1 example would take batch 1 only
+        program = export_program(model, example_args, example_kwargs, friendly=False, grow_unit_dims=True)
     except Exception as exc:  # export fails in many ways; the reason is what matters
         reason = f"torch.export failed: {_short_error(exc)}"
         adjustments = capture_adjustments(model, example_args, example_kwargs)

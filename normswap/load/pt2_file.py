@@ -92,16 +92,18 @@ def write_pt2(
     path: Path,
     *,
     portable: bool = False,
+    fallbacks: list[str] | None = None,
 ) -> list[str]:
     """Export ``model`` and write the program to ``temp``; what loading it needs besides torch
-    (:func:`program_needs`). ``portable``: a program that needs nothing else (:func:`portable_program`)."""
+    (:func:`program_needs`). ``portable``: a program that needs nothing else (:func:`portable_program`).
+    ``fallbacks`` hears why the program is fixed at the example's shapes, if it is."""
     from normswap.graph.capture import export_program
 
     try:
         if portable:
-            ep = portable_program(model, example_args, example_kwargs)
+            ep = portable_program(model, example_args, example_kwargs, fallbacks=fallbacks)
         else:
-            ep = export_program(model, example_args, example_kwargs, grow_unit_dims=True)
+            ep = export_program(model, example_args, example_kwargs, grow_unit_dims=True, fallbacks=fallbacks)
     except Exception as exc:
         raise BadInputError(
             f"torch.export could not trace the model for .pt2 output ({describe(exc)}); save as .pt instead"
@@ -134,7 +136,8 @@ def program_needs(program: torch.export.ExportedProgram) -> list[str]:
             module = getattr(node.type, "__module__", "") or ""
             if node.type is not None and module.split(".")[0] not in ("builtins", "torch", "collections"):
                 needs.add(module)
-            stack.extend(node.children_specs)
+            # children() where torch has it (children_specs is deprecated there), else the attribute
+            stack.extend(node.children() if hasattr(node, "children") else node.children_specs)
     return sorted(needs)
 
 
@@ -163,7 +166,7 @@ def _plain(value: Any) -> Any:
 
 
 def portable_program(
-    model: nn.Module, example_args: tuple, example_kwargs: dict | None
+    model: nn.Module, example_args: tuple, example_kwargs: dict | None, fallbacks: list[str] | None = None
 ) -> torch.export.ExportedProgram:
     """The program of ``model`` that loads with plain ``torch.export.load``: its outputs plain
     containers, normswap's fused-norm ops replaced by the same math in torch's operators (the reference
@@ -171,7 +174,9 @@ def portable_program(
     from normswap.graph.capture import export_program
     from normswap.kernels.ops import reference_decompositions
 
-    program = export_program(_PlainOutputs(model), example_args, example_kwargs, grow_unit_dims=True)
+    program = export_program(
+        _PlainOutputs(model), example_args, example_kwargs, grow_unit_dims=True, fallbacks=fallbacks
+    )
     return program.run_decompositions(reference_decompositions())
 
 

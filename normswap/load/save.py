@@ -363,7 +363,13 @@ def check_writable(
         )
 
 
-def _write_pickle(model: nn.Module, temp: Path, example_args: tuple, example_kwargs: dict | None) -> None:
+def _write_pickle(
+    model: nn.Module,
+    temp: Path,
+    example_args: tuple,
+    example_kwargs: dict | None,
+    fallbacks: list[str] | None = None,
+) -> None:
     if isinstance(model, torch.fx.GraphModule) and pickle_problem(model) is not None:
         # an exported graph (a graph rewrite's result): its module holds export's guard hooks, which do
         # not pickle; the .pt holds the program instead (normswap.load.exported_module)
@@ -371,7 +377,10 @@ def _write_pickle(model: nn.Module, temp: Path, example_args: tuple, example_kwa
         from normswap.load.exported_module import ExportedModule
 
         try:
-            model = ExportedModule(export_program(model, example_args, example_kwargs, grow_unit_dims=True))
+            program = export_program(
+                model, example_args, example_kwargs, grow_unit_dims=True, fallbacks=fallbacks
+            )
+            model = ExportedModule(program)
         except Exception as exc:
             raise BadInputError(
                 f"torch.export could not trace the graph for .pt output ({describe(exc)})"
@@ -426,12 +435,18 @@ def save_model(
     overwrite: bool = False,
     portable: bool = False,
     needs: list[str] | None = None,
+    fallbacks: list[str] | None = None,
+    check: Callable[[Path, str], None] | None = None,
 ) -> str:
     """Save ``model`` in the format its suffix names (.pt2, .pt/.pth, .onnx) and return that format's label.
 
     A .pt2's program: ``portable`` writes one that loads with torch alone
     (:func:`normswap.load.pt2_file.portable_program`); ``needs``, when given, receives what loading the
     written one needs imported besides torch (:func:`normswap.load.pt2_file.program_needs`).
+
+    ``fallbacks`` hears why a written program is fixed at the example's shapes, if it is; ``check``
+    (temp path, format label) runs on the written file before it takes its name, and refuses it by
+    raising (then nothing is written).
 
     ``refuse_path`` is the input model file: writing over it would destroy the only copy of the original.
     ``opset`` is the ONNX opset for .onnx outputs (None: the exporter's default); other formats ignore it.
@@ -450,13 +465,17 @@ def save_model(
 
     def write(temp: Path) -> None:
         if label == "pt2":
-            found = write_pt2(model, example_args, example_kwargs, temp, path, portable=portable)
+            found = write_pt2(
+                model, example_args, example_kwargs, temp, path, portable=portable, fallbacks=fallbacks
+            )
             if needs is not None:
                 needs[:] = found
         elif label == "onnx":
             _write_onnx(model, example_args, example_kwargs, temp, opset)
         else:
-            _write_pickle(model, temp, example_args, example_kwargs)
+            _write_pickle(model, temp, example_args, example_kwargs, fallbacks)
+        if check is not None:
+            check(temp, label)
 
     if label == "onnx":
         atomic_write_onnx(path, write, overwrite=overwrite)

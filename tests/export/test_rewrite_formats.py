@@ -88,9 +88,16 @@ def test_every_exact_rewrite_is_written_in_every_format(tmp_path: Path, name, op
         assert onnx.outputs and all(o.max_rel <= 1e-4 for o in onnx.outputs), [
             o.max_rel for o in onnx.outputs
         ]
-    normswap.save(result, tmp_path / "m.pt2")
+    saved = normswap.save(result, tmp_path / "m.pt2")
     back = _outputs(torch.export.load(tmp_path / "m.pt2").module(), args, kwargs)
     assert ((back - want).abs().max() / want.abs().max()).item() < 1e-5
+    # the program takes every batch and length the conversion was verified on (the example and its
+    # variants); another image size is named in the output's messages (a saved program's is fixed)
+    assert saved.shapes is not None and len(saved.shapes.accepted) >= 2, saved.shapes
+    assert not saved.shapes.rejected_free, saved.shapes.rejected
+    for rejected in saved.shapes.rejected:
+        assert " size " in rejected["label"] and "Guard failed" in rejected["error"], rejected
+        assert any(rejected["shapes"] in m and "image size is the example's" in m for m in saved.messages)
     if "add_weight_norm" in options:  # torch cannot pickle a parametrized module: refused before the work
         config = normswap.ConvertConfig(output=tmp_path / "m.pt", **options)
         with pytest.raises(
@@ -98,9 +105,11 @@ def test_every_exact_rewrite_is_written_in_every_format(tmp_path: Path, name, op
         ):
             normswap.convert(model, config, example_args=args, example_kwargs=kwargs)
     else:
-        normswap.save(result, tmp_path / "m.pt")
+        saved = normswap.save(result, tmp_path / "m.pt")
         back = _outputs(torch.load(tmp_path / "m.pt", weights_only=False), args, kwargs)
         assert ((back - want).abs().max() / want.abs().max()).item() < 1e-5
+        if isinstance(result.model, torch.fx.GraphModule):  # a graph's .pt holds its program: checked too
+            assert saved.shapes is not None and not saved.shapes.rejected_free, saved.shapes
     graph = bool(set(result.config.rewrites()) & set(rewrites.graph_options()))
     if name in ("gpt2", "llama") and not graph:
         normswap.save(result, tmp_path / "dir")

@@ -76,10 +76,10 @@ def test_a_portable_pt2_loads_with_torch_alone(tmp_path: Path):
     assert result.ok, result.refusal
     # by default the note says what loading it needs: normswap's fused ops and transformers' output class
     saved = normswap.save(result)
-    needs = [n for n in saved.notes if "loads with torch.export.load after" in n]
+    needs = [n for n in saved.messages if "loads with torch.export.load after" in n]
     assert needs and "import normswap.kernels" in needs[0] and "import transformers." in needs[0]
     portable = normswap.save(result, tmp_path / "portable.pt2", portable=True)
-    assert not any("loads with torch.export.load after" in n for n in portable.notes)
+    assert not any("loads with torch.export.load after" in n for n in portable.messages)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(5))
     torch.save(ids, tmp_path / "ids.pt")
     done = subprocess.run(

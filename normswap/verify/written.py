@@ -1,0 +1,81 @@
+"""Which input shapes a written program takes, against the shapes its conversion was verified on.
+
+A ``.pt2`` (and the program inside a graph's ``.pt``) is a torch.export program: it takes the shapes its
+export left free and raises on any other. A conversion is verified on its example inputs and on variants
+along the model's free dims (:mod:`normswap.verify.variants`); the file written from it is loaded back
+and run on each of those shapes before it takes its name, so the report can say which it takes, and an
+exact conversion can refuse a file that would not take a batch or a length that was verified (an image
+size other than the example's is named: a saved program's image size is fixed by design).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from normswap.verify.variants import InputVariant, candidate_variants, describe_error, format_shapes
+
+# Variants along the dims a saved program keeps free (batch, sequence length: normswap.graph.capture's
+# _free_dim). Image sizes are fixed in a saved program by design (symbolic heights and widths make
+# export reason about every pooling), so a program that rejects another image size is named, not refused.
+FREE_DIM_LABELS = ("batch ", "length ")
+
+
+@dataclass
+class WrittenShapes:
+    """Each verified shape, and whether the written program took it (with the error where it did not)."""
+
+    accepted: list[str] = field(default_factory=list)
+    rejected: list[dict[str, str]] = field(default_factory=list)  # {"shapes", "label", "error"}
+
+    @property
+    def rejected_free(self) -> list[dict[str, str]]:
+        """The rejected variants along a free dim (batch, length): what an exact conversion refuses."""
+        return [r for r in self.rejected if r["label"] == "example" or r["label"].startswith(FREE_DIM_LABELS)]
+
+    @property
+    def verified(self) -> list[str]:
+        return [*self.accepted, *(r["shapes"] for r in self.rejected)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verified": self.verified, "accepted": self.accepted, "rejected": self.rejected}
+
+    def summary(self) -> str:
+        """One sentence: what the program takes of what was verified."""
+        if not self.rejected:
+            return f"takes every shape it was verified on: {', '.join(self.accepted)}"
+        rejected = "; ".join(f"{r['shapes']} ({r['error']})" for r in self.rejected)
+        taken = ", ".join(self.accepted) or "none of them"
+        return f"takes {taken} of the shapes it was verified on, and rejects {rejected}"
+
+
+def verified_variants(
+    example_args: tuple | None, example_kwargs: dict[str, Any] | None, input_variants: dict[str, Any] | None
+) -> list[InputVariant]:
+    """The example and the variants a conversion was verified on (``ConversionReport.input_variants``'s
+    accepted ones), rebuilt: the variants are made deterministically from the example."""
+    args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
+    accepted = {(v["label"], format_shapes(v["shapes"])) for v in (input_variants or {}).get("accepted", [])}
+    variants = [InputVariant("example", args, kwargs)]
+    variants += [v for v in candidate_variants(args, kwargs) if (v.label, v.describe()) in accepted]
+    return variants
+
+
+def shapes_taken(run: Callable[[tuple, dict[str, Any]], Any], variants: list[InputVariant]) -> WrittenShapes:
+    """Run ``run(args, kwargs)`` (the loaded program) on each variant; which shapes it took."""
+    found = WrittenShapes()
+    for variant in variants:
+        try:
+            run(copy.deepcopy(variant.args), copy.deepcopy(variant.kwargs))
+        except Exception as exc:  # a guard on a fixed dim, or anything else the program raises
+            found.rejected.append(
+                {"shapes": variant.describe(), "label": variant.label, "error": describe_error(exc)}
+            )
+            continue
+        found.accepted.append(variant.describe())
+    return found
+
+
+__all__ = ["FREE_DIM_LABELS", "WrittenShapes", "shapes_taken", "verified_variants"]

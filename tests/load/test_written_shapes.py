@@ -1,0 +1,146 @@
+"""What is written is what was verified: a saved program is run on every input shape its conversion was
+verified on before it takes its name, says which it takes, and an exact conversion refuses one that would
+not take them (issue 31). No fallback from a dynamic to a static export is silent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import normswap
+from normswap.errors import CheckFailedError
+
+
+def _gpt2(positions: int = 1024) -> tuple[torch.nn.Module, tuple, dict]:
+    """HF GPT-2 from a config with its default position table, as a user builds it; batch 1 x 32 tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=positions)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.75, 1.25)
+                module.bias.uniform_(-0.5, 0.5)
+    return model, (torch.randint(0, 128, (1, 32)),), {"use_cache": False}
+
+
+def test_crmsnorm_program_takes_every_length_and_batch_in_a_fresh_process(tmp_path: Path):
+    """The issue's case: --to crmsnorm --exact of GPT-2 from a batch-1 example wrote a program fixed at
+    1 x 32 (the graph rewrite's export specialized the batch, so the saving export fell back to static)."""
+    model, args, kwargs = _gpt2()
+    result = normswap.convert(model, normswap.ConvertConfig(to="crmsnorm", exact=True), args, kwargs)
+    assert result.ok, result.refusal
+    saved = normswap.save(result, tmp_path / "g.pt2")
+    assert saved.shapes is not None and not saved.shapes.rejected, saved.shapes
+    assert "2x32" in saved.shapes.accepted and "1x32" in saved.shapes.accepted
+    assert not [m for m in saved.messages if "fixed at" in m]
+    assert saved.to_dict()["written_shapes"]["accepted"] == saved.shapes.accepted
+    # the shapes a user runs, well beyond the verified ones, against the original model
+    shapes = [(1, 32), (1, 512), (4, 32), (3, 300), (4, 512)]
+    inputs = {
+        f"{b}x{s}": torch.randint(0, 128, (b, s), generator=torch.Generator().manual_seed(b * s))
+        for b, s in shapes
+    }
+    with torch.no_grad():
+        want = {k: model(ids, use_cache=False).logits for k, ids in inputs.items()}
+    torch.save({"inputs": inputs, "want": want}, tmp_path / "cases.pt")
+    script = textwrap.dedent(
+        f"""
+        import torch, transformers.modeling_outputs
+        cases = torch.load({str(tmp_path / "cases.pt")!r})
+        program = torch.export.load({str(tmp_path / "g.pt2")!r}).module()
+        for key, ids in cases["inputs"].items():
+            got = program(ids, use_cache=False)["logits"]
+            want = cases["want"][key]
+            rel = ((got - want).abs().max() / want.abs().max()).item()
+            assert rel < 1e-5, (key, rel)
+            print(key, "ok", f"{{rel:.1e}}")
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count(" ok ") == len(shapes), run.stdout
+
+
+def _static_export_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every export with free dims fail, as a model with data-dependent shapes makes it fail."""
+    real = torch.export.export
+
+    def export(*a, dynamic_shapes=None, **kw):
+        if dynamic_shapes is not None:
+            raise RuntimeError("Could not guard on data-dependent expression u0 < 32")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.export, "export", export)
+
+
+def test_exact_conversion_refuses_a_program_fixed_at_the_example(tmp_path: Path, monkeypatch):
+    model, args, kwargs = _gpt2(positions=64)
+    result = normswap.convert(model, normswap.ConvertConfig(to="rmsnorm", exact=True), args, kwargs)
+    assert result.ok, result.refusal
+    _static_export_only(monkeypatch)
+    for name in ("g.pt2", "g.pt"):
+        if name == "g.pt" and not isinstance(result.model, torch.fx.GraphModule):
+            continue  # a module pickles whole: no program, no fixed shapes
+        with pytest.raises(CheckFailedError) as refusal:
+            normswap.save(result, tmp_path / name)
+        text = str(refusal.value)
+        assert "would not take every input shape the conversion was verified on" in text
+        assert "rejects 2x32 (AssertionError: Guard failed" in text  # the batch variant, with its guard
+        assert "fixed at the example's shapes 1x32" in text and "data-dependent" in text
+        assert "nothing written" in text
+        assert not (tmp_path / name).exists() and not list(tmp_path.glob(f"*{name}*"))
+
+
+def test_without_exact_the_file_is_written_and_says_which_shapes_it_takes(tmp_path: Path, monkeypatch):
+    model, args, kwargs = _gpt2(positions=64)
+    result = normswap.convert(model, normswap.ConvertConfig(fold_norm_affine=True), args, kwargs)
+    assert result.ok and result.changes > 0, result.refusal
+    _static_export_only(monkeypatch)
+    saved = normswap.save(result, tmp_path / "g.pt2")
+    assert (tmp_path / "g.pt2").exists()
+    assert saved.shapes is not None and saved.shapes.accepted == ["1x32"]
+    rejected = [r["shapes"] for r in saved.shapes.rejected]
+    assert "2x32" in rejected and len(rejected) >= 2, rejected  # the batch and a length variant
+    said = " ".join(saved.messages)
+    assert "fixed at the example's shapes 1x32" in said and "data-dependent" in said
+    assert "takes 1x32 of the shapes it was verified on, and rejects 2x32" in said
+    report = saved.to_dict()
+    assert report["written_shapes"]["rejected"] == saved.shapes.rejected
+    assert any("fixed at" in m for m in report["output_messages"])
+
+
+def test_the_command_says_which_shapes_the_file_takes_and_refuses_under_exact(tmp_path: Path, monkeypatch):
+    """The same rule on the command line: the shapes the written program takes are printed and in
+    --report; an exact conversion whose program would be fixed at the example exits 1, nothing written."""
+    import json
+
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    zoo = Path(__file__).resolve().parents[1] / "model_zoo.py"
+    out, report = tmp_path / "g.pt2", tmp_path / "r.json"
+    args = ["convert", f"{zoo}:gpt2_factory", "--to", "crmsnorm", "--exact", "-o", str(out)]
+    ran = CliRunner().invoke(app, [*args, "--report", str(report)])
+    assert ran.exit_code == 0, ran.output
+    # the zoo's example is 2 x 12 tokens; batch 1 and 3, lengths 3 and 24 are its variants
+    assert f"{out} takes every shape it was verified on: 2x12, 3x12, 1x12" in " ".join(ran.output.split())
+    written = json.loads(report.read_text())["written_shapes"]
+    assert written["rejected"] == [] and {"1x12", "3x12", "2x24"} <= set(written["accepted"])
+
+    _static_export_only(monkeypatch)
+    again = tmp_path / "h.pt2"
+    ran = CliRunner().invoke(
+        app, ["convert", f"{zoo}:gpt2_factory", "--to", "rmsnorm", "--exact", "-o", str(again)]
+    )
+    assert ran.exit_code == 1, ran.output
+    text = " ".join(ran.output.split())
+    assert "would not take every input shape the conversion was verified on" in text
+    assert "rejects 3x12" in text and "fixed at the example's shapes 2x12" in text and not again.exists()

@@ -31,12 +31,47 @@ def _gpt2(positions: int = 1024) -> tuple[torch.nn.Module, tuple, dict]:
     return model, (torch.randint(0, 128, (1, 32)),), {"use_cache": False}
 
 
-def test_crmsnorm_program_takes_every_length_and_batch_in_a_fresh_process(tmp_path: Path):
-    """The issue's case: --to crmsnorm --exact of GPT-2 from a batch-1 example wrote a program fixed at
-    1 x 32 (the graph rewrite's export specialized the batch, so the saving export fell back to static)."""
-    model, args, kwargs = _gpt2()
-    result = normswap.convert(model, normswap.ConvertConfig(to="crmsnorm", exact=True), args, kwargs)
-    assert result.ok, result.refusal
+def _llama() -> tuple[torch.nn.Module, tuple, dict]:
+    """HF Llama from a config (positions for 1024 tokens), random norm weights; batch 1 x 32 tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=1024,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.75, 1.25)
+    return model, (torch.randint(0, 128, (1, 32)),), {"use_cache": False}
+
+
+@pytest.mark.parametrize(
+    ("build", "options"),
+    [
+        (_gpt2, {"to": "crmsnorm", "exact": True}),
+        (_gpt2, {"to": "fused", "fuse_add": True, "exact": True}),
+        (_llama, {"defer_rms": True}),
+    ],
+    ids=["gpt2-crmsnorm", "gpt2-fuse-add", "llama-defer-rms"],
+)
+def test_graph_rewrite_programs_take_every_length_and_batch_in_a_fresh_process(
+    tmp_path: Path, build, options
+):
+    """The issue's case first: --to crmsnorm --exact of GPT-2 from a batch-1 example wrote a program fixed
+    at 1 x 32 (the graph rewrite's export specialized the batch, so the saving export fell back to
+    static). Every rewrite that makes a graph, its .pt2 loaded where neither model nor normswap's state is."""
+    model, args, kwargs = build()
+    result = normswap.convert(model, normswap.ConvertConfig(**options), args, kwargs)
+    assert result.ok and result.changes > 0, result.refusal
+    assert isinstance(result.model, torch.fx.GraphModule)
     saved = normswap.save(result, tmp_path / "g.pt2")
     assert saved.shapes is not None and not saved.shapes.rejected, saved.shapes
     assert "2x32" in saved.shapes.accepted and "1x32" in saved.shapes.accepted
@@ -53,14 +88,14 @@ def test_crmsnorm_program_takes_every_length_and_batch_in_a_fresh_process(tmp_pa
     torch.save({"inputs": inputs, "want": want}, tmp_path / "cases.pt")
     script = textwrap.dedent(
         f"""
-        import torch, transformers.modeling_outputs
+        import torch, transformers.modeling_outputs, normswap.kernels
         cases = torch.load({str(tmp_path / "cases.pt")!r})
         program = torch.export.load({str(tmp_path / "g.pt2")!r}).module()
         for key, ids in cases["inputs"].items():
             got = program(ids, use_cache=False)["logits"]
             want = cases["want"][key]
             rel = ((got - want).abs().max() / want.abs().max()).item()
-            assert rel < 1e-5, (key, rel)
+            assert rel < 1e-4, (key, rel)
             print(key, "ok", f"{{rel:.1e}}")
         """
     )

@@ -29,6 +29,7 @@ from torch import fx, nn
 from normswap.errors import shorten
 from normswap.graph.fx_capture import faithful_trace, trace_graph
 from normswap.util.modes import modes_restored
+from normswap.util.shapes import format_shapes, input_shapes
 
 
 @dataclass
@@ -294,16 +295,9 @@ def export_program(
             if fallbacks is not None:
                 fallbacks.append(
                     f"the export with free batch and sequence dims failed ({_short_error(exc)}), so the "
-                    f"program is fixed at the example's shapes {_shapes_text(args, kwargs)}"
+                    f"program is fixed at the example's shapes {format_shapes(input_shapes(args, kwargs))}"
                 )
             return program
-
-
-def _shapes_text(args: tuple, kwargs: dict[str, Any]) -> str:
-    """``1x32``, or ``1x32 + 1x32`` for several input tensors."""
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    shapes = ["x".join(map(str, t.shape)) or "scalar" for t in leaves if isinstance(t, torch.Tensor)]
-    return " + ".join(shapes) or "no tensor"
 
 
 # Loggers through which a failing or dynamic export talks to the user: the failure is reported by

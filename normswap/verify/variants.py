@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from normswap.util.shapes import format_shapes, input_shapes
 from normswap.verify.compare import run_model
 from normswap.verify.metrics import flatten_outputs, nonfinite_where
 
@@ -54,17 +55,6 @@ class InputVariant:
 
 def _leaves(args: tuple | None, kwargs: dict | None) -> tuple[list[Any], Any]:
     return pytree.tree_flatten((tuple(args or ()), dict(kwargs or {})))
-
-
-def input_shapes(args: tuple | None, kwargs: dict | None) -> list[list[int]]:
-    """The shape of every tensor among the inputs, in argument order (nested containers included)."""
-    leaves, _ = _leaves(args, kwargs)
-    return [list(t.shape) for t in leaves if isinstance(t, torch.Tensor)]
-
-
-def format_shapes(shapes: list[list[int]]) -> str:
-    """``1x3x16x16``, or ``2x12 + 2x12`` for several tensors (a 0-dim tensor reads ``scalar``)."""
-    return " + ".join("x".join(str(s) for s in shape) or "scalar" for shape in shapes) or "no tensor"
 
 
 def _numel(args: tuple, kwargs: dict) -> int:

@@ -213,12 +213,19 @@ class _Stop(Exception):
 
 # What a block may be handed as a key/value cache: each call appends to it, so memory would grow with
 # every block and input, and a block would attend to the keys the blocks run before it left there.
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+# transformers names a block's cache past_key_value(s) (4.x), cache (5.x), cache_params (Mamba), GPT-2's
+# layer_past; the object is a transformers Cache whatever its name
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache", "cache_params")
+
+
+def _is_cache(value: Any) -> bool:
+    return any(cls.__name__.endswith("Cache") for cls in type(value).__mro__)
 
 
 def without_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A block's keyword inputs with no key/value cache: each block run alone, as in one forward."""
-    return {k: None if k in _CACHE_KWARGS else v for k, v in kwargs.items()}
+    """A block's keyword inputs with no key/value cache: each block run alone, as in one forward (a cache
+    kept across the runs grows: the second block would attend over the first block's keys too)."""
+    return {k: None if k in _CACHE_KWARGS or _is_cache(v) else v for k, v in kwargs.items()}
 
 
 def block_inputs(shell: Shell, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

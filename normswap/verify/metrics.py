@@ -12,7 +12,7 @@ compared there, and no figure (max abs, SQNR, cosine) measures it, so every figu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,23 +211,35 @@ class _Sums:
 
 
 def flatten_outputs(
-    value: Any, prefix: str = "output", *, floating_only: bool = True
+    value: Any, prefix: str = "output", *, floating_only: bool = True, _seen: set[int] | None = None
 ) -> list[tuple[str, torch.Tensor]]:
-    """Tensors of a model output (tensor, tuple, dict, HF ModelOutput), with names.
+    """Tensors of a model output (tensor, tuple, dict, HF ModelOutput, a cache object), with names.
 
     ``floating_only`` (the default) keeps floating-point tensors only: what SQNR, losses and layer
     figures need. An exact check passes ``floating_only=False`` so that integer, bool and complex
-    outputs (argmax, ids, masks) are compared too.
+    outputs (argmax, ids, masks) are compared too. An object that is none of those (a transformers
+    ``Cache``: Mamba's states, an attention cache) gives the tensors among its attributes: its iteration
+    is its own protocol (Mamba's cache raises when iterated as an attention cache), its state is not.
     """
     if isinstance(value, torch.Tensor):
         return [(prefix, value)] if value.is_floating_point() or not floating_only else []
+    seen = set() if _seen is None else _seen
+    if id(value) in seen:  # an object reachable twice (a cache's layers pointing back) counts once
+        return []
     found: list[tuple[str, torch.Tensor]] = []
     if isinstance(value, Mapping):
+        seen.add(id(value))
         for key, item in value.items():
-            found += flatten_outputs(item, f"{prefix}.{key}", floating_only=floating_only)
-    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+            found += flatten_outputs(item, f"{prefix}.{key}", floating_only=floating_only, _seen=seen)
+    elif isinstance(value, (list, tuple)):
+        seen.add(id(value))
         for i, item in enumerate(value):
-            found += flatten_outputs(item, f"{prefix}[{i}]", floating_only=floating_only)
+            found += flatten_outputs(item, f"{prefix}[{i}]", floating_only=floating_only, _seen=seen)
+    elif hasattr(value, "__dict__") and not isinstance(value, (str, bytes, type, nn.Module)):
+        seen.add(id(value))
+        for key, item in vars(value).items():
+            if not key.startswith("_"):
+                found += flatten_outputs(item, f"{prefix}.{key}", floating_only=floating_only, _seen=seen)
     return found
 
 

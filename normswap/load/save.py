@@ -316,6 +316,14 @@ def pickle_problem(model: nn.Module) -> str | None:
     return None
 
 
+def _pickled_as_program(model: nn.Module) -> bool:
+    """Whether a .pt of ``model`` holds its program rather than the module: an exported graph (a graph
+    rewrite's result, a .pt2 loaded as a module) carries export's guard hooks, which do not pickle, so
+    normswap.load.exported_module.ExportedModule pickles it as its program. Whether that program
+    exports is judged when it is written."""
+    return isinstance(model, torch.fx.GraphModule) and pickle_problem(model) is not None
+
+
 # What writing each format needs besides torch, by importable name.
 _FORMAT_PACKAGES = {"onnx": ("onnx", "onnxscript", "onnxruntime")}
 
@@ -345,7 +353,7 @@ def check_writable(
             f"pip install {' '.join(missing)}, or save as .pt2 or .pt"
         )
     if label == "pickle":
-        problem = pickle_problem(model)
+        problem = None if _pickled_as_program(model) else pickle_problem(model)
         if problem is not None:
             raise BadInputError(f"-o {path}: the model cannot be pickled ({problem}); save as .pt2 instead")
     elif (
@@ -370,7 +378,7 @@ def _write_pickle(
     example_kwargs: dict | None,
     fallbacks: list[str] | None = None,
 ) -> None:
-    if isinstance(model, torch.fx.GraphModule) and pickle_problem(model) is not None:
+    if _pickled_as_program(model):
         # an exported graph (a graph rewrite's result): its module holds export's guard hooks, which do
         # not pickle; the .pt holds the program instead (normswap.load.exported_module)
         from normswap.graph.capture import export_program

@@ -111,6 +111,16 @@ def test_recalibrate_pt2_input(tmp_path):
     assert result.exit_code == 0, result.output
     assert "20 BatchNorm layers re-estimated on 3 batches (6 samples)" in result.output and out.exists()
 
+    # the same model written as .pt: a module that runs as the .pt2's program does (issue 26)
+    pickled = tmp_path / "out.pt"
+    result = _run("recalibrate", str(path), "--data", str(data), "--batch-size", "2", "-o", str(pickled))
+    assert result.exit_code == 0, result.output
+    assert f"wrote {pickled} (pickle)" in result.output
+    with torch.no_grad():
+        want = torch.export.load(out).module()(*args)
+        got = torch.load(pickled, weights_only=False)(*args)
+    assert want.shape == got.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
     out.unlink()
     result = _run("recalibrate", str(path), "--data", str(data), "--batch-size", "4", "-o", str(out))
     _one_line_error(result, "a .pt2 model takes only the input shapes it was exported for")

@@ -75,17 +75,41 @@ def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     go to the same kernels through an autograd.Function (``_EAGER_FUNCTIONS``) instead; CPU tensors and
     other dtypes keep the op and its reference math.
     """
+    if _transformed():
+        return False  # a functorch transform
+    return not _watched(tensors) and _use_triton(*tensors)
+
+
+def _watched(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether something records the call (torch.compile, a dispatch mode, torch.jit.trace: the
+    TorchScript ONNX exporter) or a tensor is not a plain one (a subclass, or the legacy vmap of
+    is_grads_batched / jacobian(vectorize=True), which hides behind a plain type)."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    if _transformed() or torch._C._get_tracing_state():
-        return False  # a functorch transform, or torch.jit.trace (the TorchScript ONNX exporter)
-    for t in tensors:
-        if t is None:
-            continue
-        # the legacy vmap of is_grads_batched / jacobian(vectorize=True) hides behind a plain type
-        if type(t) not in _PLAIN_TENSOR_TYPES or torch._C._functorch.is_legacy_batchedtensor(t):
-            return False
-    return _use_triton(*tensors)
+        return True
+    if torch._C._get_tracing_state():
+        return True
+    is_batched = torch._C._functorch.is_legacy_batchedtensor
+    return any(t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or is_batched(t)) for t in tensors)
+
+
+def flatten_norm_dims(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    normalized_ndim: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``x`` with its last ``normalized_ndim`` dims flattened into one, and the affine tensors with it:
+    the kernels normalize the last dim, and normalizing the last k dims is the same over their
+    flattening."""
+    if normalized_ndim == 1:
+        return x, weight, bias
+    if normalized_ndim < 1 or x.ndim < normalized_ndim:
+        raise ValueError(f"cannot normalize the last {normalized_ndim} dims of a {x.ndim}-d input")
+    return (
+        x.flatten(-normalized_ndim),
+        weight.reshape(-1) if weight is not None else None,
+        bias.reshape(-1) if bias is not None else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -110,11 +134,7 @@ def _flat_check(
     normalized_ndim: int,
 ) -> None:
     """The launcher's refusals, made on the shapes the kernels will see (the last dims flattened)."""
-    if normalized_ndim < 1 or x.ndim < normalized_ndim:
-        raise ValueError(f"cannot normalize the last {normalized_ndim} dims of a {x.ndim}-d input")
-    flat = x.flatten(-normalized_ndim) if normalized_ndim > 1 else x
-    w = weight.reshape(-1) if weight is not None and normalized_ndim > 1 else weight
-    b = bias.reshape(-1) if bias is not None and normalized_ndim > 1 else bias
+    flat, w, b = flatten_norm_dims(x, weight, bias, normalized_ndim)
     r = residual.flatten(-normalized_ndim) if residual is not None and normalized_ndim > 1 else residual
     check_args(flat, r, w, b, casting)
     if flat.shape[-1] == 0:
@@ -139,14 +159,8 @@ def eager_plan(
     so it is computed once per key; the watchers (torch.compile, dispatch modes, tracing, tensor
     subclasses) are looked at on every call.
     """
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if _watched((x, residual, weight, bias)):
         return None
-    if torch._C._get_tracing_state():
-        return None
-    is_batched = torch._C._functorch.is_legacy_batchedtensor
-    for t in (x, residual, weight, bias):
-        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or is_batched(t)):
-            return None
     key = (
         kind,
         x.shape,
@@ -181,4 +195,4 @@ def eager_plan(
     return plan
 
 
-__all__ = ["EagerPlan", "eager_plan", "triton_on_cpu"]
+__all__ = ["EagerPlan", "eager_plan", "flatten_norm_dims", "triton_on_cpu"]

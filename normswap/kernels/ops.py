@@ -34,7 +34,13 @@ from typing import Any
 
 import torch
 
-from normswap.kernels._eager import _skips_dispatcher, _transformed, _use_triton, eager_plan
+from normswap.kernels._eager import (
+    _skips_dispatcher,
+    _transformed,
+    _use_triton,
+    eager_plan,
+    flatten_norm_dims,
+)
 from normswap.kernels._launch import (
     check_args,
     launch_bwd,
@@ -295,25 +301,6 @@ for _family in _FAMILIES:
 # Differentiable functions (what the fused modules call)
 
 
-def _flatten(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    normalized_ndim: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    # The kernels normalize the last dim; normalizing the last k dims is the same over their flattening.
-    if normalized_ndim == 1:
-        return x, weight, bias
-    if normalized_ndim < 1 or x.ndim < normalized_ndim:
-        raise ValueError(f"cannot normalize the last {normalized_ndim} dims of a {x.ndim}-d input")
-    flat = x.flatten(-normalized_ndim)
-    return (
-        flat,
-        weight.reshape(-1) if weight is not None else None,
-        bias.reshape(-1) if bias is not None else None,
-    )
-
-
 def _norm(
     kind: KernelNormKind,
     x: torch.Tensor,
@@ -345,7 +332,7 @@ def _norm(
         return torch_route(
             kind, plan.native, x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim
         )
-    xf, w, b = _flatten(x, weight, bias, normalized_ndim)
+    xf, w, b = flatten_norm_dims(x, weight, bias, normalized_ndim)
     rf = None
     if residual is not None:
         rf = residual.flatten(-normalized_ndim) if normalized_ndim > 1 else residual

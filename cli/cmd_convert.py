@@ -20,6 +20,7 @@ from normswap_cli.options import (
     OverwriteOpt,
     PortableOpt,
     ReportOpt,
+    StaticShapesOpt,
     TrustPickleOpt,
     WeightsOpt,
     flag,
@@ -182,6 +183,7 @@ def convert(
     report: ReportOpt = None,
     overwrite: OverwriteOpt = False,
     portable: PortableOpt = False,
+    static_shapes: StaticShapesOpt = False,
     **flags: bool,
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
@@ -209,6 +211,7 @@ def convert(
         output=output,
         overwrite=overwrite,
         portable=portable,
+        static_shapes=static_shapes,
         sequential=sequential,
         activation_memory=activation_memory,
     )

@@ -14,9 +14,9 @@ from normswap_cli.options import (
     OpsetOpt,
     OverwriteOpt,
     ReportOpt,
+    StaticShapesOpt,
     TrustPickleOpt,
     WeightsOpt,
-    flag,
 )
 from normswap_cli.shared import check_paths, handles_errors, write_json
 
@@ -26,9 +26,7 @@ def export(
     model: ModelArg,
     output: Annotated[Path, typer.Option("-o", "--output", help="The .onnx file to write.")],
     opset: OpsetOpt = None,
-    dynamic_batch: Annotated[
-        bool, flag("--dynamic-batch", help="Make dim 0 of every input a dynamic batch dim.")
-    ] = False,
+    static_shapes: StaticShapesOpt = False,
     target: Annotated[
         str,
         typer.Option(
@@ -57,7 +55,7 @@ def export(
             model,
             output,
             opset=opset,
-            dynamic_batch=dynamic_batch,
+            static_shapes=static_shapes,
             target=target,
             weights=weights,
             trust_pickle=trust_pickle,

@@ -105,6 +105,16 @@ PortableOpt = Annotated[
         panel=OUTPUT_PANEL,
     ),
 ]
+StaticShapesOpt = Annotated[
+    bool,
+    flag(
+        "--static-shapes",
+        help="Write the program (.pt2, .onnx, a graph's .pt) for the example's shapes only. By default it "
+        "takes any batch and sequence length the model leaves free, and an exact conversion whose file "
+        "would not take a shape it was verified on is refused.",
+        panel=OUTPUT_PANEL,
+    ),
+]
 ReportOpt = Annotated[
     Path | None,
     typer.Option(

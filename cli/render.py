@@ -240,10 +240,13 @@ def print_saved(saved: Any) -> None:
             for reason in result.onnxruntime_fusion.get("left", []):
                 out.print(f"  left in standard ops: {reason}")
         worst = max(result.outputs, key=lambda o: o.max_rel)
-        sizes = " and ".join(str(b) for b in result.checked_batch_sizes)
+        axes = "; ".join(f"{name}: {', '.join(dims.values())}" for name, dims in result.dynamic_axes.items())
+        out.print(f"dynamic axes: {axes or 'none (fixed at the example shapes)'}", soft_wrap=True)
         out.print(
-            f"onnxruntime vs PyTorch on batch size {sizes}: max abs {fmt_float(worst.max_abs)} = "
-            f"{fmt_float(worst.max_rel)} x max|ref| (tolerance {onnx_tolerance(worst.dtype):g}) [green]PASS[/]"
+            f"onnxruntime vs PyTorch on {', '.join(result.shapes.accepted)}: max abs "
+            f"{fmt_float(worst.max_abs)} = {fmt_float(worst.max_rel)} x max|ref| (tolerance "
+            f"{onnx_tolerance(worst.dtype):g}) [green]PASS[/]",
+            soft_wrap=True,
         )
     if saved.directory is not None:
         _print_directory(saved.directory)

@@ -75,7 +75,7 @@ def test_version_is_printed_without_importing_torch():
                 "--allow-lossy",
             ],
         ),
-        ("export", ["--trust-pickle", "--dynamic-batch"]),
+        ("export", ["--trust-pickle", "--static-shapes"]),
         ("validate", ["--trust-pickle", "--exact"]),
         ("inspect", ["--trust-pickle"]),
     ],

@@ -52,6 +52,10 @@ class ConvertConfig:
       refused before the work (:func:`normswap.load.paths.check_output`).
     - ``portable``: a .pt2 ``output`` that plain ``torch.export.load`` reads with torch alone (its outputs
       plain containers, normswap's fused ops as torch's own); refused for any other output.
+    - ``static_shapes``: a written program (.pt2, .onnx, a graph's .pt) fixed at the example's shapes; by
+      default it takes any batch and sequence length the model leaves free, and an exact conversion is
+      refused when its file would not take a shape it was verified on. With it, the report says which
+      shapes the file takes.
     - ``sequential``: a model directory converted into a model directory with an architectural ``to`` and
       ``calibration_data`` is swapped and calibrated block by block (taken unasked when the model does
       not fit in memory); ``activation_memory``: GB of activations it holds before spilling to disk.
@@ -79,6 +83,7 @@ class ConvertConfig:
     overwrite: bool = False
     # a .pt2 output that torch.export.load reads with torch alone (normswap.load.pt2_file.portable_program)
     portable: bool = False
+    static_shapes: bool = False
     sequential: bool = False
     activation_memory: float | None = None
 

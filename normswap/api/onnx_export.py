@@ -25,7 +25,7 @@ def export_onnx(
     output: Path,
     *,
     opset: int | None = None,
-    dynamic_batch: bool = False,
+    static_shapes: bool = False,
     target: str = "standard",
     weights: str | Path | None = None,
     trust_pickle: bool = False,
@@ -39,9 +39,11 @@ def export_onnx(
     file; an existing ``output`` only with ``overwrite``).
 
     ``target``: "standard" (ONNX's own ops) or "onnxruntime" (norms as onnxruntime's fused ops);
-    ``dynamic_batch`` makes dim 0 of every input dynamic. The suffix, the target and the ONNX packages are
-    checked before the model is loaded or run; a disagreement raises
-    :class:`~normswap.errors.CheckFailedError` and writes nothing.
+    The file takes any batch and sequence length the model leaves free (``static_shapes``: the example's
+    only) and is compared with the model on the example and on the variants the model accepts
+    (``saved.shapes`` says which it takes). The suffix, the target and the ONNX packages are checked
+    before the model is loaded or run; a disagreement raises :class:`~normswap.errors.CheckFailedError`
+    and writes nothing.
     """
     from normswap.api.save import save
     from normswap.export.onnx import check_target
@@ -62,7 +64,7 @@ def export_onnx(
         args,
         kwargs,
         opset=opset,
-        dynamic_batch=dynamic_batch,
+        static_shapes=static_shapes,
         refuse_path=never_written(model),
         target=target,
         overwrite=overwrite,

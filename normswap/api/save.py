@@ -42,9 +42,9 @@ class SavedOutput:
         """The keys ``normswap convert --report`` adds for a written output."""
         if self.directory is not None:
             return {"directory": self.directory.to_dict()}
-        if self.onnx is not None:
-            return {"onnx": {**self.onnx.to_dict(), "capture_notes": self.notes}}
         data: dict[str, Any] = {}
+        if self.onnx is not None:
+            data["onnx"] = {**self.onnx.to_dict(), "capture_notes": self.notes}
         if self.format == "pt2":
             data["output_notes"] = self.notes
         if self.messages:
@@ -61,7 +61,7 @@ def save(
     example_kwargs: dict[str, Any] | None = None,
     *,
     opset: int | None = None,
-    dynamic_batch: bool = False,
+    static_shapes: bool | None = None,
     refuse_path: str | Path | None = None,
     source: CheckpointDirectory | None = None,
     target: str = "standard",
@@ -74,9 +74,16 @@ def save(
     :class:`~normswap.errors.CheckFailedError` unless ``result.ok``; ``path`` defaults to its config's
     ``output``, the inputs to those it was checked on; the result records what was written), or a
     module with ``example_args``/``example_kwargs`` (a .pt2 or .onnx is an export on them). ``opset``
-    and ``dynamic_batch`` apply to .onnx, which is checked in onnxruntime before it is kept; ``portable``
-    to .pt2: a program that ``torch.export.load`` reads with torch alone (plain output containers,
-    normswap's fused ops as torch's own), where by default the note says what loading it needs.
+    applies to .onnx, which is checked in onnxruntime before it is kept; ``portable`` to .pt2: a program
+    that ``torch.export.load`` reads with torch alone (plain output containers, normswap's fused ops as
+    torch's own), where by default the note says what loading it needs.
+
+    A written program (.pt2, .onnx, a graph's .pt) takes any batch and sequence length the model leaves
+    free, unless ``static_shapes`` (default: the conversion's ``ConvertConfig.static_shapes``) fixes it
+    at the example's; it is loaded back and run on the shapes the conversion was verified on (a module:
+    the example and the variants it accepts, :mod:`normswap.verify.variants`), an ONNX file compared with
+    the model on each; :attr:`SavedOutput.shapes` says which it takes. An exact conversion's program that
+    rejects a verified batch or length is refused, unless ``static_shapes``.
     ``refuse_path``: the input model's file, never to be overwritten.
 
     A path without a suffix is a Hugging Face model directory (a transformers model only), loaded back
@@ -109,6 +116,8 @@ def save(
             overwrite = conversion.config.overwrite
         if portable is None:
             portable = conversion.config.portable
+        if static_shapes is None:
+            static_shapes = conversion.config.static_shapes
     else:
         assert not isinstance(result, ConversionResult)  # narrows the union for the type checker
         model = result
@@ -125,26 +134,18 @@ def save(
             model, Path(path), example_args, example_kwargs, refuse_path, source, replace
         )
     else:
-        verified = None
-        if conversion is not None:
-            from normswap.verify.written import verified_variants
-
-            verified = verified_variants(
-                example_args, example_kwargs, conversion.report.input_variants if conversion.report else None
-            )
         saved = _write(
             model,
             Path(path),
             example_args,
             example_kwargs,
             opset,
-            dynamic_batch,
             refuse_path,
             target,
             replace,
             bool(portable),
-            verified=verified,
-            exact=bool(conversion is not None and conversion.config.exact),
+            static_shapes=bool(static_shapes),
+            conversion=conversion,
         )
     if conversion is not None:
         conversion.saved = saved
@@ -157,20 +158,21 @@ def _write(
     args: tuple | None,
     kwargs: dict[str, Any] | None,
     opset: int | None,
-    dynamic_batch: bool,
     refuse_path: str | Path | None,
     target: str = "standard",
     overwrite: bool = False,
     portable: bool = False,
     *,
-    verified: list[InputVariant] | None = None,
-    exact: bool = False,
+    static_shapes: bool = False,
+    conversion: ConversionResult | None = None,
 ) -> SavedOutput:
-    """Write ``model`` as ``path``'s format. A program (``.pt2``, a graph's ``.pt``) is loaded back and run
-    on ``verified`` (the shapes its conversion was verified on) before it takes its name: with ``exact``
-    one that rejects a verified batch or length is refused, else the output records which it takes."""
-    from normswap.graph.capture import capture_friendly, capture_notes
+    """Write ``model`` as ``path``'s format. A program (``.pt2``, ``.onnx``, a graph's ``.pt``) is loaded
+    back and run on the shapes to check (:func:`_shapes_to_check`) before it takes its name: an exact
+    conversion's that rejects a verified batch or length is refused (unless ``static_shapes``), else the
+    output records which it takes."""
+    from normswap.graph.capture import capture_notes
     from normswap.load import SAVE_FORMATS, save_model
+    from normswap.verify.written import refuse_untaken
 
     refuse = None if refuse_path is None else Path(refuse_path)
     label = SAVE_FORMATS.get(path.suffix.lower())
@@ -179,39 +181,43 @@ def _write(
     if label != "pickle" and args is None and kwargs is None:
         raise BadInputError(f"writing {path} exports the model: give example inputs")
     args, kwargs = tuple(args or ()), dict(kwargs or {})
+    exact = bool(conversion is not None and conversion.config.exact)
+    is_program = label in ("pt2", "onnx") or isinstance(model, torch.fx.GraphModule)
+    variants = _shapes_to_check(model, args, kwargs, conversion) if is_program else []
     if label == "onnx":
         from normswap.export.onnx import export_onnx
 
-        # the ONNX exporter captures with torch.export, and PyTorch's side of the check runs the same way
-        with capture_friendly(model, args, kwargs) as notes:
-            checked = export_onnx(
-                model,
-                path,
-                args,
-                kwargs,
-                opset=opset,
-                dynamic_batch=dynamic_batch,
-                refuse_path=refuse,
-                target=target,
-                overwrite=overwrite,
-            )
-        return SavedOutput(path=path, format="onnx", onnx=checked, notes=list(notes))
+        checked = export_onnx(
+            model,
+            path,
+            args,
+            kwargs,
+            opset=opset,
+            static_shapes=static_shapes,
+            check_shapes=variants,
+            exact=exact,
+            refuse_path=refuse,
+            target=target,
+            overwrite=overwrite,
+        )
+        return SavedOutput(
+            path=path,
+            format="onnx",
+            onnx=checked,
+            notes=capture_notes(model, args, kwargs),
+            messages=_shape_messages(path, checked.shapes, checked.fallbacks),
+            shapes=checked.shapes,
+        )
     needs: list[str] = []
     fallbacks: list[str] = []
     taken: list[WrittenShapes] = []
-    is_program = label == "pt2" or isinstance(model, torch.fx.GraphModule)
 
     def check(temp: Path, written_as: str) -> None:
-        if verified is None or not is_program:
+        if not is_program:
             return
-        shapes = shapes_taken(_loaded_program(temp, written_as), verified)
-        if shapes.rejected_free and exact:
-            why = f" ({fallbacks[0]})" if fallbacks else ""
-            raise CheckFailedError(
-                f"{path} would not take every input shape the conversion was verified on: it "
-                f"{shapes.summary()}{why}; nothing written (an exact conversion is written only for the "
-                "shapes it was proven on; without --exact the file is written and says which it takes)"
-            )
+        shapes = shapes_taken(_loaded_program(temp, written_as), variants)
+        if exact and not static_shapes:
+            refuse_untaken(path, shapes, fallbacks)
         taken.append(shapes)
 
     label = save_model(
@@ -222,23 +228,45 @@ def _write(
         refuse_path=refuse,
         overwrite=overwrite,
         portable=portable,
+        static_shapes=static_shapes,
         needs=needs,
         fallbacks=fallbacks,
         check=check,
     )
     notes = capture_notes(model, args, kwargs) if label == "pt2" else []
-    messages = [f"{path}: {reason}" for reason in fallbacks]
+    shapes = taken[0] if taken else None
+    messages = _shape_messages(path, shapes, fallbacks)
     if needs:
         imports = " and ".join(f"import {name}" for name in needs)
         messages.append(
             f"{path} loads with torch.export.load after {imports} (its operators or its output classes); "
             "--portable writes one that needs torch alone"
         )
-    shapes = taken[0] if taken else None
+    return SavedOutput(path=path, format=label, notes=notes, messages=messages, shapes=shapes)
+
+
+def _shapes_to_check(
+    model: nn.Module, args: tuple, kwargs: dict[str, Any], conversion: ConversionResult | None
+) -> list[InputVariant]:
+    """The shapes a written program is run on: those the conversion was verified on, or for a module
+    saved as it is, the example and the variants the module accepts (:mod:`normswap.verify.variants`)."""
+    from normswap.verify.variants import accepted_variants, candidate_variants
+    from normswap.verify.written import verified_variants
+
+    if conversion is not None:
+        report = conversion.report
+        return verified_variants(args, kwargs, report.input_variants if report else None)
+    probe = accepted_variants(model, candidate_variants(args, kwargs))
+    return [InputVariant("example", args, kwargs), *probe.accepted]
+
+
+def _shape_messages(path: Path, shapes: WrittenShapes | None, fallbacks: list[str]) -> list[str]:
+    """What the terminal and the report say of the shapes a written program takes, and why it is fixed."""
+    messages = [f"{path}: {reason}" for reason in fallbacks]
     if shapes is not None:
         fixed = " (a saved program's image size is the example's)" if shapes.rejected else ""
         messages.append(f"{path} {shapes.summary()}{fixed if not shapes.rejected_free else ''}")
-    return SavedOutput(path=path, format=label, notes=notes, messages=messages, shapes=shapes)
+    return messages
 
 
 def _loaded_program(temp: Path, written_as: str) -> Callable[[tuple, dict[str, Any]], Any]:

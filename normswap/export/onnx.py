@@ -9,9 +9,10 @@ it moved to the destination. A large model's weights go to an external data file
 
 from __future__ import annotations
 
-import inspect
+import copy
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,19 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, CheckFailedError, shorten
+from normswap.export.onnx_names import name_axes, output_names
 from normswap.export.onnx_opset import EXPORTER_OPSET, convert_down
 from normswap.export.onnx_ort import fuse_for_onnxruntime
+from normswap.graph.capture import capture_friendly, export_program
 from normswap.load.onnx_file import data_file, save_program
 from normswap.load.paths import check_output, same_path
 from normswap.load.save import atomic_write_onnx
 from normswap.util.modes import modes_restored
+from normswap.util.shapes import format_shapes, input_shapes
 from normswap.util.tolerance import onnx_tolerance
 from normswap.verify.metrics import TensorComparison, compare_tensors
+from normswap.verify.variants import InputVariant
+from normswap.verify.written import WrittenShapes, refuse_untaken, shapes_taken
 
 # "standard": ONNX's own ops only; "onnxruntime": norms as ONNX Runtime's fused ops where it has them
 TARGETS = ("standard", "onnxruntime")
@@ -44,10 +50,16 @@ class OnnxExport:
     path: str
     opset: int
     op_counts: dict[str, int] = field(default_factory=dict)
+    # every floating output, compared with PyTorch's at each shape the file was checked on
     outputs: list[TensorComparison] = field(default_factory=list)
-    dynamic_batch: bool = False
-    checked_batch_sizes: list[int] = field(default_factory=list)
+    # the axes a runtime may size freely, by input: {"input_ids": {0: "batch", 1: "sequence"}}
+    dynamic_axes: dict[str, dict[int, str]] = field(default_factory=dict)
+    output_names: list[str] = field(default_factory=list)
+    # the shapes it was checked on in onnxruntime, and those it rejects (a dim fixed in the file)
+    shapes: WrittenShapes = field(default_factory=WrittenShapes)
     note: str = ""
+    # why the file is fixed at the example's shapes, when the export with free dims failed
+    fallbacks: list[str] = field(default_factory=list)
     target: str = "standard"
     # the external data file beside the .onnx (its name), when the weights are too large to sit inside
     external_data: str | None = None
@@ -56,10 +68,11 @@ class OnnxExport:
 
     @property
     def within_tolerance(self) -> bool:
-        return all(o.max_rel <= onnx_tolerance(o.dtype) for o in self.outputs)
+        return bool(self.outputs) and all(o.max_rel <= onnx_tolerance(o.dtype) for o in self.outputs)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["shapes"] = self.shapes.to_dict()
         data["within_tolerance"] = self.within_tolerance
         return data
 
@@ -95,21 +108,6 @@ def _tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, ...] | dict[str, Any]:
-    batch = torch.export.Dim("batch", min=1, max=1024)
-
-    def spec(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return {0: batch} if value.ndim else None
-        return None
-
-    if kwargs:
-        # with keyword inputs, torch.export wants every input keyed by the forward's parameter names
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
-        return {name: spec(value) for name, value in bound.arguments.items()}
-    return tuple(spec(a) for a in args)
-
-
 def _read_back(path: Path) -> tuple[int, dict[str, int]]:
     """Default-domain opset and op counts of the file as written (the exporter may convert on save)."""
     import onnx
@@ -122,49 +120,75 @@ def _read_back(path: Path) -> tuple[int, dict[str, int]]:
     return int(opset), dict(sorted(counts.items()))
 
 
-def _repeat_batch(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The same inputs with the batch dim doubled, to check a dynamic batch dim really is dynamic."""
-
-    def twice(value: Any) -> Any:
-        return torch.cat([value, value]) if isinstance(value, torch.Tensor) and value.ndim else value
-
-    return tuple(twice(a) for a in args), {k: twice(v) for k, v in kwargs.items()}
-
-
-def run_onnx(path: Path, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Run an .onnx file in onnxruntime (CPU) on torch inputs; outputs as torch tensors."""
+def _ort_run(path: Path) -> Callable[[tuple, dict], list[torch.Tensor]]:
+    """The file at ``path`` in one onnxruntime session, as a call on torch inputs."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
-    leaves = _tensor_leaves((args, kwargs))
-    if len(leaves) != len(names):
-        raise BadInputError(
-            f"the .onnx graph takes {len(names)} inputs ({', '.join(names)}) but the example inputs hold "
-            f"{len(leaves)} tensors"
-        )
-    feeds = {name: leaf.detach().cpu().numpy() for name, leaf in zip(names, leaves, strict=True)}
-    return [torch.from_numpy(o) for o in session.run(None, feeds)]
+
+    def run(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        leaves = _tensor_leaves((args, kwargs))
+        if len(leaves) != len(names):
+            raise BadInputError(
+                f"the .onnx graph takes {len(names)} inputs ({', '.join(names)}) but the example inputs "
+                f"hold {len(leaves)} tensors"
+            )
+        feeds = {name: leaf.detach().cpu().numpy() for name, leaf in zip(names, leaves, strict=True)}
+        return [torch.from_numpy(o) for o in session.run(None, feeds)]
+
+    return run
 
 
-def _compare(model: nn.Module, path: Path, args: tuple, kwargs: dict) -> list[TensorComparison]:
-    with torch.no_grad():
-        expected = _tensor_leaves(model(*args, **kwargs))
-    try:
-        got = run_onnx(path, args, kwargs)
-    except BadInputError:
-        raise
-    except Exception as exc:  # e.g. a dtype onnxruntime's CPU build has no kernel for (bf16)
-        raise CheckFailedError(
-            f"onnxruntime cannot run the exported file: {_describe(exc)}; nothing written"
-        ) from None
-    if len(got) != len(expected):
-        raise CheckFailedError(f"onnxruntime returned {len(got)} outputs, PyTorch {len(expected)}")
+def run_onnx(path: Path, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Run an .onnx file in onnxruntime (CPU) on torch inputs; outputs as torch tensors."""
+    return _ort_run(path)(args, kwargs)
+
+
+def _compare(expected: Any, got: list[torch.Tensor], at: str) -> list[TensorComparison]:
+    """onnxruntime's outputs against PyTorch's (``expected``, the model's output) at the shape ``at``."""
+    reference = _tensor_leaves(expected)
+    if len(got) != len(reference):
+        raise CheckFailedError(f"onnxruntime returned {len(got)} outputs, PyTorch {len(reference)}")
     return [
-        compare_tensors(f"output[{i}]", ref, out.to(ref.dtype))
-        for i, (ref, out) in enumerate(zip(expected, got, strict=True))
+        compare_tensors(f"output[{i}] at {at}", ref, out.to(ref.dtype))
+        for i, (ref, out) in enumerate(zip(reference, got, strict=True))
         if ref.is_floating_point()
     ]
+
+
+def _checked(model: nn.Module, temp: Path, variants: list[InputVariant], result: OnnxExport) -> WrittenShapes:
+    """Run the file in onnxruntime on each of ``variants`` (the example first) and compare every output
+    with the model's: a shape the file rejects is recorded (a dim fixed in the file), one it runs must
+    agree within :func:`onnx_tolerance` or nothing is written."""
+    try:
+        run = _ort_run(temp)
+    except Exception as exc:  # e.g. a dtype onnxruntime's CPU build has no kernel for (bf16)
+        raise CheckFailedError(
+            f"onnxruntime cannot load the exported file: {_describe(exc)}; nothing written"
+        ) from None
+
+    def run_and_compare(args: tuple, kwargs: dict) -> None:
+        with torch.no_grad():
+            expected = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        at = format_shapes(input_shapes(args, kwargs))
+        got = run(args, kwargs)  # raises on a shape the file does not take
+        result.outputs += _compare(expected, got, at)
+
+    shapes = shapes_taken(run_and_compare, variants)
+    if variants and shapes.rejected and shapes.rejected[0]["label"] == "example":
+        raise CheckFailedError(
+            f"onnxruntime cannot run the exported file: {shapes.rejected[0]['error']}; nothing written"
+        )
+    if not result.within_tolerance:
+        worst = max(result.outputs, key=lambda o: o.max_rel, default=None)
+        what = (
+            "no output was compared"
+            if worst is None
+            else (f"{worst.name} max abs {worst.max_abs:.3g} ({worst.max_rel:.3g} x max|ref|)")
+        )
+        raise CheckFailedError(f"onnxruntime disagrees with PyTorch: {what}; nothing written")
+    return shapes
 
 
 def export_onnx(
@@ -174,13 +198,23 @@ def export_onnx(
     example_kwargs: dict | None = None,
     *,
     opset: int | None = None,
-    dynamic_batch: bool = False,
+    static_shapes: bool = False,
+    check_shapes: list[InputVariant] | None = None,
+    exact: bool = False,
     refuse_path: Path | None = None,
     target: str = "standard",
     overwrite: bool = False,
     external_data_bytes: int | None = None,
 ) -> OnnxExport:
     """Export ``model`` to ``path`` and check the file in onnxruntime; nothing is written if either fails.
+
+    The file takes any batch and any sequence length the model leaves free (the same free dims as a
+    saved ``.pt2``: :func:`normswap.graph.capture.export_program`), its axes named ``batch`` and
+    ``sequence`` and its outputs after what the model returns (:mod:`.onnx_names`); ``static_shapes``
+    fixes every dim at the example's. It is run in onnxruntime and compared with the model on every shape
+    of ``check_shapes`` (default: the example alone; the example must come first); a shape it rejects is
+    recorded in :attr:`OnnxExport.shapes`, and with ``exact`` (unless ``static_shapes``) a rejected batch
+    or length refuses the file.
 
     Raises :class:`BadInputError` when the export fails (naming the failing op when the exporter does)
     and :class:`CheckFailedError` when onnxruntime's outputs leave their tolerance (:func:`onnx_tolerance`).
@@ -202,27 +236,27 @@ def export_onnx(
     check_target(target)
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
-    result = OnnxExport(path=str(path), opset=0, dynamic_batch=dynamic_batch, target=target)
+    result = OnnxExport(path=str(path), opset=0, target=target)
+    variants = check_shapes or [InputVariant("example", args, kwargs)]
 
     # below the exporter's own opset: exported at it, converted down and repaired (export/onnx_opset.py)
     below = opset is not None and opset < EXPORTER_OPSET
 
     def write(temp: Path) -> None:
-        try:
-            program = torch.onnx.export(
-                model,
-                args,
-                kwargs=kwargs or None,
-                dynamo=True,
+        with torch.no_grad():
+            result.output_names = output_names(model(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+        program = _onnx_program(
+            model,
+            args,
+            kwargs,
+            static_shapes,
+            result.fallbacks,
+            dict(
                 opset_version=EXPORTER_OPSET if below else opset,
                 custom_translation_table=table,
-                dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic_batch else None,
-                verbose=False,
-            )
-        except Exception as exc:  # the exporter raises many types; the user needs the op that failed
-            raise BadInputError(f"ONNX export failed: {_describe(exc)}") from None
-        if program is None:
-            raise BadInputError("ONNX export produced no program")
+                output_names=result.output_names or None,
+            ),
+        )
         # temp is named as the output, inside a temp folder: the data file's name inside it is final
         if save_program(program, temp, external_data_bytes):
             result.external_data = data_file(path).name
@@ -233,6 +267,7 @@ def export_onnx(
                 result.note = f"converted down from opset {EXPORTER_OPSET}; {repaired} Split nodes given their sizes as inputs"
         if target == "onnxruntime":  # after any conversion: onnx's converter knows no contrib op
             result.onnxruntime_fusion = asdict(fuse_for_onnxruntime(temp, external_data_bytes))
+        result.dynamic_axes = name_axes(temp, _tensor_leaves((args, kwargs)))
         result.opset, result.op_counts = _read_back(temp)
         if opset is not None and result.opset != opset:
             # torch.onnx falls back to the opset it built when converting down fails, with only a warning
@@ -240,24 +275,47 @@ def export_onnx(
                 f"the exporter could not write opset {opset} (it produced opset {result.opset}); "
                 f"choose --opset {result.opset} or higher"
             )
-        result.outputs = _compare(model, temp, args, kwargs)
-        result.checked_batch_sizes = [_batch_size(args, kwargs)]
-        if dynamic_batch:
-            bigger_args, bigger_kwargs = _repeat_batch(args, kwargs)
-            result.outputs += _compare(model, temp, bigger_args, bigger_kwargs)
-            result.checked_batch_sizes.append(_batch_size(bigger_args, bigger_kwargs))
-        if not result.within_tolerance:
-            worst = max(result.outputs, key=lambda o: o.max_rel)
-            raise CheckFailedError(
-                f"onnxruntime disagrees with PyTorch: {worst.name} max abs {worst.max_abs:.3g} "
-                f"({worst.max_rel:.3g} x max|ref|); nothing written"
-            )
+        result.shapes = _checked(model, temp, variants, result)
+        if exact and not static_shapes:
+            refuse_untaken(path, result.shapes, result.fallbacks)
 
-    with modes_restored(model, inference=True):  # exporting must not change the model
+    # exporting must not change the model; the names, the export and the check see the same settings
+    with modes_restored(model, inference=True), capture_friendly(model, args, kwargs):
         atomic_write_onnx(path, write, overwrite=overwrite)
     return result
 
 
-def _batch_size(args: tuple, kwargs: dict) -> int:
-    leaves = [t for t in _tensor_leaves((args, kwargs)) if t.ndim]
-    return int(leaves[0].shape[0]) if leaves else 0
+def _onnx_program(
+    model: nn.Module, args: tuple, kwargs: dict, static_shapes: bool, fallbacks: list[str], options: dict
+) -> Any:
+    """torch.onnx's program of ``model``: exported by torch.export with the free dims of a saved program
+    (or fixed, ``static_shapes``), then translated; when torch.export cannot trace the model, torch.onnx's
+    own capture at the example's shapes (said in ``fallbacks``)."""
+    try:
+        exported = export_program(
+            model, args, kwargs, dynamic=not static_shapes, grow_unit_dims=True, fallbacks=fallbacks
+        )
+    except Exception as exc:  # torch.onnx has captures of its own (strict, draft) that may still succeed
+        exported = None
+        fallbacks.append(
+            f"torch.export could not trace the model ({_describe(exc)}), so torch.onnx's own capture "
+            "made the file, fixed at the example's shapes"
+        )
+    try:
+        if exported is not None:
+            program = torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, **options)
+        else:
+            program = torch.onnx.export(
+                model, args, kwargs=kwargs or None, dynamo=True, optimize=False, verbose=False, **options
+            )
+    except Exception as exc:  # the exporter raises many types; the user needs the op that failed
+        raise BadInputError(f"ONNX export failed: {_describe(exc)}") from None
+    if program is None:
+        raise BadInputError("ONNX export produced no program")
+    # torch.onnx's own optimizer, less its opset-23 fusions: its RotaryEmbedding fusion reads HF's
+    # (1, T, D) cos/sin caches as one row per batch, so the file fails at any batch but 1 once the batch
+    # is free (onnxruntime: "cos_cache and sin_cache are expected to have the same shape as input x")
+    import onnxscript.optimizer
+
+    onnxscript.optimizer.optimize_ir(program.model)
+    return program

@@ -270,6 +270,7 @@ def export_program(
     friendly: bool = True,
     grow_unit_dims: bool = False,
     fallbacks: list[str] | None = None,
+    dynamic: bool = True,
 ) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with the batch dim and the sequence dims of integer inputs dynamic where
     the model leaves them free (``Dim.AUTO``: export keeps a dim static where the code fixes it, see
@@ -278,17 +279,20 @@ def export_program(
     returns no cache. ``grow_unit_dims`` (a program to save): the dynamic export traces inputs whose
     free dims of size 1 are repeated to 2, so those dims stay dynamic (:func:`_unit_dims_grown`).
     ``fallbacks`` hears why, when the dynamic export failed and the program is fixed at the example's
-    shapes: never a silent fallback (a saved program must say which shapes it takes)."""
+    shapes: never a silent fallback (a saved program must say which shapes it takes). ``dynamic=False``:
+    the program fixed at the example's shapes, as the user asked (no fallback to report)."""
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
     settings = capture_friendly(model, args, kwargs) if friendly else contextlib.nullcontext()
     with settings, _quiet_export():
+        if not dynamic:
+            return torch.export.export(model, args, kwargs=kwargs, strict=False)
         try:
             traced_args, traced_kwargs = (
                 (_unit_dims_grown(args), _unit_dims_grown(kwargs)) if grow_unit_dims else (args, kwargs)
             )
-            dynamic = input_dims(model, traced_args, traced_kwargs, _free_dim)
+            free_dims = input_dims(model, traced_args, traced_kwargs, _free_dim)
             return torch.export.export(
-                model, traced_args, kwargs=traced_kwargs, dynamic_shapes=dynamic, strict=False
+                model, traced_args, kwargs=traced_kwargs, dynamic_shapes=free_dims, strict=False
             )
         except Exception as exc:  # data-dependent shapes and the like: the static program still serves
             program = torch.export.export(model, args, kwargs=kwargs, strict=False)

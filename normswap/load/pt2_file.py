@@ -93,17 +93,26 @@ def write_pt2(
     *,
     portable: bool = False,
     fallbacks: list[str] | None = None,
+    static_shapes: bool = False,
 ) -> list[str]:
     """Export ``model`` and write the program to ``temp``; what loading it needs besides torch
     (:func:`program_needs`). ``portable``: a program that needs nothing else (:func:`portable_program`).
-    ``fallbacks`` hears why the program is fixed at the example's shapes, if it is."""
+    ``fallbacks`` hears why the program is fixed at the example's shapes, if it is; ``static_shapes``
+    fixes it there."""
     from normswap.graph.capture import export_program
 
     try:
         if portable:
-            ep = portable_program(model, example_args, example_kwargs, fallbacks=fallbacks)
+            ep = portable_program(model, example_args, example_kwargs, fallbacks, static_shapes)
         else:
-            ep = export_program(model, example_args, example_kwargs, grow_unit_dims=True, fallbacks=fallbacks)
+            ep = export_program(
+                model,
+                example_args,
+                example_kwargs,
+                grow_unit_dims=True,
+                fallbacks=fallbacks,
+                dynamic=not static_shapes,
+            )
     except Exception as exc:
         raise BadInputError(
             f"torch.export could not trace the model for .pt2 output ({describe(exc)}); save as .pt instead"
@@ -166,7 +175,11 @@ def _plain(value: Any) -> Any:
 
 
 def portable_program(
-    model: nn.Module, example_args: tuple, example_kwargs: dict | None, fallbacks: list[str] | None = None
+    model: nn.Module,
+    example_args: tuple,
+    example_kwargs: dict | None,
+    fallbacks: list[str] | None = None,
+    static_shapes: bool = False,
 ) -> torch.export.ExportedProgram:
     """The program of ``model`` that loads with plain ``torch.export.load``: its outputs plain
     containers, normswap's fused-norm ops replaced by the same math in torch's operators (the reference
@@ -175,7 +188,12 @@ def portable_program(
     from normswap.kernels.ops import reference_decompositions
 
     program = export_program(
-        _PlainOutputs(model), example_args, example_kwargs, grow_unit_dims=True, fallbacks=fallbacks
+        _PlainOutputs(model),
+        example_args,
+        example_kwargs,
+        grow_unit_dims=True,
+        fallbacks=fallbacks,
+        dynamic=not static_shapes,
     )
     return program.run_decompositions(reference_decompositions())
 

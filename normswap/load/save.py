@@ -377,6 +377,7 @@ def _write_pickle(
     example_args: tuple,
     example_kwargs: dict | None,
     fallbacks: list[str] | None = None,
+    static_shapes: bool = False,
 ) -> None:
     if _pickled_as_program(model):
         # an exported graph (a graph rewrite's result): its module holds export's guard hooks, which do
@@ -386,7 +387,12 @@ def _write_pickle(
 
         try:
             program = export_program(
-                model, example_args, example_kwargs, grow_unit_dims=True, fallbacks=fallbacks
+                model,
+                example_args,
+                example_kwargs,
+                grow_unit_dims=True,
+                fallbacks=fallbacks,
+                dynamic=not static_shapes,
             )
             model = ExportedModule(program)
         except Exception as exc:
@@ -402,36 +408,6 @@ def _write_pickle(
         ) from None
 
 
-def _write_onnx(
-    model: nn.Module, example_args: tuple, example_kwargs: dict | None, temp: Path, opset: int | None
-) -> None:
-    from normswap.graph.capture import capture_friendly
-    from normswap.kernels.onnx_translation import LAYER_NORMALIZATION_OPSET, translation_table
-    from normswap.load.onnx_file import save_program
-
-    # normswap's fused-norm ops become standard ONNX ops (LayerNormalization, RMSNormalization); the
-    # table only adds translations, so models without fused norms export as before.
-    table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
-    try:
-        # the ONNX exporter captures with torch.export: the same settings as any capture (no HF cache)
-        with capture_friendly(model, tuple(example_args), example_kwargs):
-            program = torch.onnx.export(
-                model,
-                tuple(example_args),
-                kwargs=example_kwargs or None,
-                dynamo=True,
-                opset_version=opset,
-                custom_translation_table=table,
-            )
-    except Exception as exc:
-        raise BadInputError(f"ONNX export of the model failed: {describe(exc)}") from None
-    if program is None:
-        raise BadInputError("ONNX export of the model produced no program")
-    # temp is named as the output inside a temp folder (atomic_write_onnx): a large model's external
-    # data file is named for the output, and published with it
-    save_program(program, temp)
-
-
 def save_model(
     model: nn.Module,
     path: Path,
@@ -439,25 +415,26 @@ def save_model(
     example_kwargs: dict | None = None,
     *,
     refuse_path: Path | None = None,
-    opset: int | None = None,
     overwrite: bool = False,
     portable: bool = False,
+    static_shapes: bool = False,
     needs: list[str] | None = None,
     fallbacks: list[str] | None = None,
     check: Callable[[Path, str], None] | None = None,
 ) -> str:
-    """Save ``model`` in the format its suffix names (.pt2, .pt/.pth, .onnx) and return that format's label.
+    """Save ``model`` in the format its suffix names (.pt2, .pt/.pth) and return that format's label. An
+    .onnx is written by :func:`normswap.save`, which checks it in onnxruntime before it is kept.
 
     A .pt2's program: ``portable`` writes one that loads with torch alone
     (:func:`normswap.load.pt2_file.portable_program`); ``needs``, when given, receives what loading the
     written one needs imported besides torch (:func:`normswap.load.pt2_file.program_needs`).
 
-    ``fallbacks`` hears why a written program is fixed at the example's shapes, if it is; ``check``
+    A program takes the batch and sequence lengths the model leaves free, or only the example's with
+    ``static_shapes``; ``fallbacks`` hears why it is fixed at the example's shapes, if it is; ``check``
     (temp path, format label) runs on the written file before it takes its name, and refuses it by
     raising (then nothing is written).
 
     ``refuse_path`` is the input model file: writing over it would destroy the only copy of the original.
-    ``opset`` is the ONNX opset for .onnx outputs (None: the exporter's default); other formats ignore it.
     An existing ``path`` is refused unless ``overwrite`` (:func:`normswap.load.paths.check_output`).
     """
     path = Path(path)
@@ -465,6 +442,10 @@ def save_model(
     if label is None:
         accepted = ", ".join(SAVE_FORMATS)
         raise BadInputError(f"cannot save to {path}: unknown suffix {path.suffix!r} (accepted: {accepted})")
+    if label == "onnx":
+        raise BadInputError(
+            f"{path}: an ONNX file is written by normswap.save, which checks it in onnxruntime first"
+        )
     if refuse_path is not None and same_path(path, refuse_path):
         raise BadInputError(
             f"refusing to overwrite the input model {refuse_path}: choose another output path"
@@ -474,19 +455,21 @@ def save_model(
     def write(temp: Path) -> None:
         if label == "pt2":
             found = write_pt2(
-                model, example_args, example_kwargs, temp, path, portable=portable, fallbacks=fallbacks
+                model,
+                example_args,
+                example_kwargs,
+                temp,
+                path,
+                portable=portable,
+                fallbacks=fallbacks,
+                static_shapes=static_shapes,
             )
             if needs is not None:
                 needs[:] = found
-        elif label == "onnx":
-            _write_onnx(model, example_args, example_kwargs, temp, opset)
         else:
-            _write_pickle(model, temp, example_args, example_kwargs, fallbacks)
+            _write_pickle(model, temp, example_args, example_kwargs, fallbacks, static_shapes)
         if check is not None:
             check(temp, label)
 
-    if label == "onnx":
-        atomic_write_onnx(path, write, overwrite=overwrite)
-    else:
-        atomic_write(path, write, overwrite=overwrite)
+    atomic_write(path, write, overwrite=overwrite)
     return label

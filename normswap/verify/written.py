@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from normswap.errors import CheckFailedError, NormswapError
 from normswap.verify.variants import InputVariant, candidate_variants, describe_error, format_shapes
 
 # Variants along the dims a saved program keeps free (batch, sequence length: normswap.graph.capture's
@@ -69,6 +70,8 @@ def shapes_taken(run: Callable[[tuple, dict[str, Any]], Any], variants: list[Inp
     for variant in variants:
         try:
             run(copy.deepcopy(variant.args), copy.deepcopy(variant.kwargs))
+        except NormswapError:  # the caller's own verdict (a disagreement, wrong inputs), not a shape
+            raise
         except Exception as exc:  # a guard on a fixed dim, or anything else the program raises
             found.rejected.append(
                 {"shapes": variant.describe(), "label": variant.label, "error": describe_error(exc)}
@@ -78,4 +81,18 @@ def shapes_taken(run: Callable[[tuple, dict[str, Any]], Any], variants: list[Inp
     return found
 
 
-__all__ = ["FREE_DIM_LABELS", "WrittenShapes", "shapes_taken", "verified_variants"]
+def refuse_untaken(path: Any, shapes: WrittenShapes, fallbacks: list[str]) -> None:
+    """The one rule of an exact conversion's written program (``.pt2``, ``.onnx``, a graph's ``.pt``):
+    refused when it rejects a batch or a length the conversion was verified on, saying why the export
+    fixed it (``fallbacks``) and how to accept fixed shapes."""
+    if not shapes.rejected_free:
+        return
+    why = f" ({fallbacks[0]})" if fallbacks else ""
+    raise CheckFailedError(
+        f"{path} would not take every input shape the conversion was verified on: it {shapes.summary()}"
+        f"{why}; nothing written (an exact conversion is written only for the shapes it was proven on: "
+        "--static-shapes writes it for the example's shapes, as the report then says)"
+    )
+
+
+__all__ = ["FREE_DIM_LABELS", "WrittenShapes", "refuse_untaken", "shapes_taken", "verified_variants"]

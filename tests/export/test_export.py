@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 import normswap.export.onnx as onnx_export
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.export.onnx import export_onnx
+from normswap.verify.variants import InputVariant, candidate_variants
 
 ZOO = str(Path(model_zoo.__file__))
 
@@ -22,15 +23,21 @@ def _run(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
-def test_export_resnet18_with_a_dynamic_batch(tmp_path):
+def test_export_resnet18_takes_any_batch_and_names_its_fixed_image_size(tmp_path):
     out, report = tmp_path / "r18.onnx", tmp_path / "r.json"
-    result = _run(
-        "export", f"{ZOO}:resnet18_factory", "-o", str(out), "--dynamic-batch", "--report", str(report)
-    )
+    result = _run("export", f"{ZOO}:resnet18_factory", "-o", str(out), "--report", str(report))
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())["onnx"]
-    assert data["within_tolerance"] and data["checked_batch_sizes"] == [2, 4]
+    # the example is 2 x 3 x 32 x 32: its batch variants run and agree, its image sizes are named
+    assert data["within_tolerance"] and data["dynamic_axes"] == {"x": {"0": "batch"}}
+    assert data["shapes"]["accepted"] == ["2x3x32x32", "3x3x32x32", "1x3x32x32"]
+    assert [r["label"] for r in data["shapes"]["rejected"]] == [
+        "channels-first size 8x8",
+        "channels-first size 45x45",
+    ]
+    assert {o["name"].split(" at ")[1] for o in data["outputs"]} == set(data["shapes"]["accepted"])
     assert max(o["max_rel"] for o in data["outputs"]) <= 1e-4
+    assert "takes 2x3x32x32, 3x3x32x32, 1x3x32x32 of the shapes" in " ".join(result.output.split())
     assert data["op_counts"]["Conv"] == 20 and "BatchNormalization" not in data["op_counts"]
 
 
@@ -79,8 +86,8 @@ def test_an_untranslatable_op_is_named_and_nothing_is_written(tmp_path):
 
 
 def test_onnxruntime_disagreement_fails_the_check_and_writes_nothing(tmp_path, monkeypatch):
-    real = onnx_export.run_onnx
-    monkeypatch.setattr(onnx_export, "run_onnx", lambda *a: [t * 1.01 for t in real(*a)])
+    real = onnx_export._ort_run
+    monkeypatch.setattr(onnx_export, "_ort_run", lambda path: lambda *a: [t * 1.01 for t in real(path)(*a)])
     model, args, _ = model_zoo.resnet18(size=32)
     with pytest.raises(CheckFailedError, match="onnxruntime disagrees with PyTorch: output"):
         export_onnx(model, tmp_path / "x.onnx", args)
@@ -92,7 +99,7 @@ def test_onnxruntime_disagreement_fails_the_check_and_writes_nothing(tmp_path, m
 def test_gpt2_is_written_at_opset_17_with_its_splits_given_sizes(tmp_path):
     """torch.onnx builds opset 18; asked for 17, its conversion of GPT-2's qkv Split keeps opset 18's
     num_outputs (an invalid file) and onnx's converter has no Split adapter. normswap gives each Split its
-    sizes and converts the rest: a valid file, checked in onnxruntime on two batch sizes."""
+    sizes and converts the rest: a valid file, checked in onnxruntime on other batches and lengths."""
     import onnx
     import transformers
 
@@ -101,8 +108,10 @@ def test_gpt2_is_written_at_opset_17_with_its_splits_given_sizes(tmp_path):
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = {"input_ids": torch.randint(0, 128, (2, 8))}
     out = tmp_path / "g17.onnx"
-    result = export_onnx(model, out, (), ids, opset=17, dynamic_batch=True)
-    assert result.opset == 17 and result.within_tolerance and result.checked_batch_sizes == [2, 4]
+    variants = [InputVariant("example", (), ids), *candidate_variants((), ids)]
+    result = export_onnx(model, out, (), ids, opset=17, check_shapes=variants)
+    assert result.opset == 17 and result.within_tolerance and not result.shapes.rejected
+    assert result.shapes.accepted == ["2x8", "3x8", "1x8", "2x2", "2x16"]
     assert result.note == "converted down from opset 18; 2 Split nodes given their sizes as inputs"
     proto = onnx.load(str(out))
     onnx.checker.check_model(proto, full_check=True)
@@ -125,11 +134,13 @@ def test_an_opset_onnx_cannot_convert_to_is_refused_with_the_op(tmp_path):
     assert not out.exists()
 
 
-def test_dynamic_batch_with_keyword_inputs_and_modes_restored(tmp_path):
+def test_free_dims_with_keyword_inputs_and_modes_restored(tmp_path):
     model, args, kwargs = model_zoo.gpt2()  # input_ids positional, use_cache keyword
     model.train()
-    result = export_onnx(model, tmp_path / "g.onnx", args, kwargs, dynamic_batch=True)
-    assert result.checked_batch_sizes == [2, 4] and result.within_tolerance
+    variants = [InputVariant("example", args, kwargs), *candidate_variants(args, kwargs)]
+    result = export_onnx(model, tmp_path / "g.onnx", args, kwargs, check_shapes=variants)
+    assert result.within_tolerance and not result.shapes.rejected and len(result.shapes.accepted) == 5
+    assert result.dynamic_axes == {"input_ids": {0: "batch", 1: "sequence"}}
     assert model.training and all(m.training for m in model.modules())  # exporting changed nothing
 
 

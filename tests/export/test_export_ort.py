@@ -13,6 +13,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from normswap.export.onnx import export_onnx, run_onnx
+from normswap.verify.variants import InputVariant, candidate_variants
 
 ZOO = str(Path(__file__).resolve().parents[1] / "model_zoo.py")
 RMS_OPS = {"Pow", "ReduceMean", "Sqrt", "Reciprocal"}
@@ -36,8 +37,9 @@ def _unoptimized(path: Path, kwargs: dict) -> torch.Tensor:
 
 def test_llama_rms_norms_become_simplified_layer_norms_with_their_residual_adds(tmp_path):
     model, kwargs = _llama()
-    standard = export_onnx(model, tmp_path / "s.onnx", (), kwargs, dynamic_batch=True)
-    fused = export_onnx(model, tmp_path / "o.onnx", (), kwargs, target="onnxruntime", dynamic_batch=True)
+    variants = [InputVariant("example", (), kwargs), *candidate_variants((), kwargs)]
+    standard = export_onnx(model, tmp_path / "s.onnx", (), kwargs, check_shapes=variants)
+    fused = export_onnx(model, tmp_path / "o.onnx", (), kwargs, target="onnxruntime", check_shapes=variants)
     # 5 norms: the first reads the embedding, the other 4 a residual sum (which keeps its name)
     assert fused.onnxruntime_fusion == {
         "fused": {"SimplifiedLayerNormalization": 1, "SkipSimplifiedLayerNormalization": 4},
@@ -48,7 +50,8 @@ def test_llama_rms_norms_become_simplified_layer_norms_with_their_residual_adds(
     # each norm: 7 nodes (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul, the weight Mul) become 1; each
     # residual Add joins its norm
     assert sum(fused.op_counts.values()) == sum(standard.op_counts.values()) - 5 * 6 - 4
-    assert fused.within_tolerance and fused.checked_batch_sizes == [2, 4]
+    assert fused.within_tolerance and not fused.shapes.rejected
+    assert fused.shapes.accepted == [v.describe() for v in variants]
     want = model(**kwargs).logits.detach()
     got = _unoptimized(tmp_path / "o.onnx", kwargs)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
+import normswap
 from normswap.kernels.onnx_translation import translation_table
-from normswap.load import save_model
 from normswap.modules.fused import FusedAddLayerNorm, FusedAddRMSNorm, FusedLayerNorm, FusedRMSNorm
 from normswap.passes import fuse_norm
 from normswap.util.tolerance import kernel_tolerance
@@ -137,11 +137,11 @@ def test_converted_hf_models_in_onnxruntime(name, opset):
     _assert_close(_run_ort(proto, *args), want)
 
 
-def test_save_model_writes_fused_models_as_onnx(tmp_path):
+def test_save_writes_fused_models_as_onnx(tmp_path):
     model = model_zoo.randomize_norms(nn.Sequential(nn.Linear(16, 16), FusedRMSNorm(16, casting="llama")))
     x = torch.randn(3, 16)
     path = tmp_path / "fused.onnx"
-    assert save_model(model.eval(), path, (x,), opset=23) == "onnx"
+    assert normswap.save(model.eval(), path, (x,), opset=23).format == "onnx"
     proto = onnx.load(path)
     assert _op_types(proto)["RMSNormalization"] == 1
     with torch.no_grad():

@@ -179,3 +179,92 @@ def test_the_command_says_which_shapes_the_file_takes_and_refuses_under_exact(tm
     text = " ".join(ran.output.split())
     assert "would not take every input shape the conversion was verified on" in text
     assert "rejects 3x12" in text and "fixed at the example's shapes 2x12" in text and not again.exists()
+    # the user fixing the shape is consent: written, and the note says what it takes
+    ran = CliRunner().invoke(
+        app,
+        ["convert", f"{zoo}:gpt2_factory", "--to", "rmsnorm", "--exact", "-o", str(again), "--static-shapes"],
+    )
+    assert ran.exit_code == 0, ran.output
+    assert again.exists() and "takes 2x12 of the shapes it was verified on" in " ".join(ran.output.split())
+
+
+def test_exact_conversion_refuses_an_onnx_file_fixed_at_the_example(tmp_path: Path, monkeypatch):
+    """The same rule for ONNX: the file is run in onnxruntime on every verified shape, and an exact
+    conversion whose file would be fixed at the example is refused, with the export's reason."""
+    model, args, kwargs = _gpt2(positions=64)
+    result = normswap.convert(model, normswap.ConvertConfig(to="rmsnorm", exact=True), args, kwargs)
+    assert result.ok, result.refusal
+    _static_export_only(monkeypatch)
+    with pytest.raises(CheckFailedError) as refusal:
+        normswap.save(result, tmp_path / "g.onnx")
+    text = str(refusal.value)
+    assert "g.onnx would not take every input shape the conversion was verified on" in text
+    assert "rejects 2x32 (InvalidArgument" in text and "fixed at the example's shapes 1x32" in text
+    assert "--static-shapes" in text and "nothing written" in text
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".pt2", ".onnx"])
+def test_static_shapes_writes_an_exact_conversion_for_the_example_and_says_so(tmp_path: Path, suffix):
+    """--static-shapes is the user fixing the shape: the exact conversion is written, fixed at the
+    example, and the report names the verified shapes it rejects (no fallback: nothing failed)."""
+    model, args, kwargs = _gpt2(positions=64)
+    config = normswap.ConvertConfig(to="rmsnorm", exact=True, static_shapes=True)
+    result = normswap.convert(model, config, args, kwargs)
+    saved = normswap.save(result, tmp_path / f"g{suffix}")
+    assert saved.shapes is not None and saved.shapes.accepted == ["1x32"]
+    assert {r["shapes"] for r in saved.shapes.rejected} >= {"2x32", "1x8"}
+    said = " ".join(saved.messages)
+    assert "takes 1x32 of the shapes it was verified on, and rejects 2x32" in said
+    assert "export with free batch and sequence dims failed" not in said  # asked for, not a fallback
+    if suffix == ".onnx":
+        assert saved.onnx is not None and saved.onnx.dynamic_axes == {}
+
+
+def test_an_llm_onnx_from_a_model_directory_runs_at_any_batch_and_length(tmp_path: Path):
+    """The newcomer's case (issue 30): a model directory's example is 1 x 16 tokens, and its ONNX took
+    that shape only. Now the file names its inputs, outputs and axes as optimum does and runs in a
+    plain onnxruntime session, where normswap is not imported, at batches and lengths never exported."""
+    import json
+
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    model, _, _ = _gpt2(positions=256)
+    model.save_pretrained(tmp_path / "gpt2")
+    out, report = tmp_path / "g.onnx", tmp_path / "r.json"
+    ran = CliRunner().invoke(app, ["export", str(tmp_path / "gpt2"), "-o", str(out), "--report", str(report)])
+    assert ran.exit_code == 0, ran.output
+    data = json.loads(report.read_text())["onnx"]
+    assert data["output_names"] == ["logits"] and not data["shapes"]["rejected"]
+    assert {"1x16", "2x16"} <= set(data["shapes"]["accepted"])
+    assert set(data["dynamic_axes"]) >= {"input_ids"}
+    assert all(axes == {"0": "batch", "1": "sequence"} for axes in data["dynamic_axes"].values())
+    cases = {f"{b}x{t}": torch.randint(0, 128, (b, t)) for b, t in [(2, 24), (4, 100), (1, 3)]}
+    with torch.no_grad():
+        want = {k: model(ids, use_cache=False).logits for k, ids in cases.items()}
+    torch.save({"inputs": cases, "want": want}, tmp_path / "cases.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys, numpy, onnxruntime, torch
+        session = onnxruntime.InferenceSession({str(out)!r}, providers=["CPUExecutionProvider"])
+        inputs = {{i.name: i.shape for i in session.get_inputs()}}
+        assert inputs["input_ids"] == ["batch", "sequence"], inputs
+        assert [o.name for o in session.get_outputs()] == ["logits"]
+        assert session.get_outputs()[0].shape[:2] == ["batch", "sequence"]
+        cases = torch.load({str(tmp_path / "cases.pt")!r})
+        for key, ids in cases["inputs"].items():
+            feeds = {{"input_ids": ids.numpy()}}
+            if "attention_mask" in inputs:
+                feeds["attention_mask"] = numpy.ones_like(feeds["input_ids"])
+            (got,) = session.run(None, feeds)
+            want = cases["want"][key]
+            rel = (numpy.abs(got - want.numpy()).max() / want.abs().max()).item()
+            assert rel < 1e-4, (key, rel)
+            print(key, "ok")
+        assert "normswap" not in sys.modules
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count(" ok") == len(cases), run.stdout

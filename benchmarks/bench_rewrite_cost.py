@@ -5,9 +5,9 @@
 Standard configs with random weights (the figures do not depend on them), fp32: GPT-2 small (tied
 embeddings) and a 1B-class Llama shape reduced to 2 layers, timm's ViT-S/16 with LayerScale, and
 torchvision's ResNet-50. For each exact rewrite that applies, in one run: the conversion's own size
-figures (``ConversionResult.size``: the tensors the model stores, each once) and the operators of one
-forward, counted on a torch.export graph of the original and of the converted model (ATen ops by name,
-on the example input), with what the rewrite added and removed. Results:
+figures (``ConversionResult.size``: the tensors the model stores, each once) and its operators of one
+forward (``ConversionResult.operators``: the ops torch dispatches on the example, on this CPU, by name),
+with what the rewrite added and removed. Results:
 ``benchmarks/results/rewrite_cost_cpu.json``; the table in docs/benchmarks.md comes from it.
 """
 
@@ -73,17 +73,6 @@ CASES: list[tuple[str, Any, dict[str, Any]]] = [
 ]
 
 
-def _ops(model: torch.nn.Module, args: tuple, kwargs: dict) -> Counter[str]:
-    from normswap.graph.capture import export_program
-
-    program = export_program(model, args, kwargs)
-    return Counter(
-        str(getattr(node.target, "__name__", node.target)).split(".")[0]
-        for node in program.graph.nodes
-        if node.op == "call_function"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -94,7 +83,8 @@ def main() -> None:
         model, args, kwargs = build()
         result = normswap.convert(model, normswap.ConvertConfig(**rewrite), args, kwargs)
         assert result.ok and result.size is not None, result.refusal
-        before_ops, after_ops = _ops(model, args, kwargs), _ops(result.model, args, kwargs)
+        assert result.operators is not None  # the conversion's own count (normswap.verify.operators)
+        before_ops, after_ops = Counter(result.operators.before), Counter(result.operators.after)
         added, removed = after_ops - before_ops, before_ops - after_ops
         before, after = result.size
         row = {

@@ -12,6 +12,7 @@ from normswap_cli import render
 from normswap_cli.options import (
     DATA_SHORT_HELP,
     BatchSizeOpt,
+    DtypeOpt,
     InputShapeOpt,
     InputsOpt,
     ModelArg,
@@ -184,6 +185,7 @@ def convert(
     overwrite: OverwriteOpt = False,
     portable: PortableOpt = False,
     static_shapes: StaticShapesOpt = False,
+    dtype: DtypeOpt = None,
     **flags: bool,
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
@@ -212,6 +214,7 @@ def convert(
         overwrite=overwrite,
         portable=portable,
         static_shapes=static_shapes,
+        dtype=dtype,
         sequential=sequential,
         activation_memory=activation_memory,
     )

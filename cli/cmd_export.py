@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from normswap_cli import render
 from normswap_cli.options import (
+    DtypeOpt,
     InputShapeOpt,
     InputsOpt,
     ModelArg,
@@ -27,6 +28,7 @@ def export(
     output: Annotated[Path, typer.Option("-o", "--output", help="The .onnx file to write.")],
     opset: OpsetOpt = None,
     static_shapes: StaticShapesOpt = False,
+    dtype: DtypeOpt = None,
     target: Annotated[
         str,
         typer.Option(
@@ -56,6 +58,7 @@ def export(
             output,
             opset=opset,
             static_shapes=static_shapes,
+            dtype=dtype,
             target=target,
             weights=weights,
             trust_pickle=trust_pickle,

@@ -115,6 +115,15 @@ StaticShapesOpt = Annotated[
         panel=OUTPUT_PANEL,
     ),
 ]
+DtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--dtype",
+        help="Write the output in this floating dtype: float32, float16 or bfloat16 (default: the model's). "
+        "A bf16 checkpoint exports to ONNX with --dtype float32: onnxruntime's CPU build cannot check bf16.",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
+]
 ReportOpt = Annotated[
     Path | None,
     typer.Option(

@@ -192,6 +192,8 @@ def print_conversion(result: Any) -> None:
     if result.size is not None:
         (v0, b0), (v1, b1) = ((s.values, s.bytes) for s in result.size)
         out.print(f"size: {v0:,} -> {v1:,} values, {b0 / 1e6:,.2f} -> {b1 / 1e6:,.2f} MB stored")
+    if result.operators is not None:
+        out.print(result.operators.summary(), soft_wrap=True)
     for note in result.notes:
         out.print(f"note: {note}", soft_wrap=True)
     if result.calibration is not None:

@@ -403,7 +403,7 @@ def stream_problem(config: ConvertConfig, custom_inputs: bool = False) -> str | 
     """Why ``config`` cannot be streamed (None when it can): a stream runs exactly one rewrite that
     streams (:func:`normswap.rewrites.streamed_options`), ``--to rmsnorm`` only under ``--exact`` (its
     lossy fallback does not stream), and none of the options no stream takes."""
-    other = config.given("--calibrate", "--from", "--allow-lossy") + (
+    other = config.given("--calibrate", "--from", "--allow-lossy", "--dtype") + (
         ["--inputs/--input-shape"] if custom_inputs else []
     )
     asked = config.rewrites()

@@ -17,6 +17,8 @@ from normswap.passes.core.pipeline import ExactOnlyError, Pipeline
 from normswap.rewrites import BY_OPTION, OPTIONS, REWRITES, TARGETS, graph_options
 
 if TYPE_CHECKING:
+    import torch
+
     from normswap.passes import AddWeightNorm
 
 
@@ -56,6 +58,10 @@ class ConvertConfig:
       default it takes any batch and sequence length the model leaves free, and an exact conversion is
       refused when its file would not take a shape it was verified on. With it, the report says which
       shapes the file takes.
+    - ``dtype``: the floating dtype the output is written in ("float32", "float16", "bfloat16"; default:
+      the model's): a copy of the converted model and of the example inputs cast to it is written and
+      checked (a bf16 model written as float32 widens exactly). An .onnx output in bf16 is refused before
+      the work (onnxruntime's CPU build cannot run it to check it).
     - ``sequential``: a model directory converted into a model directory with an architectural ``to`` and
       ``calibration_data`` is swapped and calibrated block by block (taken unasked when the model does
       not fit in memory); ``activation_memory``: GB of activations it holds before spilling to disk.
@@ -84,6 +90,7 @@ class ConvertConfig:
     # a .pt2 output that torch.export.load reads with torch alone (normswap.load.pt2_file.portable_program)
     portable: bool = False
     static_shapes: bool = False
+    dtype: str | None = None
     sequential: bool = False
     activation_memory: float | None = None
 
@@ -100,6 +107,13 @@ class ConvertConfig:
     @property
     def output_path(self) -> Path | None:
         return None if self.output is None else Path(self.output)
+
+    @property
+    def output_dtype(self) -> torch.dtype | None:
+        """The dtype ``dtype`` names (None: the model's own); BadInputError for an unknown name."""
+        from normswap.util.dtypes import output_dtype
+
+        return None if self.dtype is None else output_dtype(self.dtype)
 
     def validate(self) -> None:
         """Raise :class:`BadInputError` for options that contradict each other or name nothing known,
@@ -141,6 +155,7 @@ class ConvertConfig:
                 "--allow-lossy": self.allow_lossy,
                 "--calibrate": self.calibration_data is not None,
                 "--from": self.from_kinds is not None,
+                "--dtype": self.dtype is not None,
             }
         )
         return [flag for flag in flags if on[flag]]
@@ -157,10 +172,14 @@ class ConvertConfig:
         from normswap.load import SAVE_FORMATS
         from normswap.load.checkpoint_write import is_directory_output
         from normswap.load.paths import check_output
+        from normswap.util.dtypes import onnx_check_problem
 
         output = self.output_path
         if self.portable and (output is None or output.suffix.lower() != ".pt2"):
             raise BadInputError(f"--portable is for a .pt2 output, not {output or 'no output'}")
+        if self.dtype is not None and output is None:
+            raise BadInputError("--dtype is the dtype of the written output: give -o")
+        dtype = self.output_dtype  # an unknown name, before the model is read
         if output is None:
             return
         # the output rule, before the model is loaded: an existing path, a symlink, a missing folder
@@ -174,6 +193,8 @@ class ConvertConfig:
             return
         if output.suffix not in SAVE_FORMATS:
             raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
+        if SAVE_FORMATS[output.suffix] == "onnx" and (problem := onnx_check_problem(dtype)) is not None:
+            raise BadInputError(f"-o {output}: {problem}")
         if SAVE_FORMATS[output.suffix] != "pickle":
             return
         if self.add_weight_norm is not None:

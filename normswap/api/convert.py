@@ -26,6 +26,7 @@ from torch import nn
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError
 from normswap.passes.core.pipeline import Pipeline, PipelineReport
+from normswap.verify.operators import OperatorCost, operator_cost
 from normswap.verify.size import ModelSize, model_size
 
 if TYPE_CHECKING:
@@ -89,6 +90,9 @@ class ConversionResult:
     saved: SavedOutput | None = None
     # what the model stores before and after (normswap.verify.size); None where not measured
     size: tuple[ModelSize, ModelSize] | None = None
+    # the operators one forward runs before and after (normswap.verify.operators); None where not
+    # measured (the streamed routes hold no model to run)
+    operators: OperatorCost | None = None
     # which route ran: "in memory", "streamed" (a model directory rewritten tensor by tensor, written as
     # it goes) or "block by block" (swapped and calibrated one block at a time, written as it goes)
     route: str = "in memory"
@@ -137,6 +141,7 @@ class ConversionResult:
             data[self.route.replace(" ", "_")] = written
         if self.size is not None:
             data["size"] = {"before": self.size[0].to_dict(), "after": self.size[1].to_dict()}
+        data["operators"] = None if self.operators is None else self.operators.to_dict()
         data["graph_notes"] = self.graph_notes
         data["outputs_not_preserved"] = self.outputs_not_preserved
         data["notes"] = self.notes
@@ -223,7 +228,7 @@ def convert_model(
             model, args, kwargs, fx_first=bool(passes) and all(p.fx_analysis for p in passes)
         )
         if config.output_path is not None:
-            _check_writable(model, config.output_path, config.remove_weight_norm, args, kwargs, captured)
+            _check_writable(model, config, args, kwargs, captured)
         converted, report = Pipeline(passes, exact_only=config.exact)(
             model, args, kwargs, captured=captured, on_step=say
         )
@@ -237,12 +242,17 @@ def convert_model(
             example_kwargs=kwargs,
             size=(model_size(model), model_size(converted)),
         )
+        if report.ok and report.changed:
+            say("counting the operators of one forward, before and after")
+            result.operators = operator_cost(model, converted, args, kwargs)
         if report.ok and _only_exact_changes(report):
             say("asking both models for the outputs they return only when asked")
             _record_outputs_not_preserved(model, result)
         lossy = None if config.allow_lossy or config.exact else _lossy_without_consent(report, config.to)
         if config.allow_lossy:
             _record_consent(result)
+        for done in report.passes:  # a graph rewrite's export fixed at the example: said, never silent
+            result.notes += [f"{done.pass_name}: {reason}" for reason in done.graph_fallbacks]
         if config.calibration_data is not None and lossy is None:
             result.calibration = _calibrate(model, result, say)
     judge(result, lossy)
@@ -276,22 +286,24 @@ def judge(result: ConversionResult, lossy: str | None = None) -> None:
 
 
 def _check_writable(
-    model: nn.Module, output: Path, removes_weight_norm: bool, args: tuple, kwargs: dict, captured: Any
+    model: nn.Module, config: ConvertConfig, args: tuple, kwargs: dict, captured: Any
 ) -> None:
     """Refuse, before the work, an output that the converted model could not be written to."""
     from normswap.load import SAVE_FORMATS, check_writable
     from normswap.load.checkpoint_write import check_directory_output, is_directory_output
     from normswap.passes import RemoveWeightNorm
 
+    output = config.output_path
+    assert output is not None  # only called for a conversion with an output
     if is_directory_output(output):
         check_directory_output(model, output)
         return
     writable = model
-    if SAVE_FORMATS[output.suffix] == "pickle" and removes_weight_norm:
+    if SAVE_FORMATS[output.suffix] == "pickle" and config.remove_weight_norm:
         # a weight-norm parametrization does not pickle, and what is written is the model without it:
         # judge that model, so that anything else in it that does not pickle still fails before the work
         writable, _ = RemoveWeightNorm()(model)
-    check_writable(writable, output, args, kwargs, captured=captured)
+    check_writable(writable, output, args, kwargs, captured=captured, dtype=config.output_dtype)
 
 
 def _only_exact_changes(report: PipelineReport) -> bool:

@@ -26,6 +26,7 @@ def export_onnx(
     *,
     opset: int | None = None,
     static_shapes: bool = False,
+    dtype: str | None = None,
     target: str = "standard",
     weights: str | Path | None = None,
     trust_pickle: bool = False,
@@ -41,20 +42,29 @@ def export_onnx(
     ``target``: "standard" (ONNX's own ops) or "onnxruntime" (norms as onnxruntime's fused ops);
     The file takes any batch and sequence length the model leaves free (``static_shapes``: the example's
     only) and is compared with the model on the example and on the variants the model accepts
-    (``saved.shapes`` says which it takes). The suffix, the target and the ONNX packages are checked
+    (``saved.shapes`` says which it takes). ``dtype`` ("float32", "float16"): the model and its inputs
+    cast to it first (a bf16 checkpoint exports as float32: onnxruntime's CPU build cannot check bf16,
+    which is refused before the export). The suffix, the target and the ONNX packages are checked
     before the model is loaded or run; a disagreement raises :class:`~normswap.errors.CheckFailedError`
     and writes nothing.
     """
     from normswap.api.save import save
     from normswap.export.onnx import check_target
     from normswap.load import check_writable
+    from normswap.util.dtypes import cast_floating, output_dtype
 
     if output.suffix.lower() != ".onnx":
         raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
     check_target(target)  # before the model is loaded
+    cast = None if dtype is None else output_dtype(dtype)  # an unknown name, before the model is read
     loaded = load_for_inference(model, weights, trust_pickle)
-    check_writable(loaded.model, output, None)  # the ONNX packages, before the model is run
+    if cast is not None:
+        loaded.model.to(cast)  # normswap's own copy, read from the file a moment ago
+    # the ONNX packages and a dtype onnxruntime can check, before the model is run
+    check_writable(loaded.model, output, None)
     args, kwargs = required_inputs(loaded, inputs, input_shapes)
+    if cast is not None:
+        args, kwargs = cast_floating((args, kwargs), cast)
     check_inputs_fit(loaded.model, args, kwargs)
     if on_step is not None:
         on_step(f"exporting {output} to ONNX and checking it in onnxruntime")

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError, CheckFailedError
+from normswap.util.dtypes import cast_floating, floating_dtype
 from normswap.verify.variants import InputVariant
 from normswap.verify.written import WrittenShapes, shapes_taken
 
@@ -67,6 +68,7 @@ def save(
     target: str = "standard",
     overwrite: bool | None = None,
     portable: bool | None = None,
+    dtype: torch.dtype | None = None,
 ) -> SavedOutput:
     """Save a conversion's model (or any model) to ``path``, atomically, in the format its suffix names.
 
@@ -84,6 +86,9 @@ def save(
     the example and the variants it accepts, :mod:`normswap.verify.variants`), an ONNX file compared with
     the model on each; :attr:`SavedOutput.shapes` says which it takes. An exact conversion's program that
     rejects a verified batch or length is refused, unless ``static_shapes``.
+
+    ``dtype`` (default: the conversion's ``ConvertConfig.dtype``, else the model's): a copy of the model
+    and of the example inputs cast to it is written and checked.
     ``refuse_path``: the input model's file, never to be overwritten.
 
     A path without a suffix is a Hugging Face model directory (a transformers model only), loaded back
@@ -118,11 +123,19 @@ def save(
             portable = conversion.config.portable
         if static_shapes is None:
             static_shapes = conversion.config.static_shapes
+        if dtype is None:
+            dtype = conversion.config.output_dtype
     else:
         assert not isinstance(result, ConversionResult)  # narrows the union for the type checker
         model = result
     if path is None:
         raise BadInputError("save needs a path (or a ConvertConfig with output)")
+    if dtype is not None and floating_dtype(model) not in (None, dtype):
+        from normswap.modules.copying import copy_model
+
+        # the user's model stays as it is: a copy is cast, and checked against the file written from it
+        model = copy_model(model).to(dtype)
+        example_args, example_kwargs = cast_floating((example_args, example_kwargs), dtype)
     from normswap.load.checkpoint_write import is_directory_output
     from normswap.load.paths import check_output
 

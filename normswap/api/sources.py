@@ -52,9 +52,10 @@ def check_run_paths(reads: Mapping[str, Any], writes: Mapping[str, Any], overwri
     ``overwrite``, a symlink, a folder that is missing or not writable.
 
     A key in :data:`SPEC_LABELS` holds a spec: the file or folder it names, or the source file of its
-    factory, is what it reads. -o without a suffix (a model directory) or with .dcp is a folder;
+    factory, is what it reads. -o without a file extension (a model directory) or with .dcp is a folder;
     --checkpoint-dir is a working folder, read and written across runs, and no output.
     """
+    from normswap.load.checkpoint_write import is_directory_output
     from normswap.load.paths import check_outputs, source_paths
 
     paths: dict[str, Any] = {}
@@ -65,7 +66,11 @@ def check_run_paths(reads: Mapping[str, Any], writes: Mapping[str, Any], overwri
             paths[label] = value
     outputs = {label: value for label, value in writes.items() if label != "--checkpoint-dir"}
     output = outputs.get("-o")
-    folders = ["-o"] if output is not None and Path(output).suffix in ("", ".dcp") else []
+    folders = (
+        ["-o"]
+        if output is not None and (is_directory_output(output) or Path(output).suffix == ".dcp")
+        else []
+    )
     working = {"--checkpoint-dir": writes.get("--checkpoint-dir")}
     check_outputs(paths, outputs, overwrite=overwrite, directories=folders, working=working)
 

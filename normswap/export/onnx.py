@@ -289,8 +289,10 @@ def _onnx_program(
     model: nn.Module, args: tuple, kwargs: dict, static_shapes: bool, fallbacks: list[str], options: dict
 ) -> Any:
     """torch.onnx's program of ``model``: exported by torch.export with the free dims of a saved program
-    (or fixed, ``static_shapes``), then translated; when torch.export cannot trace the model, torch.onnx's
-    own capture at the example's shapes (said in ``fallbacks``)."""
+    (or fixed, ``static_shapes``), then translated. Each step that cannot keep the dims free falls back
+    to the example's shapes and says why in ``fallbacks``: the export (then torch.onnx's own capture),
+    or the translation of a symbolic shape (T5's attention views a transposed tensor with strides that
+    torch.onnx cannot reshape symbolically)."""
     try:
         exported = export_program(
             model, args, kwargs, dynamic=not static_shapes, grow_unit_dims=True, fallbacks=fallbacks
@@ -301,13 +303,37 @@ def _onnx_program(
             f"torch.export could not trace the model ({_describe(exc)}), so torch.onnx's own capture "
             "made the file, fixed at the example's shapes"
         )
-    try:
-        if exported is not None:
-            program = torch.onnx.export(exported, dynamo=True, optimize=False, verbose=False, **options)
-        else:
-            program = torch.onnx.export(
-                model, args, kwargs=kwargs or None, dynamo=True, optimize=False, verbose=False, **options
+
+    def translate(source: Any) -> Any:
+        if not isinstance(source, torch.export.ExportedProgram):
+            return torch.onnx.export(
+                source, args, kwargs=kwargs or None, dynamo=True, optimize=False, verbose=False, **options
             )
+        try:
+            return torch.onnx.export(source, dynamo=True, optimize=False, verbose=False, **options)
+        except Exception as first:
+            # torch.onnx's own decompositions can drop a .contiguous() before a view (HF T5's attention:
+            # "Cannot view a tensor with shape ... and strides ..."); torch.export's core ATen set keeps
+            # it. Not the first choice: it also writes out ops ONNX has whole (rms_norm at opset 23)
+            try:
+                return torch.onnx.export(
+                    source.run_decompositions(), dynamo=True, optimize=False, verbose=False, **options
+                )
+            except Exception:
+                raise first from None  # the translation's own failure is the one to tell
+
+    try:
+        try:
+            program = translate(exported if exported is not None else model)
+        except Exception as exc:
+            free = exported is not None and not static_shapes and not fallbacks
+            if not free:
+                raise
+            fallbacks.append(
+                f"the ONNX translation with free batch and sequence dims failed ({_describe(exc)}), so "
+                f"the file is fixed at the example's shapes {format_shapes(input_shapes(args, kwargs))}"
+            )
+            program = translate(export_program(model, args, kwargs, dynamic=False))
     except Exception as exc:  # the exporter raises many types; the user needs the op that failed
         raise BadInputError(f"ONNX export failed: {_describe(exc)}") from None
     if program is None:

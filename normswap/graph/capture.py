@@ -345,16 +345,22 @@ def _quiet_export() -> Iterator[None]:
 
 
 def export_module(
-    model: nn.Module, example_args: tuple | None, example_kwargs: dict[str, Any] | None
+    model: nn.Module,
+    example_args: tuple | None,
+    example_kwargs: dict[str, Any] | None,
+    fallbacks: list[str] | None = None,
 ) -> fx.GraphModule | str:
     """:func:`export_program`'s program as a runnable GraphModule, for passes that rewrite a graph
     rather than the module tree; or why it could not be exported, in one line.
 
     The module replaces the model, so it must return what the model returns: no setting is turned off
-    for this export (a GraphModule exported with ``use_cache=False`` would drop the model's cache)."""
+    for this export (a GraphModule exported with ``use_cache=False`` would drop the model's cache).
+    ``fallbacks`` hears why the module is fixed at the example's shapes, if it is."""
     try:
         # size-1 free dims grown: a graph exported from a batch-1 example would take batch 1 only
-        program = export_program(model, example_args, example_kwargs, friendly=False, grow_unit_dims=True)
+        program = export_program(
+            model, example_args, example_kwargs, friendly=False, grow_unit_dims=True, fallbacks=fallbacks
+        )
     except Exception as exc:  # export fails in many ways; the reason is what matters
         reason = f"torch.export failed: {_short_error(exc)}"
         adjustments = capture_adjustments(model, example_args, example_kwargs)

@@ -24,6 +24,7 @@ with the module that has none: save it as .pt2.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,9 +94,15 @@ class WrittenDirectory:
         }
 
 
+# A file extension, as in .pt2, .onnx, .safetensors: letters first. What follows the last dot of
+# "Qwen2.5-0.5B-folded" (a version in a model's name) is none, and that name is a directory like any other.
+_EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,11}")
+
+
 def is_directory_output(path: str | Path) -> bool:
-    """An output path without a suffix (``-o out`` or ``-o out/``) names a model directory."""
-    return Path(path).suffix == ""
+    """An output path whose name ends in no file extension names a model directory, as in every Hugging
+    Face tool: ``-o out``, ``-o out/``, ``-o Qwen2.5-0.5B-folded``."""
+    return _EXTENSION.fullmatch(Path(path).suffix) is None
 
 
 def _is_pretrained(model: nn.Module) -> bool:

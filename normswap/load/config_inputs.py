@@ -3,6 +3,7 @@ images of the configured size, raw audio."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -31,36 +32,87 @@ def example_inputs(
 ) -> tuple[tuple, dict[str, Any]]:
     """Inputs that a model of this directory takes, made from its config: ``batch`` x ``length`` token ids
     (any vocab id) for a text model, ``batch`` images of the configured size for a vision model (224 for a
-    convolutional one whose config fixes no size), raw audio for ``length`` frames for a speech encoder, on
-    ``device`` (default: the model's). BadInputError otherwise."""
+    convolutional one whose config fixes none), raw audio for ``length`` frames for a speech encoder, log-mel
+    features for a speech model that reads them (Whisper's fixed 2 x ``max_source_positions`` frames), and
+    for an encoder-decoder (T5, BART, Whisper) half as many decoder token ids besides, on ``device``
+    (default: the model's). BadInputError, saying how to give inputs, otherwise."""
     if device is None:
         device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
     name = getattr(model, "main_input_name", "input_ids")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else config
+    text = _sub_config(config, "text_config")
+    made = _main_input(name, config, text, batch, length)
+    if made is None:
+        raise BadInputError(
+            f"cannot make example inputs for a model whose main input is {name!r} from its config: give "
+            "--inputs FILE (a dict of tensors saved with torch.save, keyed by the forward's parameter names) "
+            "or --input-shape"
+        )
+    decoder = _decoder_ids(model, config, text, batch, max(2, length // 2))
+    if decoder is not None:
+        made["decoder_input_ids"] = decoder
+    return (), {
+        key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
+        for key, value in made.items()
+    }
+
+
+def _sub_config(config: dict[str, Any], key: str) -> dict[str, Any]:
+    found = config.get(key)
+    return found if isinstance(found, dict) else config
+
+
+def _token_ids(vocab: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _main_input(
+    name: str, config: dict[str, Any], text: dict[str, Any], batch: int, length: int
+) -> dict[str, torch.Tensor] | None:
+    """The model's main input, by its name (``model.main_input_name``); None when the config does not say
+    enough to make it."""
+    generator = torch.Generator().manual_seed(0)
     if name == "input_ids" and isinstance(text.get("vocab_size"), int) and text["vocab_size"] > 0:
         length = min(length, int(text.get("max_position_embeddings") or text.get("n_positions") or length))
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, text["vocab_size"], (batch, length), generator=generator)
-        return (), {"input_ids": ids.to(device)}
+        return {"input_ids": _token_ids(text["vocab_size"], batch, length)}
+    vision = _sub_config(config, "vision_config")
     size, channels = vision.get("image_size"), vision.get("num_channels", 3)
     if name == "pixel_values" and size is None and _convolutional(vision):
         size = _ANY_IMAGE_SIZE
     if name == "pixel_values" and size is not None:
         height, width = (size, size) if isinstance(size, int) else tuple(size)
-        dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
-        generator = torch.Generator().manual_seed(0)
-        pixels = torch.rand(batch, int(channels), int(height), int(width), generator=generator).to(
-            device, dtype
-        )
-        return (), {"pixel_values": pixels}
+        return {
+            "pixel_values": torch.rand(batch, int(channels), int(height), int(width), generator=generator)
+        }
     if name == "input_values" and isinstance(config.get("conv_stride"), list):
         # raw audio (wav2vec2, HuBERT): enough samples for ``length`` frames after the conv feature encoder
         samples = (length + 1) * math.prod(config["conv_stride"]) + sum(config.get("conv_kernel") or [])
-        dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float32)
-        audio = torch.randn(batch, samples, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-        return (), {"input_values": audio}
-    raise BadInputError(
-        f"cannot make example inputs for a model whose main input is {name!r} from its config: give --inputs "
-        "or --input-shape"
-    )
+        return {"input_values": torch.randn(batch, samples, generator=generator)}
+    if name == "input_features" and isinstance(config.get("num_mel_bins"), int):
+        # Whisper: (batch, mel bins, frames), and its encoder takes exactly 2 x max_source_positions frames
+        frames = 2 * int(config.get("max_source_positions") or 1500)
+        return {"input_features": torch.randn(batch, config["num_mel_bins"], frames, generator=generator)}
+    if name == "input_features" and isinstance(config.get("input_feat_per_channel"), int):
+        # Speech2Text: (batch, frames, features x channels); its conv subsampler shortens the frames 4x
+        features = config["input_feat_per_channel"] * int(config.get("input_channels") or 1)
+        return {"input_features": torch.randn(batch, 4 * length, features, generator=generator)}
+    return None
+
+
+def _decoder_ids(
+    model: nn.Module, config: dict[str, Any], text: dict[str, Any], batch: int, length: int
+) -> torch.Tensor | None:
+    """Decoder token ids for an encoder-decoder whose forward takes them (T5, BART, Whisper: without them
+    it raises), within the decoder's vocab and position table; None for any other model."""
+    if not config.get("is_encoder_decoder"):
+        return None
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    decoder = _sub_config(config, "decoder")
+    vocab = decoder.get("vocab_size") or text.get("vocab_size")
+    if "decoder_input_ids" not in parameters or not isinstance(vocab, int) or vocab <= 0:
+        return None
+    limit = decoder.get("max_target_positions") or decoder.get("max_position_embeddings")
+    return _token_ids(vocab, batch, min(length, int(limit or length)), seed=1)

@@ -248,5 +248,5 @@ def require_inputs(
     """Like ``resolve_inputs`` for commands that cannot run without inputs; says how to give them."""
     resolved = resolve_inputs(loaded, inputs_file=inputs_file, input_shapes=input_shapes)
     if resolved is None:
-        raise BadInputError(_NEED_INPUTS)
+        raise BadInputError(loaded.no_inputs_reason or _NEED_INPUTS)
     return resolved

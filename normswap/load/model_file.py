@@ -66,6 +66,19 @@ class LoadedModel:
     source: str
     format: str
     checkpoint: CheckpointDirectory | None = None
+    # why no example inputs came with the model (a directory whose config does not say enough to make
+    # them): what a command that needs inputs says when the user gives none
+    no_inputs_reason: str = ""
+
+
+def _directory_model(model: nn.Module, checkpoint: CheckpointDirectory, spec: str) -> LoadedModel:
+    """A directory's model with the example inputs its config gives, or the reason it gives none: the
+    user's own inputs (--inputs, --input-shape) may still serve."""
+    try:
+        args, kwargs = example_inputs(model, checkpoint.config)
+    except BadInputError as exc:
+        return LoadedModel(model, None, None, spec, "directory", checkpoint, no_inputs_reason=str(exc))
+    return LoadedModel(model, args, kwargs, source=spec, format="directory", checkpoint=checkpoint)
 
 
 class _Probe(NamedTuple):
@@ -345,9 +358,7 @@ def load_model_structure(
         if weights is not None:
             raise BadInputError(f"--weights only applies to a factory; {spec} is a model directory")
         checkpoint = read_checkpoint_directory(path)
-        model = build_on_meta(checkpoint)
-        args, kwargs = example_inputs(model, checkpoint.config)
-        return LoadedModel(model, args, kwargs, source=spec, format="directory", checkpoint=checkpoint)
+        return _directory_model(build_on_meta(checkpoint), checkpoint, spec)
     return load_model(spec, weights=weights, trust_pickle=trust_pickle)
 
 
@@ -358,9 +369,7 @@ def _load_directory(path: Path, spec: str) -> LoadedModel:
             "or a factory"
         )
     checkpoint = read_checkpoint_directory(path)
-    model = load_checkpoint_directory(checkpoint)
-    args, kwargs = example_inputs(model, checkpoint.config)
-    return LoadedModel(model, args, kwargs, source=spec, format="directory", checkpoint=checkpoint)
+    return _directory_model(load_checkpoint_directory(checkpoint), checkpoint, spec)
 
 
 def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:

@@ -29,6 +29,7 @@ from torch import nn
 from normswap.errors import BadInputError, describe
 from normswap.load.paths import ONNX_DATA_SUFFIX, check_output, same_path
 from normswap.load.pt2_file import captured_pt2_problem, pt2_refusal, write_pt2
+from normswap.util.dtypes import floating_dtype, onnx_check_problem
 
 if TYPE_CHECKING:
     from normswap.graph.capture import CapturedGraph
@@ -335,10 +336,12 @@ def check_writable(
     example_kwargs: dict | None = None,
     *,
     captured: CapturedGraph | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Refuse, before any work, an output that the model could not be written to: a .onnx without the
-    ONNX packages, a .pt2 or .onnx of a model torch.export cannot capture, a .pt of a model that does
-    not pickle. ``captured`` is a :class:`~normswap.graph.capture.CapturedGraph` of the model on the
+    ONNX packages or in a dtype onnxruntime cannot check here (``dtype``: the one the output is cast to,
+    default the model's), a .pt2 or .onnx of a model torch.export cannot capture, a .pt of a model that
+    does not pickle. ``captured`` is a :class:`~normswap.graph.capture.CapturedGraph` of the model on the
     example inputs (a .pt2 or .onnx output is not judged without one: the caller captures it once and
     reuses it)."""
     path = Path(path)
@@ -352,6 +355,8 @@ def check_writable(
             f"-o {path}: writing {label} needs {', '.join(missing)}, which is not installed: "
             f"pip install {' '.join(missing)}, or save as .pt2 or .pt"
         )
+    if label == "onnx" and (problem := onnx_check_problem(dtype or floating_dtype(model))) is not None:
+        raise BadInputError(f"-o {path}: {problem}")
     if label == "pickle":
         problem = None if _pickled_as_program(model) else pickle_problem(model)
         if problem is not None:

@@ -345,3 +345,25 @@ def test_temp_names_keep_the_suffix_and_stay_short(tmp_path):
     assert seen[0].name.startswith(f".out.pt2.normswap-tmp-{save_module._host()}-{os.getpid()}-")
     assert all(p.suffix == ".pt2" and len(p.name) < 255 for p in seen)
     assert _temps(tmp_path) == []
+
+
+def test_a_model_name_with_a_version_in_it_is_a_directory(tmp_path: Path):
+    """-o Qwen2.5-0.5B-folded names a model directory, as in every Hugging Face tool (it was refused as
+    an unknown output format: what follows its last dot is a version, not a file extension); a real
+    unknown extension is still refused before any work."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from hf_dirs import make_directory
+
+    from normswap.load.checkpoint_write import is_directory_output
+
+    assert is_directory_output("Qwen2.5-0.5B-folded") and is_directory_output("out/")
+    assert not is_directory_output("m.pt2") and not is_directory_output("m.onxx")
+    source = make_directory(tmp_path, "gpt2")
+    out = tmp_path / "gpt2-2.5-folded"
+    ran = runner.invoke(app, ["convert", str(source), "--fold-norm-affine", "-o", str(out)])
+    assert ran.exit_code == 0, ran.output
+    assert (out / "config.json").is_file()
+    typo = runner.invoke(app, ["convert", str(source), "--fold-norm-affine", "-o", str(tmp_path / "m.onxx")])
+    assert typo.exit_code == 2 and "unknown output format" in " ".join(typo.output.split())

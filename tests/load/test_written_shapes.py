@@ -268,3 +268,50 @@ def test_an_llm_onnx_from_a_model_directory_runs_at_any_batch_and_length(tmp_pat
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count(" ok") == len(cases), run.stdout
+
+
+def test_a_graph_rewrite_whose_export_is_fixed_at_the_example_says_so(monkeypatch):
+    """No silent fallback inside a conversion either: a graph rewrite works on an export of the model,
+    and when that export cannot keep the batch and length free, the conversion's notes say why."""
+    model, args, kwargs = _gpt2(positions=64)
+    _static_export_only(monkeypatch)
+    result = normswap.convert(model, normswap.ConvertConfig(to="crmsnorm", exact=True), args, kwargs)
+    assert result.ok, result.refusal
+    fixed = [n for n in result.notes if "fixed at the example's shapes 1x32" in n]
+    assert len(fixed) == 1 and "data-dependent" in fixed[0], result.notes
+    assert result.to_dict()["notes"] == result.notes
+    (done,) = [p for p in result.report.passes if p.graph_fallbacks]
+    assert fixed[0].startswith(f"{done.pass_name}: the export with free batch and sequence dims failed")
+
+
+def test_an_onnx_translation_that_cannot_keep_the_dims_free_is_fixed_and_says_why(
+    tmp_path: Path, monkeypatch
+):
+    """torch.onnx may fail to translate a symbolic shape where the static one translates: the file is
+    then written for the example's shapes, the reason said, and an exact conversion refuses it."""
+    real = torch.onnx.export
+    failing = {"free dims": True}
+
+    def export(model, *a, **kw):
+        # the program with free dims fails, also with torch.export's decompositions; the static one not
+        if failing["free dims"] and isinstance(model, torch.export.ExportedProgram):
+            free = any(not isinstance(d, int) for n in model.graph.nodes if n.op == "placeholder"
+                       and isinstance(n.meta.get("val"), torch.Tensor) for d in n.meta["val"].shape)  # fmt: skip
+            if free or model.range_constraints:
+                raise ValueError(
+                    "Cannot view a tensor with shape torch.Size([s11, s70, 2, 8]) as (s11, s70, 16)"
+                )
+        return real(model, *a, **kw)
+
+    monkeypatch.setattr(torch.onnx, "export", export)
+    model, args, kwargs = _gpt2(positions=64)
+    result = normswap.convert(model, normswap.ConvertConfig(fold_norm_affine=True), args, kwargs)
+    saved = normswap.save(result, tmp_path / "g.onnx")
+    assert saved.shapes is not None and saved.shapes.accepted == ["1x32"]
+    said = " ".join(saved.messages)
+    assert "the ONNX translation with free batch and sequence dims failed" in said, said
+    assert "Cannot view a tensor" in said, said
+    assert "fixed at the example's shapes 1x32" in said
+    exact = normswap.convert(model, normswap.ConvertConfig(to="rmsnorm", exact=True), args, kwargs)
+    with pytest.raises(CheckFailedError, match="would not take every input shape"):
+        normswap.save(exact, tmp_path / "h.onnx")

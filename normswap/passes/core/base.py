@@ -132,6 +132,9 @@ class PassReport:
     # What the rewrite changes inside the model while keeping its outputs (Pass.inside_changes), said
     # on every route whenever the pass changed a site; "" when nothing inside moves.
     inside_changes: str = ""
+    # Why the graph this pass rewrote was exported at the example's shapes only (never silent: the
+    # rewritten graph, and any program written from it, take those shapes alone).
+    graph_fallbacks: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -308,7 +311,7 @@ class Pass(ABC, Generic[SiteT, PlanT, StateT]):
             reason = f"no example inputs: {self.doing} needs a captured graph"
         else:
             # never the input itself that is edited: its export is (see the module doc)
-            exported = export_module(model, example_args, example_kwargs)
+            exported = export_module(model, example_args, example_kwargs, report.graph_fallbacks)
             if not isinstance(exported, str):
                 report.graph_method = "export"
                 graph = CapturedGraph(exported.graph, "export")

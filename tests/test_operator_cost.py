@@ -1,0 +1,80 @@
+"""Each conversion says what it costs per forward: the operators one forward runs before and after
+(issue 26), counted where torch dispatches them, on models nobody here wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+import normswap
+from normswap.verify.operators import operator_counts
+
+
+def _gpt2_factory() -> tuple[torch.nn.Module, tuple, dict]:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    return model, (torch.randint(0, 128, (2, 12)),), {"use_cache": False}
+
+
+def test_the_report_says_the_operators_a_recentred_gpt2_adds_and_removes(tmp_path: Path):
+    factory = tmp_path / "factories.py"
+    factory.write_text(
+        "import torch, transformers\n"
+        "def gpt2():\n"
+        "    torch.manual_seed(0)\n"
+        "    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128)\n"
+        "    return transformers.GPT2LMHeadModel(config).eval(), (torch.randint(0, 128, (2, 12)),), {'use_cache': False}\n"
+    )
+    report = tmp_path / "r.json"
+    ran = CliRunner().invoke(
+        app,
+        [
+            "convert",
+            f"{factory}:gpt2",
+            "--to",
+            "rmsnorm",
+            "--exact",
+            "-o",
+            str(tmp_path / "g.pt"),
+            "--report",
+            str(report),
+        ],
+    )
+    assert ran.exit_code == 0, ran.output
+    cost = json.loads(report.read_text())["operators"]
+    # 5 LayerNorms (2 per block and the final one) become RMSNorms: each a mean of squares
+    assert cost["removed"] == {"native_layer_norm": 5}
+    assert cost["added"]["mean"] >= 5 and cost["added"]["rsqrt"] == 5
+    assert cost["after"] - cost["before"] == sum(cost["added"].values()) - sum(cost["removed"].values())
+    assert f"operators per forward {cost['before']:,} -> {cost['after']:,}" in " ".join(ran.output.split())
+
+
+def test_a_folded_torchvision_resnet_runs_no_batch_norm():
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(2, 3, 32, 32)
+    result = normswap.convert(model, normswap.ConvertConfig(fold_bn=True), (x,))
+    assert result.ok and result.operators is not None
+    assert result.operators.removed["native_batch_norm"] == 20
+    assert "native_batch_norm" not in result.operators.after and not result.operators.added
+    # counted on the models themselves: the original still runs its 20
+    assert operator_counts(model, (x,), {})["native_batch_norm"] == 20
+
+
+def test_a_fused_norm_is_one_operator_and_nothing_changed_is_the_same_operators():
+    model, args, kwargs = _gpt2_factory()
+    fused = normswap.convert(model, normswap.ConvertConfig(to="fused"), args, kwargs)
+    assert fused.ok and fused.operators is not None
+    added = fused.operators.added
+    assert sum(n for op, n in added.items() if op.startswith("normswap.")) == 5, added
+    assert fused.operators.removed.get("native_layer_norm") == 5
+    nothing = normswap.convert(model, normswap.ConvertConfig(fold_bn=True), args, kwargs)
+    assert nothing.ok and nothing.operators is None  # nothing changed: nothing to count

@@ -8,6 +8,7 @@ imports neither triton nor onnx (nor torch).
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
@@ -55,8 +56,21 @@ def _main(
             metavar="",
         ),
     ] = False,
+    quiet: Annotated[
+        bool,
+        typer.Option(
+            "--quiet", "-q", help="Print only what was written (and errors on stderr): no tables, no notes."
+        ),
+    ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", help="Show the traceback of an internal error (a bug) instead of one line."),
+    ] = False,
 ) -> None:
     """Find, rewrite and verify the normalization layers of a trained PyTorch model."""
+    render.out.quiet = quiet
+    if debug:
+        os.environ["NORMSWAP_DEBUG"] = "1"
 
 
 for _command in (inspect, convert, export, validate, recalibrate, distill):

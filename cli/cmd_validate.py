@@ -116,7 +116,7 @@ def validate(
     else:
         _print_blockwise(result)
     if result.plot is not None:
-        render.out.print(f"wrote {result.plot}")
+        render.final(f"wrote {result.plot}")
     if report is not None:
         write_json(report, result.to_dict())
     if not result.ok:

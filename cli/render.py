@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +34,20 @@ def fmt_float(value: float | None, digits: int = 3) -> str:
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return f"{value:.{digits}g}"
+
+
+def debugging() -> bool:
+    """``normswap --debug`` (or ``NORMSWAP_DEBUG=1``): a crash shows its traceback."""
+    return os.environ.get("NORMSWAP_DEBUG", "") not in ("", "0")
+
+
+def final(message: str) -> None:
+    """A line that a ``--quiet`` run still prints on stdout: what was written where."""
+    quiet, out.quiet = out.quiet, False
+    try:
+        out.print(message, soft_wrap=True)
+    finally:
+        out.quiet = quiet
 
 
 def error(message: str) -> None:
@@ -252,7 +267,7 @@ def print_saved(saved: Any) -> None:
         )
     if saved.directory is not None:
         _print_directory(saved.directory)
-    out.print(f"wrote {saved.path} ({saved.format})", soft_wrap=True)
+    final(f"wrote {saved.path} ({saved.format})")
     if saved.format not in ("pickle", "directory"):
         print_capture_notes(saved.notes, f"{saved.path} exported", NO_CACHE)
     for message in saved.messages:  # what loading it needs, the shapes the written program takes
@@ -299,7 +314,7 @@ def print_streamed(report: Any, result: Any) -> None:
         )
     if result.config_changes:
         out.print(f"  config.json: {', '.join(f'{k}={v}' for k, v in result.config_changes.items())}")
-    out.print(f"wrote {result.path} (directory)", soft_wrap=True)
+    final(f"wrote {result.path} (directory)")
 
 
 def _print_directory(written: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from normswap_cli.render import fmt_float, out
+from normswap_cli.render import final, fmt_float, out
 
 
 def print_sequential(result: Any) -> None:
@@ -49,4 +49,4 @@ def print_sequential(result: Any) -> None:
         soft_wrap=True,
     )
     out.print(f"  {len(result.recorded_modules)} modules recorded in normswap.json: load it with normswap")
-    out.print(f"wrote {result.path} (directory)", soft_wrap=True)
+    final(f"wrote {result.path} (directory)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from normswap_cli.render import fmt_float, out
+from normswap_cli.render import final, fmt_float, out
 from rich.table import Table
 
 
@@ -15,7 +15,7 @@ def print_training(run: Any, print_report: Callable[[Any, list[str]], None]) -> 
     out.print(run.data_description, soft_wrap=True)
     print_report(run.report, run.notes)
     if run.wrote is not None:
-        out.print(f"wrote {run.output} ({run.wrote})", soft_wrap=True)
+        final(f"wrote {run.output} ({run.wrote})")
 
 
 def print_recalibration(result: Any, notes: list[str]) -> None:

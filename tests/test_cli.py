@@ -365,3 +365,39 @@ def test_convert_remove_weight_norm_writes_a_pickle(tmp_path):
     assert result.exit_code == 2, result.output
     assert "the model cannot be pickled" in result.output and "lambda" in result.output
     assert "Changes" not in result.output and not bad.exists()  # refused before the work
+
+
+def test_a_crash_is_a_bug_with_its_own_exit_code_and_a_pointer_to_debug(tmp_path, monkeypatch):
+    """Exit codes: 0 done, 1 a check failed, 2 bad input; anything else that escapes is a bug: exit 3 and
+    one line saying so, the traceback only with --debug."""
+    import normswap.api
+
+    def broken(*args, **kwargs):
+        raise KeyError("layer3.0.bn1")
+
+    monkeypatch.setattr(normswap.api, "inspect", broken)
+    monkeypatch.delenv("NORMSWAP_DEBUG", raising=False)
+    ran = CliRunner().invoke(app, ["inspect", f"{ZOO}:resnet18_factory"])
+    assert ran.exit_code == 3, ran.output
+    text = " ".join(ran.output.split())
+    assert "internal error (KeyError: 'layer3.0.bn1')" in text and "--debug" in text
+    assert "Traceback" not in ran.output
+    monkeypatch.setenv("NORMSWAP_DEBUG", "0")  # --debug sets it for the process; put back by monkeypatch
+    debugged = CliRunner().invoke(app, ["--debug", "inspect", f"{ZOO}:resnet18_factory"])
+    assert isinstance(debugged.exception, KeyError)  # the traceback is the user's to see
+
+
+def test_quiet_prints_only_what_was_written(tmp_path):
+    out = tmp_path / "r.pt2"
+    loud = CliRunner().invoke(
+        app, ["convert", f"{ZOO}:resnet18_factory", "--fold-bn", "-o", str(tmp_path / "x.pt2")]
+    )
+    ran = CliRunner().invoke(
+        app, ["--quiet", "convert", f"{ZOO}:resnet18_factory", "--fold-bn", "-o", str(out)]
+    )
+    assert loud.exit_code == ran.exit_code == 0, ran.output
+    assert ran.output.strip().splitlines() == [f"wrote {out} (pt2)"] and len(loud.output.splitlines()) > 10
+    again = CliRunner().invoke(
+        app, ["convert", f"{ZOO}:resnet18_factory", "--fold-bn", "-o", str(tmp_path / "y.pt2")]
+    )
+    assert len(again.output.splitlines()) > 10  # quiet is for the run that asked for it

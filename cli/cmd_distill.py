@@ -16,12 +16,15 @@ from normswap_cli.options import (
     BatchSizeOpt,
     ConvertedWeightsOpt,
     DataOpt,
+    DtypeOpt,
     InputShapeOpt,
     InputsOpt,
     NormalizeOpt,
+    OpsetOpt,
     OutputOpt,
     OverwriteOpt,
     ReportOpt,
+    StaticShapesOpt,
     TrustPickleOpt,
     WeightsOpt,
     flag,
@@ -112,6 +115,9 @@ def distill(
         ),
     ] = None,
     overwrite: OverwriteOpt = False,
+    opset: OpsetOpt = None,
+    static_shapes: StaticShapesOpt = False,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o (a .dcp
     output is a sharded torch.distributed.checkpoint folder). Runs data-parallel under torchrun."""
@@ -159,6 +165,9 @@ def distill(
             resume=resume,
             shard_teacher=shard_teacher,
             overwrite=overwrite,
+            opset=opset,
+            static_shapes=static_shapes,
+            dtype=dtype,
             on_step=shown.step,
             on_progress=shown.count,
         )

@@ -9,13 +9,16 @@ from normswap_cli import render
 from normswap_cli.options import (
     BatchSizeOpt,
     DataOpt,
+    DtypeOpt,
     InputShapeOpt,
     InputsOpt,
     ModelArg,
     NormalizeOpt,
+    OpsetOpt,
     OutputOpt,
     OverwriteOpt,
     ReportOpt,
+    StaticShapesOpt,
     TrustPickleOpt,
     WeightsOpt,
 )
@@ -52,6 +55,9 @@ def recalibrate(
     input_shape: InputShapeOpt = None,
     report: ReportOpt = None,
     overwrite: OverwriteOpt = False,
+    opset: OpsetOpt = None,
+    static_shapes: StaticShapesOpt = False,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Re-estimate MODEL's BatchNorm statistics as averages over the batches of DATA; write it to -o."""
     from normswap.api import recalibrate as recalibrate_model
@@ -79,6 +85,9 @@ def recalibrate(
             inputs=inputs,
             input_shapes=input_shape,
             overwrite=overwrite,
+            opset=opset,
+            static_shapes=static_shapes,
+            dtype=dtype,
             on_step=shown.step,
             on_progress=shown.count,
         )

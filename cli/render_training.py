@@ -14,7 +14,11 @@ def print_training(run: Any, print_report: Callable[[Any, list[str]], None]) -> 
     was written."""
     out.print(run.data_description, soft_wrap=True)
     print_report(run.report, run.notes)
-    if run.wrote is not None:
+    if run.saved is not None:  # as convert prints what it wrote: the onnxruntime check, the shapes
+        from normswap_cli.render import print_saved
+
+        print_saved(run.saved)
+    elif run.wrote is not None:
         final(f"wrote {run.output} ({run.wrote})")
 
 

@@ -156,18 +156,27 @@ def check_output_format(output: Path) -> None:
 
 
 def check_output_before_work(
-    model: nn.Module, output: Path, args: Any, kwargs: Any, on_step: Step | None = None
+    model: nn.Module,
+    output: Path,
+    args: Any,
+    kwargs: Any,
+    on_step: Step | None = None,
+    dtype: str | None = None,
 ) -> None:
-    """Before minutes of training: can ``output``'s format be written? A .pt2 or .onnx is an export,
-    tried on the example inputs when they are known; a .pt must pickle."""
+    """Before minutes of training: can ``output``'s format be written (in ``dtype``, default the
+    model's)? A .pt2 or .onnx is an export, tried on the example inputs when they are known; a .pt must
+    pickle."""
     from normswap.graph.capture import capture_graph
     from normswap.load import SAVE_FORMATS, check_writable
+    from normswap.util.dtypes import output_dtype
 
     captured = None
     if SAVE_FORMATS.get(output.suffix.lower()) != "pickle" and (args is not None or kwargs):
         _say(on_step, "checking that the model can be exported")
         captured = capture_graph(model, args, kwargs)
-    check_writable(model, output, args, kwargs, captured=captured)
+    check_writable(
+        model, output, args, kwargs, captured=captured, dtype=None if dtype is None else output_dtype(dtype)
+    )
 
 
 def save_trained(
@@ -179,12 +188,29 @@ def save_trained(
     inputs_known: bool,
     source: str,
     overwrite: bool = False,
+    *,
+    opset: int | None = None,
+    static_shapes: bool = False,
+    dtype: str | None = None,
 ) -> SavedOutput:
     """Write a model whose parameters were re-estimated from ``data`` (never over its input file
-    ``source``), as convert writes: a .onnx checked in onnxruntime, an existing -o replaced only with
-    ``overwrite``. Without example inputs, the first data batch shows an export what the model takes."""
+    ``source``), as convert writes: a .onnx checked in onnxruntime (at ``opset``), a program that takes
+    the free batch and lengths unless ``static_shapes``, in ``dtype`` (default the model's), an existing
+    -o replaced only with ``overwrite``. Without example inputs, the first data batch shows an export
+    what the model takes."""
     from normswap.api.save import save
+    from normswap.util.dtypes import output_dtype
 
     if not inputs_known and data.first is not None:
         args, kwargs = data.first.args, data.first.kwargs
-    return save(model, output, args or (), kwargs, refuse_path=never_written(source), overwrite=overwrite)
+    return save(
+        model,
+        output,
+        args or (),
+        kwargs,
+        refuse_path=never_written(source),
+        overwrite=overwrite,
+        opset=opset,
+        static_shapes=static_shapes,
+        dtype=None if dtype is None else output_dtype(dtype),
+    )

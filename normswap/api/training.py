@@ -31,6 +31,7 @@ from normswap.api.sources import (
 from normswap.errors import BadInputError
 
 if TYPE_CHECKING:
+    from normswap.api.save import SavedOutput
     from normswap.calibrate.batchnorm import RecalibrationReport
     from normswap.calibrate.distill import DistillReport
     from normswap.calibrate.parallel import DataParallel
@@ -61,6 +62,8 @@ class TrainingRun:
     main: bool = True
     # the sentence that refuses the result (None when ok); it ends "nothing written"
     refusal: str | None = None
+    # what normswap.save wrote (a single file): its onnxruntime check, the shapes it takes, its notes
+    saved: SavedOutput | None = None
 
     @property
     def ok(self) -> bool:
@@ -73,6 +76,7 @@ class TrainingRun:
             "output": str(self.output),
             "written": self.wrote is not None,
             **self.report.to_dict(),
+            **(self.saved.to_dict() if self.saved is not None else {}),
             "notes": self.notes,
         }
 
@@ -101,19 +105,23 @@ def recalibrate(
     inputs: str | Path | None = None,
     input_shapes: list[str] | None = None,
     overwrite: bool = False,
+    opset: int | None = None,
+    static_shapes: bool = False,
+    dtype: str | None = None,
     on_step: Step | None = None,
     on_progress: Progress | None = None,
 ) -> TrainingRun:
     """Re-estimate ``model``'s BatchNorm statistics as averages over the first ``batches`` batches of
     ``data``, compare outputs before/after on ``holdout``'s first batch (else the next batch of
     ``data``), and write the model to ``output`` when every value is finite (``ok``). The output's
-    format is checked before the work; ``normalize`` names a dataset's image mean/std ("imagenet")."""
+    format is checked before the work; ``normalize`` names a dataset's image mean/std ("imagenet");
+    ``opset``, ``static_shapes`` and ``dtype`` say how the output is written, as for convert."""
     from normswap.calibrate import recalibrate_batchnorm
 
     check_output_format(output)
     loaded = load_for_inference(model, weights, trust_pickle)
     args, kwargs, known = _inputs_checked(loaded, inputs, input_shapes)
-    check_output_before_work(loaded.model, output, args, kwargs, on_step)
+    check_output_before_work(loaded.model, output, args, kwargs, on_step, dtype)
     calibration, held_out = read_data(data, holdout, args, kwargs, batch_size, normalize, model=loaded.model)
     if on_progress is not None:
         on_progress(0, None, "calibrating")
@@ -133,8 +141,20 @@ def recalibrate(
         calibration.notes + report.notes,
     )
     if report.ok:
-        saved = save_trained(recalibrated, output, args, kwargs, calibration, known, model, overwrite)
-        run.wrote = saved.format
+        saved = save_trained(
+            recalibrated,
+            output,
+            args,
+            kwargs,
+            calibration,
+            known,
+            model,
+            overwrite,
+            opset=opset,
+            static_shapes=static_shapes,
+            dtype=dtype,
+        )
+        run.wrote, run.saved = saved.format, saved
     else:
         bad = ", ".join(report.non_finite_layers) or "the held-out outputs"
         run.refusal = f"recalibration produced non-finite values in {bad}; nothing written"
@@ -165,6 +185,9 @@ def distill(
     resume: bool = False,
     shard_teacher: bool | None = None,
     overwrite: bool = False,
+    opset: int | None = None,
+    static_shapes: bool = False,
+    dtype: str | None = None,
     on_step: Step | None = None,
     on_progress: Progress | None = None,
 ) -> TrainingRun:
@@ -172,7 +195,8 @@ def distill(
     (the teacher) on ``data`` (``loss`` "mse" or "kl" at ``temperature``; ``train`` "all" parameters or
     only the "norms'"), and write it to ``output`` when every value is finite (a .dcp output is a sharded
     torch.distributed.checkpoint folder). ``checkpoint_dir`` keeps checkpoints every ``checkpoint_every``
-    steps; ``resume`` continues from its newest.
+    steps; ``resume`` continues from its newest. ``opset``, ``static_shapes`` and ``dtype`` say how a
+    single-file output is written, as for convert.
 
     Under torchrun every process calls this: each loads both models, reads the data and takes its rows of
     each batch (a large model-directory teacher, or any with ``shard_teacher``, read straight into FSDP2
@@ -209,7 +233,7 @@ def distill(
             check_inputs_fit(teacher.model, args, kwargs, what="ORIGINAL")
             check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
         if main and not sharded_output:
-            check_output_before_work(student.model, output, args, kwargs, say)
+            check_output_before_work(student.model, output, args, kwargs, say, dtype)
         batches, held_out = read_data(data, holdout, args, kwargs, batch_size, normalize, model=teacher.model)
         if count is not None:
             count(0, steps, "distilling")
@@ -256,9 +280,19 @@ def distill(
                     distilled = whole
             if main:
                 saved = save_trained(
-                    distilled, output, args, kwargs, batches, resolved is not None, converted, overwrite
+                    distilled,
+                    output,
+                    args,
+                    kwargs,
+                    batches,
+                    resolved is not None,
+                    converted,
+                    overwrite,
+                    opset=opset,
+                    static_shapes=static_shapes,
+                    dtype=dtype,
                 )
-                run.wrote = saved.format
+                run.wrote, run.saved = saved.format, saved
         return run
 
 

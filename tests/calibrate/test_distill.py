@@ -424,3 +424,21 @@ def test_cli_pt2_student_with_norms_only(resnet_gn, tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert not torch.allclose(written(x), torch.export.load(converted).module()(x))
+
+
+def test_cli_writes_onnx_as_convert_does(tiny, tmp_path):
+    """The output options mean what they mean on convert: --opset, --static-shapes and --dtype for a
+    distilled model's .onnx (and a bf16 .onnx is refused before the training, not after it)."""
+    factories, data = tiny
+    common = [
+        "distill", f"{factories}:teacher", f"{factories}:student", "--data", str(data), "--batch-size", "4",
+        "--steps", "2",
+    ]  # fmt: skip
+    out, report = tmp_path / "s.onnx", tmp_path / "r.json"
+    ran = _run(*common, "-o", str(out), "--opset", "17", "--static-shapes", "--report", str(report))
+    assert ran.exit_code == 0, ran.output
+    written = json.loads(report.read_text())["onnx"]
+    assert written["opset"] == 17 and written["dynamic_axes"] == {} and written["within_tolerance"]
+    refused = _run(*common, "-o", str(tmp_path / "b.onnx"), "--dtype", "bfloat16")
+    _one_line_error(refused, "onnxruntime's CPU build has no bf16 kernels")
+    assert "AdamW" not in refused.output  # refused before the work

@@ -217,3 +217,19 @@ def test_recalibrate_help_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_recalibrate_writes_onnx_as_convert_does(tmp_path):
+    """--opset, --static-shapes and --dtype on recalibrate, as on convert (one writer, normswap.save)."""
+    data = tmp_path / "calib.pt"
+    _calibration_file(data, n=8)
+    out, report = tmp_path / "r.onnx", tmp_path / "r.json"
+    zoo = str(Path(model_zoo.__file__))
+    ran = _run(
+        "recalibrate", f"{zoo}:resnet18_factory", "--data", str(data), "--batch-size", "4", "-o", str(out),
+        "--opset", "18", "--dtype", "float16", "--report", str(report),
+    )  # fmt: skip
+    assert ran.exit_code == 0, ran.output
+    written = json.loads(report.read_text())["onnx"]
+    assert written["opset"] == 18 and written["dynamic_axes"] == {"x": {"0": "batch"}}
+    assert {o["dtype"] for o in written["outputs"]} == {"float16"} and written["within_tolerance"]

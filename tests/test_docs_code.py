@@ -244,9 +244,10 @@ def test_every_python_block_is_found():
 def test_few_blocks_are_marked_not_run():
     marked = [f"{block.id}: {block.not_run}" for block in BLOCKS if block.not_run]
     assert len(marked) <= MAX_NOT_RUN, "too many blocks are marked not run:\n" + "\n".join(marked)
-    # a marker that is not on the line right before a ```python fence marks nothing
+    # a marker that is not on the line right before a ```python or ```console fence marks nothing
     markers = sum(1 for path in _documents() for line in path.read_text().splitlines() if NOT_RUN.match(line))
-    assert markers == len(marked), "a <!-- not run: ... --> line is not right before a ```python fence"
+    sessions = sum(1 for s in SESSIONS if s.not_run)
+    assert markers == len(marked) + sessions, "a <!-- not run: ... --> line is not right before a fence"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
@@ -265,3 +266,79 @@ def test_block_runs(block: Block, tmp_path, monkeypatch, scenes, made_files):
     # padded so that a traceback names the markdown file and line, and shows that line
     code = compile("\n" * (block.line - 1) + block.source, str(ROOT / block.document), "exec")
     exec(code, namespace)
+
+
+# ---- console sessions: ```console blocks whose lines start with "$ " are commands a reader types in the
+# repository root; each session runs in order, in a fresh folder, through the real command line (typer's
+# runner, in this process) and must exit 0. Blocks without "$ " lines show commands with placeholders.
+
+
+@dataclass(frozen=True)
+class Session:
+    path: Path
+    number: int
+    commands: tuple[str, ...]
+    not_run: str | None = None  # the reason given in a `<!-- not run: REASON -->` line before the fence
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:console{self.number}"
+
+
+def _sessions() -> list[Session]:
+    found = []
+    for path in _documents():
+        number, inside, commands, previous, reason = 0, False, [], "", None
+        for line in path.read_text().splitlines():
+            if line.strip().startswith("```console"):
+                inside, commands, number = True, [], number + 1
+                marked = NOT_RUN.match(previous)
+                reason = marked.group("reason") if marked else None
+            elif inside and line.strip().startswith("```"):
+                inside = False
+                if commands:
+                    found.append(Session(path, number, tuple(commands), reason))
+            elif inside and line.startswith("$ "):
+                commands.append(line[2:])
+            previous = line
+    return found
+
+
+SESSIONS = _sessions()
+
+
+def _run_command(command: str) -> tuple[int, str]:
+    import shlex
+
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    words = shlex.split(command)
+    if words[:2] == ["python", "-c"]:
+        exec(compile(words[2], "<docs>", "exec"), {})
+        return 0, ""
+    assert words[0] == "normswap", f"a documented session runs normswap or python -c, not {words[0]}"
+    # the repository's files (tests/model_zoo.py, examples/) as the reader's shell sees them
+    words = [
+        str(ROOT / w) if w.split(":")[0] in {"tests/model_zoo.py"} or w.startswith("examples/") else w
+        for w in words
+    ]
+    ran = CliRunner().invoke(app, words[1:])
+    return ran.exit_code, ran.output
+
+
+def test_console_sessions_are_found():
+    assert len(SESSIONS) >= 5, [s.id for s in SESSIONS]
+    # the sessions left to their own tests are few, and each says where it is run
+    assert len([s for s in SESSIONS if s.not_run]) <= 3
+    assert all("test" in s.not_run for s in SESSIONS if s.not_run)
+
+
+@pytest.mark.parametrize("session", SESSIONS, ids=[s.id for s in SESSIONS])
+def test_console_session_runs(session: Session, tmp_path, monkeypatch):
+    if session.not_run:
+        pytest.skip(f"not run here: {session.not_run}")
+    monkeypatch.chdir(tmp_path)
+    for command in session.commands:
+        code, output = _run_command(command)
+        assert code == 0, f"{session.id}: `{command}` exited {code}:\n{output}"

@@ -443,7 +443,16 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
     model = build_to_load(checkpoint)
     replace_recorded(model, checkpoint, device="cpu")
     expected = model.state_dict(keep_vars=True)
-    stored = set(checkpoint.weight_map)
+    # the names transformers' loader gives the stored tensors (save_pretrained writes GPT-NeoX's lm_head
+    # as embed_out, a folded bias included): the files are read under those names
+    loaded = loaded_names(model, list(checkpoint.weight_map))
+    if loaded is None:
+        raise BadInputError(
+            f"{checkpoint.path}: transformers merges or splits this architecture's tensors as it loads them, "
+            "and a directory with recorded modules is read tensor by tensor: load it as it was written "
+            "from, or save the model as .pt2"
+        )
+    stored = set(loaded.values())
     # A tied tensor appears under several names in the state dict and is stored under one of them.
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in expected.items():
@@ -461,5 +470,5 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
         entries, _ = read_header(checkpoint.path / shard)
         for name, entry in entries.items():
             if checkpoint.weight_map.get(name) == shard:
-                fill_tensor(checkpoint.path / shard, name, entry, expected[name])
+                fill_tensor(checkpoint.path / shard, name, entry, expected[loaded[name]])
     return model.eval()

@@ -324,3 +324,30 @@ def _stored_names(directory: Path) -> set[str]:
 
     with safe_open(str(directory / "model.safetensors"), "pt") as handle:
         return set(handle.keys())
+
+
+def test_a_recorded_module_under_a_name_transformers_renames_loads(tmp_path):
+    """GPT-NeoX stores its head as embed_out and transformers loads it as lm_head. Folding the final
+    LayerNorm's affine gives the head a bias (a recorded module), which save_pretrained writes as
+    embed_out.bias: the directory must load under the loader's names, not be refused as not matching
+    (found by benchmarks/sweep_directories.py)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layernorm" in name or "layer_norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path / "neox")
+    out = tmp_path / "neox-folded"
+    ran = CliRunner().invoke(app, ["convert", str(tmp_path / "neox"), "--fold-norm-affine", "-o", str(out)])
+    assert ran.exit_code == 0, ran.output
+    reloaded = load_model(str(out)).model
+    assert reloaded.lm_head.bias is not None  # the folded bias, read from embed_out.bias
+    ids = torch.randint(0, 128, (2, 10))
+    assert rel(logits(reloaded, ids), logits(model, ids)) < 1e-5

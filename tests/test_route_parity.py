@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_dirs import make_directory, wav2vec2_config
+from hf_dirs import make_directory, randomize_norms, wav2vec2_config
 from hf_dirs import stored_tensors as _tensors
 from normswap_cli.app import app
 from typer.testing import CliRunner
@@ -40,7 +40,9 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=300
     )
     torch.manual_seed(0)
-    transformers.BertModel(config).eval().save_pretrained(root / "bert")
+    bert = transformers.BertForMaskedLM(config).eval()  # a head reads the last block's norm
+    randomize_norms(bert)
+    bert.save_pretrained(root / "bert")
     made["bert"] = root / "bert"
     resnet = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5)
     made["resnet"] = _saved(transformers.ResNetForImageClassification(resnet), root / "resnet")
@@ -91,6 +93,9 @@ def _decisions(report: dict) -> list[tuple]:
         ("wav2vec2", ["--remove-weight-norm"], 0),
         ("wav2vec2", ["--add-weight-norm", "lm_head"], 0),
         ("bert", ["--to", "rmsnorm", "--exact"], 1),  # post-LN: refused by the exact policy
+        # post-LN: the last block's norm folds into the head, moving that block's output by design (the
+        # stream checked it alone and exited 1 where memory exited 0; now checked through the head)
+        ("bert", ["--fold-norm-affine"], 0),
     ],
 )
 def test_streamed_and_in_memory_agree(dirs, tmp_path, name, options, exit_code):
@@ -107,6 +112,7 @@ def test_streamed_and_in_memory_agree(dirs, tmp_path, name, options, exit_code):
     assert streamed["refusal"] == memory["refusal"]
     assert _decisions(streamed) == _decisions(memory)
     nothing = any(note.startswith("nothing to change") for note in streamed["notes"])
+    assert not (name == "bert" and exit_code == 0 and nothing), "the BERT fold must change its last norm"
     assert nothing or any(changes for _, changes, _ in _decisions(streamed)), "compared no change"
     assert streamed["written"] == memory["written"] == (exit_code == 0)
     # the same notes, but the route's own ("... does not stream yet: converting in memory") and what only
@@ -148,3 +154,24 @@ def test_a_run_with_nothing_to_change_says_so(dirs, tmp_path):
     # every tensor is the input's, byte for byte
     before, after = _tensors(dirs["gpt2"]), _tensors(tmp_path / "out")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_wrong_fold_past_the_last_block_is_caught_through_the_head(dirs, tmp_path, monkeypatch):
+    """The last block of a post-LN model is checked through the head: a fold 1% off there fails the
+    stream's verification, at that stage, and nothing is written."""
+    import normswap.passes.affine.stream as affine_stream
+
+    real = affine_stream.fold_affine_into_linear
+
+    def off(weight, bias, gain, shift, in_dim):
+        w, b = real(weight, bias, gain, shift, in_dim)
+        return w * 1.01, b
+
+    monkeypatch.setattr(affine_stream, "fold_affine_into_linear", off)
+    out = tmp_path / "out"
+    code, report = _run(
+        ["convert", str(dirs["bert"]), "--fold-norm-affine", "-o", str(out)], tmp_path / "r.json"
+    )
+    assert code == 1 and report["route"] == "streamed"
+    assert "block 1 + head of the written model is outside the exact tolerance" in report["refusal"]
+    assert not out.exists()

@@ -356,7 +356,9 @@ def write_checkpoint(
             fold_checks = check_rewritten_layers(checkpoint, written, plan)
         else:
             say("verifying block by block against the original")
-            verification = verify_blocks(checkpoint, written, planned.model, config.to, say)
+            assert plan.report is not None
+            changed = [change.site for change in plan.report.changes]
+            verification = verify_blocks(checkpoint, written, planned.model, config.to, say, changed)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
         publish_directory(temp, output, overwrite=config.overwrite)
     except OSError as exc:

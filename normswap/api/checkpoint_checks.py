@@ -27,13 +27,17 @@ def verify_blocks(
     model: torch.nn.Module,
     to: str | None,
     say: Callable[[str], None],
+    changed: list[str] | None = None,
 ) -> list[BlockwiseReport]:
+    """The written directory against the original, block by block, on :data:`VERIFY_SHAPES` token ids;
+    ``changed`` (the rewritten modules) lets a change that reaches past the last block be checked
+    through the head (:func:`normswap.verify.blockwise.verify_blockwise`)."""
     relate = centered if to is not None else identity
     inputs = [
         example_inputs(model, checkpoint.config, batch=batch, length=length, device="cpu")
         for batch, length in VERIFY_SHAPES
     ]
-    verification = verify_blockwise(checkpoint, written, inputs, relate, on_block=say)
+    verification = verify_blockwise(checkpoint, written, inputs, relate, on_block=say, changed=changed)
     for report, (batch, length) in zip(verification, VERIFY_SHAPES, strict=True):
         if not report.ok:
             # report.failure names the stage and how far, or where a NaN or Inf sits

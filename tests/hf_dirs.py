@@ -17,7 +17,7 @@ def randomize_norms(model: torch.nn.Module) -> None:
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "ln" in name or "norm" in name:
+            if "ln" in name or "norm" in name.lower():  # BERT's are LayerNorm
                 offset = (
                     1.0 if name.endswith("weight") and "gemma" not in type(model).__name__.lower() else 0.0
                 )

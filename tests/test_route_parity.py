@@ -175,3 +175,19 @@ def test_a_wrong_fold_past_the_last_block_is_caught_through_the_head(dirs, tmp_p
     assert code == 1 and report["route"] == "streamed"
     assert "block 1 + head of the written model is outside the exact tolerance" in report["refusal"]
     assert not out.exists()
+
+
+def test_validate_blockwise_checks_a_folded_last_block_through_the_head(dirs, tmp_path):
+    """validate --blockwise of the folded BERT against its original: the last block's stored tensors
+    changed, so it is compared through the head, as the stream verified it (PASS, not a divergence)."""
+    out = tmp_path / "folded"
+    code, converted = _run(
+        ["convert", str(dirs["bert"]), "--fold-norm-affine", "-o", str(out)], tmp_path / "c.json"
+    )
+    assert code == 0 and [c["site"] for p in converted["passes"] for c in p["changes"]], converted["notes"]
+    code, report = _run(["validate", str(dirs["bert"]), str(out), "--blockwise"], tmp_path / "v.json")
+    assert code == 0, report
+    for shape in report["blockwise"]:
+        assert shape["ok"] and [s["stage"] for s in shape["stages"]][-1] == "block 1 + head", [
+            s["stage"] for s in shape["stages"]
+        ]

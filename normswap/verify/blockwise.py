@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from normswap.load.checkpoint_dir import (
     transformers_config,
 )
 from normswap.load.recorded import replace_recorded
-from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header
+from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header, read_tensor
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
 Relate = Callable[[torch.Tensor], torch.Tensor]
@@ -334,6 +335,8 @@ def verify_blockwise(
     blocks, count = find_blocks(meta)
     del meta
     last = f"{blocks}.{count - 1}."
+    if changed is None:  # a comparison of two directories (validate): the last block's stored tensors say
+        changed = _changed_tensors(original, converted, last)
     return _compare(
         lambda: BlockShell(original, blocks),
         lambda: BlockShell(converted, blocks),
@@ -343,6 +346,29 @@ def verify_blockwise(
         on_block,
         chain_last=any(name.startswith(last) for name in changed or ()),
     )
+
+
+def _changed_tensors(original: CheckpointDirectory, converted: CheckpointDirectory, prefix: str) -> list[str]:
+    """The tensors under ``prefix`` (one block) that the two directories store differently."""
+    headers: dict[Path, dict[str, TensorEntry]] = {}
+
+    def read(directory: CheckpointDirectory, name: str) -> torch.Tensor:
+        path = directory.path / directory.weight_map[name]
+        if path not in headers:
+            headers[path] = read_header(path)[0]
+        return read_tensor(path, headers[path][name])
+
+    found = []
+    for name in original.weight_map:
+        if not name.startswith(prefix):
+            continue
+        if name not in converted.weight_map:
+            found.append(name)
+            continue
+        a, b = read(original, name), read(converted, name)
+        if a.shape != b.shape or not torch.equal(a, b):
+            found.append(name)
+    return found
 
 
 def verify_blockwise_models(

@@ -191,3 +191,15 @@ def test_validate_blockwise_checks_a_folded_last_block_through_the_head(dirs, tm
         assert shape["ok"] and [s["stage"] for s in shape["stages"]][-1] == "block 1 + head", [
             s["stage"] for s in shape["stages"]
         ]
+
+
+def test_a_directory_the_stream_cannot_verify_converts_in_memory_and_says_why(dirs, tmp_path):
+    """ConvNext's stages grow in width, so the block-by-block verification (one block slot) cannot run
+    them: the fold was refused with a shape error after the work (found by the directory sweep); now
+    the route is chosen before any write: in memory, with the reason."""
+    out = tmp_path / "folded"
+    code, report = _run(
+        ["convert", str(dirs["convnext"]), "--fold-norm-affine", "-o", str(out)], tmp_path / "r.json"
+    )
+    assert code == 0 and report["route"] == "in memory" and (out / "config.json").is_file()
+    assert any("differ in shape: converting in memory" in n for n in report["notes"]), report["notes"]

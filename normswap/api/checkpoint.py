@@ -433,10 +433,28 @@ def directory_route(
         why = "its files store tensors under other names than the model's (transformers renames them on load)"
     if why is None:
         return None, checkpoint
+    return in_memory_instead(source, checkpoint, why), checkpoint
+
+
+def in_memory_instead(source: str | Path, checkpoint: CheckpointDirectory, why: str) -> str:
+    """The note of a directory converted in memory because it cannot stream (``why``); BadInputError when
+    the model would not fit in memory (weights about three times: the model, the converted copy,
+    temporaries)."""
     need, available = 3 * checkpoint.total_bytes, _available_memory()
     if available is not None and need > available:
         raise BadInputError(
             f"{source}: {why}, and converting in memory needs about {_gb(need)} ({_gb(available)} available); "
             f"streamed rewrites: {streamed_options()}"
         )
-    return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)", checkpoint
+    return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)"
+
+
+def unverifiable(planned: PlannedStream) -> str | None:
+    """Why a planned stream's result could not be verified (None when it can): edits checked block by
+    block (no layer-local checks) on a model whose blocks the verification cannot run
+    (:func:`normswap.verify.blockwise.blockwise_problem`)."""
+    from normswap.verify.blockwise import blockwise_problem
+
+    if not planned.plan.edits or planned.plan.checks:
+        return None
+    return blockwise_problem(planned.model)

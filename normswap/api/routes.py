@@ -68,9 +68,10 @@ def convert_source(
                 "--activation-memory applies to the block-by-block calibration of a model directory"
             )
         fallback, checkpoint = directory_route(source, config, custom_inputs=custom)
-        if fallback is None:
-            return _streamed(checkpoint, config, say)
-        notes.append(fallback)
+        streamed = _streamed(source, checkpoint, config, say) if fallback is None else fallback
+        if isinstance(streamed, ConversionResult):
+            return streamed
+        notes.append(streamed)
     elif config.sequential or config.activation_memory is not None:
         raise BadInputError(
             "--sequential and --activation-memory convert a model directory into a model directory "
@@ -91,12 +92,19 @@ def convert_source(
     return result
 
 
-def _streamed(checkpoint: Any, config: ConvertConfig, say: Callable[[str], None]) -> ConversionResult:
-    from normswap.api.checkpoint import plan_checkpoint, write_checkpoint
+def _streamed(
+    source: str | Path, checkpoint: Any, config: ConvertConfig, say: Callable[[str], None]
+) -> ConversionResult | str:
+    """The streamed route's result, or the note saying why the directory converts in memory instead
+    (a plan whose result the stream cannot verify)."""
+    from normswap.api.checkpoint import in_memory_instead, plan_checkpoint, unverifiable, write_checkpoint
     from normswap.load.checkpoint_dir import read_checkpoint_directory
     from normswap.verify.size import stored_size
 
     planned = plan_checkpoint(checkpoint, config, say)
+    why = unverifiable(planned)
+    if why is not None:
+        return in_memory_instead(source, checkpoint, why)
     result = ConversionResult(
         model=None, report=PipelineReport(passes=[planned.report]), config=config, route="streamed"
     )

@@ -129,6 +129,28 @@ def find_blocks(model: nn.Module) -> tuple[str, int]:
     return best[1], best[2]
 
 
+def blockwise_problem(model: nn.Module) -> str | None:
+    """Why ``model`` (a transformers model, on the meta device is enough) cannot be verified block by
+    block (None when it can): the shell is the model its config builds with ``num_hidden_layers = 1``,
+    whose block 0 takes each block's weights in turn, so the blocks must be what that setting counts and
+    all of one shape (ConvNext's stages are neither: their widths grow)."""
+    try:
+        blocks, count = find_blocks(model)
+    except BadInputError as exc:
+        return str(exc)
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if layers != count:
+        return (
+            f"the block-by-block verification builds a one-block model from the config, whose "
+            f"num_hidden_layers ({layers}) does not count the {count} blocks of {blocks}"
+        )
+    children = list(model.get_submodule(blocks))
+    shapes = [{k: tuple(v.shape) for k, v in child.state_dict().items()} for child in children]
+    if any(s != shapes[0] for s in shapes[1:]):
+        return f"the block-by-block verification runs every block in one slot, and the blocks of {blocks} differ in shape"
+    return None
+
+
 class BlockShell:
     """One model directory's model with one block, whose block takes any block's weights."""
 

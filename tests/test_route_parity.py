@@ -203,3 +203,32 @@ def test_a_directory_the_stream_cannot_verify_converts_in_memory_and_says_why(di
     )
     assert code == 0 and report["route"] == "in memory" and (out / "config.json").is_file()
     assert any("differ in shape: converting in memory" in n for n in report["notes"]), report["notes"]
+
+
+def test_validate_blockwise_refuses_blocks_it_cannot_run_with_the_same_reason(dirs, tmp_path):
+    """validate --blockwise asks the stream's own question first: ConvNext's stages cannot share one
+    block slot, said before any block is read (it was a shape error from deep in the shell)."""
+    code, _ = _run(
+        ["convert", str(dirs["convnext"]), "--fold-norm-affine", "-o", str(tmp_path / "f")],
+        tmp_path / "c.json",
+    )
+    assert code == 0
+    ran = runner.invoke(app, ["validate", str(dirs["convnext"]), str(tmp_path / "f"), "--blockwise"])
+    assert ran.exit_code == 2
+    text = " ".join(ran.output.split())
+    assert "--blockwise cannot compare" in text and "differ in shape; compare without --blockwise" in text
+
+
+def test_dtype_on_a_directory_converts_in_memory_and_writes_that_dtype(dirs, tmp_path):
+    """--dtype does not stream: the directory converts in memory, says why, and is written in the dtype."""
+    out = tmp_path / "half"
+    code, report = _run(
+        ["convert", str(dirs["llama"]), "--fold-norm-affine", "--dtype", "float16", "-o", str(out)],
+        tmp_path / "r.json",
+    )
+    assert code == 0 and report["route"] == "in memory"
+    assert any("--dtype does not stream yet" in n for n in report["notes"]), report["notes"]
+    # every tensor in it, a folded norm's neutral values too (they took the config's float32 before)
+    assert {n: t.dtype for n, t in _tensors(out).items() if t.dtype != torch.float16} == {}
+    config = json.loads((out / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float16"

@@ -217,6 +217,11 @@ def _blockwise(
             for label, path in (("ORIGINAL", original), ("CONVERTED", converted))
         }
         meta = build_on_meta(checkpoints["ORIGINAL"])
+        problem = blockwise.blockwise_problem(meta)  # the same rule as the stream's own verification
+        if problem is not None:
+            raise BadInputError(
+                f"--blockwise cannot compare {original}: {problem}; compare without --blockwise"
+            )
         inputs = [
             config_inputs(meta, checkpoints["ORIGINAL"].config, batch=b, length=n, device="cpu")
             for b, n in VERIFY_SHAPES

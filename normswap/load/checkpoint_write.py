@@ -45,6 +45,7 @@ from normswap.load.checkpoint_dir import (
     quiet_transformers,
 )
 from normswap.load.folder_files import folder_file
+from normswap.util.dtypes import floating_dtype
 
 # Files of the input directory not copied: the weights (rewritten), what save_pretrained writes anew, and
 # other weight formats that would hold the unconverted model.
@@ -124,9 +125,12 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
 
 
-def _neutral_affine(stock: nn.Module, converted: nn.Module) -> dict[str, torch.Tensor] | None:
+def _neutral_affine(
+    stock: nn.Module, converted: nn.Module, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor] | None:
     """Tensors that make ``stock`` (the class the config builds, on meta) compute what ``converted`` (the
-    same norm left without affine by a fold) computes: weight 1, or 0 for a ``(1 + w)`` norm, bias 0.
+    same norm left without affine by a fold) computes: weight 1, or 0 for a ``(1 + w)`` norm, bias 0, in
+    ``dtype`` (the converted model's: a model written with --dtype is not the dtype its config names).
     Confirmed by running both on random inputs and asking for equal outputs; None when no such tensors do."""
     import copy
 
@@ -136,7 +140,7 @@ def _neutral_affine(stock: nn.Module, converted: nn.Module) -> dict[str, torch.T
     if not shapes or not set(shapes) <= {"weight", "bias"} or len(set(shapes.values())) != 1:
         return None
     shape = next(iter(shapes.values()))
-    dtype = next((t.dtype for t in _own_tensors(stock).values()), torch.float32)
+    dtype = dtype or next((t.dtype for t in _own_tensors(stock).values()), torch.float32)
     probe = copy.deepcopy(stock).to_empty(device="cpu").to(dtype)
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(4, 3, *shape, generator=generator) * 3 + 1).to(dtype)
@@ -185,6 +189,7 @@ def plan_directory(model: nn.Module) -> DirectoryPlan:
     from normswap.modules.recipes import module_recipe
 
     stock = dict(_stock_model(model).named_modules())
+    dtype = floating_dtype(model)
     plan = DirectoryPlan()
     present: set[str] = set()
     for name, module in model.named_modules():
@@ -196,7 +201,7 @@ def plan_directory(model: nn.Module) -> DirectoryPlan:
         if same_class and set(_own_tensors(original)) == set(_own_tensors(module)):
             continue
         if original is not None and name:
-            neutral = _neutral_affine(original, module)
+            neutral = _neutral_affine(original, module, dtype)
             if neutral is not None:
                 plan.neutral.update({f"{name}.{key}": value for key, value in neutral.items()})
                 continue

@@ -330,7 +330,7 @@ def _run_command(command: str) -> tuple[int, str]:
 def test_console_sessions_are_found():
     assert len(SESSIONS) >= 5, [s.id for s in SESSIONS]
     # the sessions left to their own tests are few, and each says where it is run
-    assert len([s for s in SESSIONS if s.not_run]) <= 3
+    assert len([s for s in SESSIONS if s.not_run]) <= 4
     assert all("test" in s.not_run for s in SESSIONS if s.not_run)
 
 

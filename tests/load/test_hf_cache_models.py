@@ -72,3 +72,22 @@ def test_gemma2_directory_streams_its_affine_fold(tmp_path: Path):
     with torch.no_grad():
         want, got = model(ids).logits, reloaded(ids).logits
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_olmos_weightless_layer_norms_say_there_is_nothing_to_fold():
+    """OLMo's LayerNorm holds no weight or bias: each site says so (the directory sweep found 'the
+    norm's weight and bias could not be located in the graph', which sent the user looking for them)."""
+    from transformers import OlmoConfig, OlmoForCausalLM
+
+    torch.manual_seed(0)
+    config = OlmoConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=128
+    )
+    model = OlmoForCausalLM(config).eval()
+    result = normswap.convert(
+        model, normswap.ConvertConfig(fold_norm_affine=True), (torch.randint(0, 128, (1, 12)),)
+    )
+    assert result.ok and result.changes == 0
+    reasons = {s.reason for s in result.report.passes[0].skips}
+    assert reasons == {"norm has no elementwise affine: nothing to fold"}, reasons
+    assert len(result.report.passes[0].skips) == 5  # 2 per block and the final one

@@ -301,6 +301,8 @@ def _affine(
         weight = "weight" if getattr(module, "weight", None) is not None else None
         bias = "bias" if getattr(module, "bias", None) is not None else None
         return weight, bias
+    if not list(module.parameters(recurse=False)) and not list(module.buffers(recurse=False)):
+        return None, None  # OLMo's LayerNorm: no affine of its own, so nothing to fold (said by the caller)
     match = patterns.matching(call)
     if match is None:
         return "the norm's weight and bias could not be located in the graph"

@@ -232,3 +232,16 @@ def test_dtype_on_a_directory_converts_in_memory_and_writes_that_dtype(dirs, tmp
     assert {n: t.dtype for n, t in _tensors(out).items() if t.dtype != torch.float16} == {}
     config = json.loads((out / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "float16"
+
+
+def test_a_model_the_meta_capture_cannot_judge_converts_in_memory(dirs, tmp_path):
+    """wav2vec2's forward makes a CPU tensor beside the meta weights, so the stream's analysis captured no
+    graph and skipped every site, folding 0 norms where memory folds 2 (directory sweep). A plan that
+    could judge nothing is not streamed: the directory converts in memory, with the reason."""
+    out = tmp_path / "folded"
+    code, report = _run(
+        ["convert", str(dirs["wav2vec2"]), "--fold-norm-affine", "-o", str(out)], tmp_path / "r.json"
+    )
+    assert code == 0 and report["route"] == "in memory"
+    assert any("cannot be captured on the meta device" in n for n in report["notes"]), report["notes"]
+    assert sum(len(p["changes"]) for p in report["passes"]) == 2

@@ -450,11 +450,15 @@ def in_memory_instead(source: str | Path, checkpoint: CheckpointDirectory, why: 
 
 
 def unverifiable(planned: PlannedStream) -> str | None:
-    """Why a planned stream's result could not be verified (None when it can): edits checked block by
-    block (no layer-local checks) on a model whose blocks the verification cannot run
-    (:func:`normswap.verify.blockwise.blockwise_problem`)."""
+    """Why a planned stream would not do what the in-memory route does (None when it would): the model
+    could not be captured on the meta device, so no site could be judged (wav2vec2's forward makes a CPU
+    tensor beside the meta weights), or edits checked block by block (no layer-local checks) on a model
+    whose blocks the verification cannot run (:func:`normswap.verify.blockwise.blockwise_problem`)."""
     from normswap.verify.blockwise import blockwise_problem
 
+    report = planned.report
+    if report.graph_error and report.graph_method is None:
+        return f"the model cannot be captured on the meta device ({report.graph_error})"
     if not planned.plan.edits or planned.plan.checks:
         return None
     return blockwise_problem(planned.model)

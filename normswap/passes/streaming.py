@@ -55,4 +55,9 @@ def plan_edits(
     planner = GRAPH_PLANNERS.get(option)
     if planner is None:
         raise ValueError(f"{option} does not stream")
-    return planner(model, build_context(model, example_args, example_kwargs), stored, read)
+    ctx = build_context(model, example_args, example_kwargs)
+    plan = planner(model, ctx, stored, read)
+    if plan.report is not None:  # what the in-memory driver says of its capture, said here too
+        plan.report.graph_method = ctx.captured.method
+        plan.report.graph_error = ctx.captured.reason
+    return plan

@@ -87,7 +87,13 @@ def refuse_untaken(path: Any, shapes: WrittenShapes, fallbacks: list[str]) -> No
     fixed it (``fallbacks``) and how to accept fixed shapes."""
     if not shapes.rejected_free:
         return
-    why = f" ({fallbacks[0]})" if fallbacks else ""
+    # no fallback: the export with free dims succeeded and kept these fixed, because the model's code ties
+    # them to the example's sizes (Mamba's scan: torch.export specialized the length)
+    why = (
+        f" ({fallbacks[0]})"
+        if fallbacks
+        else " (torch.export kept these dims fixed: the model's code ties them to the example's sizes)"
+    )
     raise CheckFailedError(
         f"{path} would not take every input shape the conversion was verified on: it {shapes.summary()}"
         f"{why}; nothing written (an exact conversion is written only for the shapes it was proven on: "

@@ -315,3 +315,21 @@ def test_an_onnx_translation_that_cannot_keep_the_dims_free_is_fixed_and_says_wh
     exact = normswap.convert(model, normswap.ConvertConfig(to="rmsnorm", exact=True), args, kwargs)
     with pytest.raises(CheckFailedError, match="would not take every input shape"):
         normswap.save(exact, tmp_path / "h.onnx")
+
+
+def test_a_refusal_without_a_fallback_says_the_model_fixes_the_dims():
+    """Mamba's export succeeds with free dims and still fixes the length (its code ties it to the
+    example's): the refusal says so, where it said nothing of why (directory sweep)."""
+    from normswap.verify.written import WrittenShapes, refuse_untaken
+
+    shapes = WrittenShapes(
+        accepted=["1x16"], rejected=[{"shapes": "1x4", "label": "length 4", "error": "Guard failed"}]
+    )
+    with pytest.raises(CheckFailedError) as refusal:
+        refuse_untaken("m.pt2", shapes, [])
+    assert "torch.export kept these dims fixed: the model's code ties them to the example's sizes" in str(
+        refusal.value
+    )
+    with pytest.raises(CheckFailedError) as told:
+        refuse_untaken("m.pt2", shapes, ["the export with free batch and sequence dims failed (x)"])
+    assert "(the export with free batch and sequence dims failed (x))" in str(told.value)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.api.checkpoint_checks import check_rewritten_layers, reader, verify_blocks
+from normswap.api.checkpoint_checks import check_rewritten_layers, verify_blocks
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError, CheckFailedError, describe
 from normswap.load.checkpoint_dir import (
@@ -41,6 +41,7 @@ from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
     read_checkpoint_directory,
+    stored_tensor_reader,
 )
 from normswap.load.checkpoint_write import copy_side_files
 from normswap.load.config_inputs import example_inputs
@@ -320,7 +321,7 @@ def plan_checkpoint(
         kwargs,
         set(checkpoint.weight_map),
         config.rewrites()[0],
-        read=reader(checkpoint),
+        read=stored_tensor_reader(checkpoint),
         weight_norm=weight_norm,
     )
     return PlannedStream(checkpoint, headers, model, plan)

@@ -9,9 +9,8 @@ from collections.abc import Callable
 import torch
 
 from normswap.errors import CheckFailedError
-from normswap.load.checkpoint_dir import CheckpointDirectory
+from normswap.load.checkpoint_dir import CheckpointDirectory, stored_tensor_reader
 from normswap.load.config_inputs import example_inputs
-from normswap.load.safetensors_io import TensorEntry, read_header, read_tensor
 from normswap.passes.core.edits import EditPlan
 from normswap.verify.blockwise import BlockwiseReport, centered, identity, verify_blockwise
 from normswap.verify.metrics import TensorComparison
@@ -48,25 +47,12 @@ def verify_blocks(
     return verification
 
 
-def reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
-    """Reads one stored tensor of ``directory`` by name (each shard's header read once)."""
-    headers: dict[str, dict[str, TensorEntry]] = {}
-
-    def read(name: str) -> torch.Tensor:
-        shard = directory.weight_map[name]
-        if shard not in headers:
-            headers[shard] = read_header(directory.path / shard)[0]
-        return read_tensor(directory.path / shard, headers[shard][name])
-
-    return read
-
-
 def check_rewritten_layers(
     checkpoint: CheckpointDirectory, written: CheckpointDirectory, plan: EditPlan
 ) -> list[TensorComparison]:
     """Each rewritten layer as written against what it replaces in the input (a folded BatchNorm or
     LayerScale and its layer; a layer before weight norm was added or removed), on random inputs."""
-    original, output = reader(checkpoint), reader(written)
+    original, output = stored_tensor_reader(checkpoint), stored_tensor_reader(written)
     checks = [layer.check(original, output) for layer in plan.checks]
     for check in checks:
         if not check.within_tolerance:

@@ -157,10 +157,14 @@ def _compare(expected: Any, got: list[torch.Tensor], at: str) -> list[TensorComp
     ]
 
 
-def _checked(model: nn.Module, temp: Path, variants: list[InputVariant], result: OnnxExport) -> WrittenShapes:
-    """Run the file in onnxruntime on each of ``variants`` (the example first) and compare every output
-    with the model's: a shape the file rejects is recorded (a dim fixed in the file), one it runs must
-    agree within :func:`onnx_tolerance` or nothing is written."""
+def _checked(
+    model: nn.Module, temp: Path, variants: list[InputVariant], result: OnnxExport, example_output: Any
+) -> WrittenShapes:
+    """Run the file in onnxruntime on each of ``variants`` (the example first, whose model output
+    ``example_output`` is already known) and compare every output with the model's: a shape the file
+    rejects is recorded (a dim fixed in the file), one it runs must agree within :func:`onnx_tolerance`
+    or nothing is written."""
+    known = [example_output]  # taken by the first variant, the example: not run twice
     try:
         run = _ort_run(temp)
     except Exception as exc:  # e.g. a dtype onnxruntime's CPU build has no kernel for (bf16)
@@ -169,8 +173,11 @@ def _checked(model: nn.Module, temp: Path, variants: list[InputVariant], result:
         ) from None
 
     def run_and_compare(args: tuple, kwargs: dict) -> None:
-        with torch.no_grad():
-            expected = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        if known:
+            expected = known.pop()
+        else:
+            with torch.no_grad():
+                expected = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
         at = format_shapes(input_shapes(args, kwargs))
         got = run(args, kwargs)  # raises on a shape the file does not take
         result.outputs += _compare(expected, got, at)
@@ -212,7 +219,7 @@ def export_onnx(
     saved ``.pt2``: :func:`normswap.graph.capture.export_program`), its axes named ``batch`` and
     ``sequence`` and its outputs after what the model returns (:mod:`.onnx_names`); ``static_shapes``
     fixes every dim at the example's. It is run in onnxruntime and compared with the model on every shape
-    of ``check_shapes`` (default: the example alone; the example must come first); a shape it rejects is
+    of ``check_shapes`` (default: the example alone; it must come first); a shape it rejects is
     recorded in :attr:`OnnxExport.shapes`, and with ``exact`` (unless ``static_shapes``) a rejected batch
     or length refuses the file.
 
@@ -238,13 +245,15 @@ def export_onnx(
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
     result = OnnxExport(path=str(path), opset=0, target=target)
     variants = check_shapes or [InputVariant("example", args, kwargs)]
+    assert variants[0].label == "example", "the example is checked first (its output is reused)"
 
     # below the exporter's own opset: exported at it, converted down and repaired (export/onnx_opset.py)
     below = opset is not None and opset < EXPORTER_OPSET
 
     def write(temp: Path) -> None:
         with torch.no_grad():
-            result.output_names = output_names(model(*copy.deepcopy(args), **copy.deepcopy(kwargs)))
+            example_output = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+        result.output_names = output_names(example_output)
         program = _onnx_program(
             model,
             args,
@@ -275,7 +284,7 @@ def export_onnx(
                 f"the exporter could not write opset {opset} (it produced opset {result.opset}); "
                 f"choose --opset {result.opset} or higher"
             )
-        result.shapes = _checked(model, temp, variants, result)
+        result.shapes = _checked(model, temp, variants, result, example_output)
         if exact and not static_shapes:
             refuse_untaken(path, result.shapes, result.fallbacks)
 

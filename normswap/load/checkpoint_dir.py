@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -378,6 +378,21 @@ def _weight_init_skipped() -> Iterator[None]:
             return
     with no_init_weights():
         yield
+
+
+def stored_tensor_reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
+    """Reads one stored tensor of ``directory`` by its stored name (each shard's header read once)."""
+    from normswap.load.safetensors_io import read_header, read_tensor
+
+    headers: dict[str, dict[str, Any]] = {}
+
+    def read(name: str) -> torch.Tensor:
+        shard = directory.weight_map[name]
+        if shard not in headers:
+            headers[shard] = read_header(directory.path / shard)[0]
+        return read_tensor(directory.path / shard, headers[shard][name])
+
+    return read
 
 
 def build_to_load(checkpoint: CheckpointDirectory, config: Any = None) -> nn.Module:

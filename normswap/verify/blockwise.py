@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,10 +39,11 @@ from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
     build_to_load,
+    stored_tensor_reader,
     transformers_config,
 )
 from normswap.load.recorded import replace_recorded
-from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header, read_tensor
+from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
 Relate = Callable[[torch.Tensor], torch.Tensor]
@@ -372,14 +372,7 @@ def verify_blockwise(
 
 def _changed_tensors(original: CheckpointDirectory, converted: CheckpointDirectory, prefix: str) -> list[str]:
     """The tensors under ``prefix`` (one block) that the two directories store differently."""
-    headers: dict[Path, dict[str, TensorEntry]] = {}
-
-    def read(directory: CheckpointDirectory, name: str) -> torch.Tensor:
-        path = directory.path / directory.weight_map[name]
-        if path not in headers:
-            headers[path] = read_header(path)[0]
-        return read_tensor(path, headers[path][name])
-
+    ours, theirs = stored_tensor_reader(original), stored_tensor_reader(converted)
     found = []
     for name in original.weight_map:
         if not name.startswith(prefix):
@@ -387,7 +380,7 @@ def _changed_tensors(original: CheckpointDirectory, converted: CheckpointDirecto
         if name not in converted.weight_map:
             found.append(name)
             continue
-        a, b = read(original, name), read(converted, name)
+        a, b = ours(name), theirs(name)
         if a.shape != b.shape or not torch.equal(a, b):
             found.append(name)
     return found

@@ -79,8 +79,8 @@ def write_synthetic(config: Any, path: Path, seed: int = 0) -> int:
     """A model directory for ``config`` with random bf16 weights, written one tensor at a time; its bytes."""
     import transformers
 
-    from normswap.load.checkpoint_dir import INDEX_FILE
     from normswap.load.safetensors_io import NAMES, ShardWriter
+    from normswap.load.weight_files import STOCK
 
     with torch.device("meta"):
         model = getattr(transformers, config.architectures[0])._from_config(config, dtype=torch.bfloat16)
@@ -120,7 +120,7 @@ def write_synthetic(config: Any, path: Path, seed: int = 0) -> int:
             weight_map[name] = file
             total += value.numel() * 2
         writer.close()
-    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / STOCK.index).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     return total
 
 

@@ -309,21 +309,32 @@ def print_streamed(report: Any, result: Any) -> None:
             soft_wrap=True,
         )
     if result.recorded_modules:
-        out.print(
-            f"  {len(result.recorded_modules)} modules recorded in normswap.json: load it with normswap"
-        )
+        out.print(f"  {how_it_loads(result.recorded_modules, result.stock_refused)}", soft_wrap=True)
     if result.config_changes:
         out.print(f"  config.json: {', '.join(f'{k}={v}' for k, v in result.config_changes.items())}")
     final(f"wrote {result.path} (directory)")
 
 
+def how_it_loads(recorded: dict[str, Any], stock_refused: str | None) -> str:
+    """How a written model directory loads, said the same by every route that writes one."""
+    if not recorded:
+        return "loads with transformers' from_pretrained"
+    modules = f"{len(recorded)} modules recorded in normswap.json"
+    if stock_refused is None:
+        return (
+            f"{modules} (normswap.load_model builds them; transformers' from_pretrained builds the original "
+            "classes, which compute the same function)"
+        )
+    return (
+        f"{modules}: load it with normswap.load_model. Its weights are stored as normswap-* files, which "
+        f"transformers' from_pretrained does not read: it would build another model ({stock_refused})"
+    )
+
+
 def _print_directory(written: Any) -> None:
     """A model directory: how it loads, what it holds beyond the stock files, and its reload check."""
     shards = len(written.shards)
-    if written.stock:
-        how = "loads with transformers' from_pretrained"
-    else:
-        how = f"{len(written.recorded_modules)} modules recorded in normswap.json: load it with normswap"
+    how = how_it_loads(written.recorded_modules, written.stock_refused)
     out.print(
         f"model directory: {shards} safetensors file{'s' if shards != 1 else ''}; {how}", soft_wrap=True
     )

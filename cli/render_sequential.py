@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from normswap_cli.render import final, fmt_float, out
+from normswap_cli.render import final, fmt_float, how_it_loads, out
 
 
 def print_sequential(result: Any) -> None:
@@ -48,5 +48,5 @@ def print_sequential(result: Any) -> None:
         f"{len(result.shards)} shards",
         soft_wrap=True,
     )
-    out.print(f"  {len(result.recorded_modules)} modules recorded in normswap.json: load it with normswap")
+    out.print(f"  {how_it_loads(result.recorded_modules, result.stock_refused)}", soft_wrap=True)
     final(f"wrote {result.path} (directory)")

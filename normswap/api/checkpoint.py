@@ -34,10 +34,6 @@ from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError, CheckFailedError, describe
 from normswap.load.checkpoint_dir import (
     CONFIG_FILE,
-    INDEX_FILE,
-    RECORD_FILE,
-    RECORD_FORMAT,
-    SINGLE_FILE,
     CheckpointDirectory,
     build_on_meta,
     read_checkpoint_directory,
@@ -49,6 +45,8 @@ from normswap.load.folder_files import folder_file
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
 from normswap.load.save import publish_directory, reserve_temp_dir
+from normswap.load.stock_reading import finish_directory, stock_of_directory
+from normswap.load.weight_files import write_index
 from normswap.passes.core.base import PassReport
 from normswap.passes.core.edits import EditPlan, TensorEdit
 from normswap.passes.streaming import plan_edits
@@ -77,6 +75,8 @@ class StreamedConversion:
     verification: list[BlockwiseReport] = field(default_factory=list)
     # --fold-bn: each folded layer against the BatchNorm and layer it replaces, on random inputs
     fold_checks: list[TensorComparison] = field(default_factory=list)
+    # why the weights are under normswap's names, which stock loaders do not read (None: stock names)
+    stock_refused: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +92,7 @@ class StreamedConversion:
             "not_copied": self.not_copied,
             "verification": [report.to_dict() for report in self.verification],
             "fold_checks": [asdict(check) for check in self.fold_checks],
+            "stock_refused": self.stock_refused,
         }
 
 
@@ -242,6 +243,10 @@ def _stream(
 
 
 def _write_index(checkpoint: CheckpointDirectory, temp: Path, layout_shards: list[str]) -> None:
+    """The output's index, named as the input's weights are (one file without an index stays so)."""
+    assert checkpoint.weights is not None
+    if len(layout_shards) == 1 and not checkpoint.weights.indexed:
+        return
     weight_map: dict[str, str] = {}
     total = 0
     for shard in layout_shards:
@@ -249,29 +254,22 @@ def _write_index(checkpoint: CheckpointDirectory, temp: Path, layout_shards: lis
         for name, entry in entries.items():
             weight_map[name] = shard
             total += entry.nbytes
-    if layout_shards == [SINGLE_FILE] and not (checkpoint.path / INDEX_FILE).is_file():
-        return
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (temp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    write_index(temp, weight_map, total, checkpoint.weights.names)
 
 
-def _write_config(checkpoint: CheckpointDirectory, temp: Path, plan: EditPlan) -> None:
+def _write_config(checkpoint: CheckpointDirectory, temp: Path, plan: EditPlan) -> str | None:
+    """The output's config (``plan``'s changes made), ``normswap.json`` for the modules the input recorded
+    and ``plan`` records, the weight files named for who may read them
+    (:func:`~normswap.load.stock_reading.finish_directory`); returns why stock loaders are kept out."""
     config = dict(checkpoint.config)
     config.update(plan.config_changes)
     (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    if plan.recorded or checkpoint.replaced_modules:
-        modules = {**checkpoint.replaced_modules, **plan.recorded}
-        record = {
-            "format": RECORD_FORMAT,
-            "version": 1,
-            "about": "modules whose class normswap changed; load this directory with normswap.load_model "
-            "(transformers' from_pretrained builds the original classes)",
-            "modules": modules,
-        }
-        (temp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    modules = {**checkpoint.replaced_modules, **plan.recorded}
+    stock_refused = finish_directory(temp, modules, lambda: stock_of_directory(checkpoint))
     generation = folder_file(checkpoint.path, "generation_config.json")
     if generation.is_file():
         shutil.copyfile(generation, temp / generation.name)
+    return stock_refused
 
 
 @dataclass
@@ -346,8 +344,9 @@ def write_checkpoint(
         say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
         shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
         _write_index(checkpoint, temp, shards)
-        _write_config(checkpoint, temp, plan)
+        stock_refused = _write_config(checkpoint, temp, plan)
         written = read_checkpoint_directory(temp)
+        shards = list(written.shards)
         verification: list[BlockwiseReport] = []
         fold_checks: list[TensorComparison] = []
         if not plan.edits:
@@ -384,6 +383,7 @@ def write_checkpoint(
         not_copied=not_copied,
         verification=verification,
         fold_checks=fold_checks,
+        stock_refused=stock_refused,
     )
 
 

@@ -64,11 +64,14 @@ class SequentialConversion:
     recorded_modules: dict[str, Any] = field(default_factory=dict)
     copied_files: list[str] = field(default_factory=list)
     not_copied: list[str] = field(default_factory=list)
+    # why the weights are under normswap's names, which stock loaders do not read (None: stock names)
+    stock_refused: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": str(self.path),
             "route": "sequential",
+            "stock_refused": self.stock_refused,
             "report": self.report.to_dict(),
             "calibration": self.calibration.to_dict(),
             "shards": self.shards,
@@ -362,9 +365,11 @@ def convert_checkpoint_sequential(
             writer.close()
         shards = sorted(layout)
         _write_index(checkpoint, temp, shards)
-        _write_config(checkpoint, temp, EditPlan(recorded=recorded))
+        stock_refused = _write_config(checkpoint, temp, EditPlan(recorded=recorded))
         say("checking the written directory")
-        _check_written(read_checkpoint_directory(temp))
+        written = read_checkpoint_directory(temp)
+        _check_written(written)
+        shards = list(written.shards)
         copied_files, not_copied = copy_side_files(checkpoint, temp)
         publish_directory(temp, output, overwrite=config.overwrite)
     except OSError as exc:
@@ -389,4 +394,5 @@ def convert_checkpoint_sequential(
         recorded_modules=recorded,
         copied_files=copied_files,
         not_copied=not_copied,
+        stock_refused=stock_refused,
     )

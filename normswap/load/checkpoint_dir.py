@@ -41,14 +41,11 @@ from normswap.errors import BadInputError, describe
 from normswap.load.folder_files import check_links, folder_file, read_json
 from normswap.load.safetensors_io import stored_dtype
 from normswap.load.tensor_names import loaded_names, prefix_hint
+from normswap.load.weight_files import StoredWeights, find_weights
 
 CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 RECORD_FILE = "normswap.json"
 RECORD_FORMAT = "normswap-checkpoint"
-
-_PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,8 @@ class CheckpointDirectory:
 
     ``shards``: the safetensors file names, in order; ``weight_map``: tensor name -> shard file name;
     ``record``: the ``normswap.json`` of a directory normswap wrote after changing module classes, or
-    None; ``shard_bytes``: each shard's size on disk.
+    None; ``shard_bytes``: each shard's size on disk; ``weights``: how the weight files are named and
+    whether an index lists them (:mod:`normswap.load.weight_files`).
     """
 
     path: Path
@@ -67,6 +65,7 @@ class CheckpointDirectory:
     weight_map: dict[str, str]
     shard_bytes: dict[str, int] = field(default_factory=dict)
     record: dict[str, Any] | None = None
+    weights: StoredWeights | None = None
     # whether each tensor is stored under the name the model gives it (set by the acceptance check;
     # False where transformers renames stored names as it loads, as for Dinov2)
     stored_as_loaded: bool = True
@@ -138,66 +137,6 @@ def _architecture(config: dict[str, Any], path: Path) -> str:
     return name
 
 
-def _shard_path(directory: Path, name: Any) -> Path:
-    if (
-        not isinstance(name, str)
-        or not name.endswith(".safetensors")
-        or name != Path(name).name
-        or name.startswith(".")
-        or "\\" in name
-    ):
-        raise BadInputError(
-            f"{directory / INDEX_FILE} names a shard {name!r:.120} that is not a safetensors file name in the "
-            "directory itself"
-        )
-    path = folder_file(directory, name)
-    if not path.is_file():
-        raise BadInputError(f"{directory / INDEX_FILE} names {name}, which is not in {directory}")
-    return path
-
-
-def shard_keys(path: Path) -> list[str]:
-    """The tensor names in a safetensors file, from its header alone; BadInputError if it is not one."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            return list(handle.keys())
-    except Exception as exc:  # the Rust reader raises its own error types
-        raise BadInputError(f"{path} is not a readable safetensors file ({describe(exc)})") from None
-
-
-def _weights(directory: Path) -> tuple[tuple[str, ...], dict[str, str]]:
-    index_path, single = folder_file(directory, INDEX_FILE), folder_file(directory, SINGLE_FILE)
-    if index_path.is_file():
-        index = read_json(index_path, "safetensors index")
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise BadInputError(f"{index_path} has no 'weight_map' of tensor names to shard files")
-        shards: dict[str, list[str]] = {}
-        for tensor, shard in weight_map.items():
-            _shard_path(directory, shard)
-            shards.setdefault(shard, []).append(str(tensor))
-        for shard, tensors in shards.items():
-            present = set(shard_keys(directory / shard))
-            absent = [t for t in tensors if t not in present]
-            if absent:
-                raise BadInputError(
-                    f"{directory / shard} lacks {len(absent)} tensors that {INDEX_FILE} puts there "
-                    f"(e.g. {absent[0]})"
-                )
-        return tuple(sorted(shards)), {str(k): str(v) for k, v in weight_map.items()}
-    if single.is_file():
-        return (SINGLE_FILE,), {key: SINGLE_FILE for key in shard_keys(single)}
-    if any((directory / name).exists() for name in _PICKLED_WEIGHTS):
-        raise BadInputError(
-            f"{directory} holds pickled weights (pytorch_model.bin) and no safetensors; unpickling runs code, "
-            "so normswap reads safetensors only: convert the weights with transformers' save_pretrained "
-            "(safe_serialization is its default) and give that directory"
-        )
-    raise BadInputError(f"{directory} has a {CONFIG_FILE} but no {SINGLE_FILE} and no {INDEX_FILE}")
-
-
 def _record(directory: Path) -> dict[str, Any] | None:
     path = folder_file(directory, RECORD_FILE)
     if not path.is_file():
@@ -220,15 +159,21 @@ def read_checkpoint_directory(path: str | Path) -> CheckpointDirectory:
     if not isinstance(config, dict):
         raise BadInputError(f"{directory / CONFIG_FILE} is not a JSON object")
     architecture = _architecture(config, directory)
-    shards, weight_map = _weights(directory)
+    weights, record = find_weights(directory), _record(directory)
+    if weights.hidden and record is None:
+        raise BadInputError(
+            f"{directory} keeps its weights under normswap's names ({weights.names.single}...) but has no "
+            f"{RECORD_FILE} saying which modules they belong to: it is not a directory normswap wrote"
+        )
     checkpoint = CheckpointDirectory(
         path=directory,
         config=config,
         architecture=architecture,
-        shards=shards,
-        weight_map=weight_map,
-        shard_bytes={name: (directory / name).stat().st_size for name in shards},
-        record=_record(directory),
+        shards=weights.shards,
+        weight_map=weights.weight_map,
+        shard_bytes={name: (directory / name).stat().st_size for name in weights.shards},
+        record=record,
+        weights=weights,
     )
     return replace(checkpoint, stored_as_loaded=accept_model_folder(checkpoint))
 

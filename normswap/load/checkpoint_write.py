@@ -23,7 +23,6 @@ with the module that has none: save it as .pt2.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from collections.abc import Callable
@@ -35,21 +34,20 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError
-from normswap.load.checkpoint_dir import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    RECORD_FILE,
-    RECORD_FORMAT,
-    SINGLE_FILE,
-    CheckpointDirectory,
-    quiet_transformers,
-)
+from normswap.load.checkpoint_dir import CONFIG_FILE, RECORD_FILE, CheckpointDirectory, quiet_transformers
 from normswap.load.folder_files import folder_file
+from normswap.load.stock_reading import finish_directory, stock_on_meta
+from normswap.load.weight_files import HIDDEN, STOCK
 from normswap.util.dtypes import floating_dtype
 
 # Files of the input directory not copied: the weights (rewritten), what save_pretrained writes anew, and
 # other weight formats that would hold the unconverted model.
-_WRITTEN_ANEW = {CONFIG_FILE, INDEX_FILE, SINGLE_FILE, RECORD_FILE, "generation_config.json"}
+_WRITTEN_ANEW = {
+    CONFIG_FILE,
+    RECORD_FILE,
+    "generation_config.json",
+    *(n for names in (STOCK, HIDDEN) for n in (names.index, names.single)),
+}
 _WEIGHT_SUFFIXES = (
     ".safetensors",
     ".bin",
@@ -80,12 +78,15 @@ class WrittenDirectory:
     config_changes: dict[str, Any] = field(default_factory=dict)
     neutral_affine: list[str] = field(default_factory=list)
     reload_max_rel: float | None = None
+    # why the weights are under normswap's names, which stock loaders do not read (None: stock names)
+    stock_refused: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": str(self.path),
             "shards": self.shards,
             "stock_from_pretrained": self.stock,
+            "stock_refused": self.stock_refused,
             "recorded_modules": sorted(self.recorded_modules),
             "copied": self.copied,
             "not_copied": self.not_copied,
@@ -112,13 +113,6 @@ def _is_pretrained(model: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, transformers.PreTrainedModel)
-
-
-def _stock_model(model: nn.Module) -> nn.Module:
-    """The model its config builds, on the meta device (nothing allocated): the classes and tensor names a
-    stock ``from_pretrained`` expects."""
-    with quiet_transformers(), torch.device("meta"):
-        return type(model)._from_config(model.config)
 
 
 def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -188,7 +182,7 @@ def plan_directory(model: nn.Module) -> DirectoryPlan:
     a recipe, a module gone. Such a model is saved as .pt2."""
     from normswap.modules.recipes import module_recipe
 
-    stock = dict(_stock_model(model).named_modules())
+    stock = dict(stock_on_meta(type(model), model.config).named_modules())
     dtype = floating_dtype(model)
     plan = DirectoryPlan()
     present: set[str] = set()
@@ -307,15 +301,9 @@ def write_checkpoint_directory(
             model.save_pretrained(
                 temp, state_dict=state, max_shard_size=_shard_bytes(source), safe_serialization=True
             )
-        if plan.recorded:
-            record = {
-                "format": RECORD_FORMAT,
-                "version": 1,
-                "about": "modules whose class normswap changed; load this directory with normswap.load_model "
-                "(transformers' from_pretrained builds the original classes)",
-                "modules": plan.recorded,
-            }
-            (temp / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        stock_refused = finish_directory(
+            temp, plan.recorded, lambda: stock_on_meta(type(model), model.config)
+        )
         reload_error = verify(temp) if verify is not None else None
         copied, not_copied = copy_side_files(source, temp)
         shards = sorted(p.name for p in temp.glob("*.safetensors"))
@@ -332,7 +320,8 @@ def write_checkpoint_directory(
     return WrittenDirectory(
         path=path,
         shards=shards,
-        stock=not plan.recorded,
+        stock=stock_refused is None,
+        stock_refused=stock_refused,
         recorded_modules=plan.recorded,
         neutral_affine=sorted(plan.neutral),
         copied=copied,

@@ -317,13 +317,9 @@ def test_folded_batchnorms_of_a_hf_resnet_go_to_a_directory_and_load_back(tmp_pa
 
 
 def _stored_names(directory: Path) -> set[str]:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        return set(json.loads(index.read_text())["weight_map"])
-    from safetensors import safe_open
+    from normswap.load.weight_files import find_weights
 
-    with safe_open(str(directory / "model.safetensors"), "pt") as handle:
-        return set(handle.keys())
+    return set(find_weights(directory).weight_map)
 
 
 def test_a_recorded_module_under_a_name_transformers_renames_loads(tmp_path):

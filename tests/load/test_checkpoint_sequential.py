@@ -18,6 +18,7 @@ from normswap.api import checkpoint_sequential as sequential
 from normswap.api.checkpoint_sequential import convert_checkpoint_sequential, sequential_route
 from normswap.errors import BadInputError
 from normswap.load import load_model
+from normswap.load.weight_files import find_weights
 
 runner = CliRunner()
 
@@ -55,6 +56,9 @@ def test_block_by_block_writes_what_the_in_memory_calibration_writes(dirs, tmp_p
     assert not torch.equal(ours[changed[0]], _tensors(dirs[name])[changed[0]])  # fitted, not carried over
     record = json.loads((tmp_path / "seq" / "normswap.json").read_text())["modules"]
     assert record == json.loads((tmp_path / "memory" / "normswap.json").read_text())["modules"]
+    # LayerNorm where the config builds an RMSNorm: both routes keep stock loaders out, for the same reason
+    assert find_weights(tmp_path / "seq").hidden and find_weights(tmp_path / "memory").hidden
+    assert "is a LayerNorm; the config builds a" in done.stock_refused
     # the same figures: site by site and for the whole model on the calibration data
     theirs_fit = in_memory.calibration.fit
     assert [s.site for s in fit.sites] == [s.site for s in theirs_fit.sites]

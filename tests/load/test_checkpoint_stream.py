@@ -28,6 +28,7 @@ from normswap.errors import BadInputError, CheckFailedError  # noqa: E402
 from normswap.load import load_model  # noqa: E402
 from normswap.load.checkpoint_dir import read_checkpoint_directory  # noqa: E402
 from normswap.load.safetensors_io import read_header  # noqa: E402
+from normswap.load.weight_files import find_weights  # noqa: E402
 from normswap.verify.blockwise import centered, identity, verify_blockwise  # noqa: E402
 
 runner = CliRunner()
@@ -83,10 +84,10 @@ def test_the_stream_writes_what_the_in_memory_route_writes(dirs, tmp_path, name,
     # an edit may leave a tensor's bytes as they were (a zero bias centered), a copy never changes them
     assert len(untouched) >= streamed.copied_tensors > 0
     # the index lists every tensor in the shard that holds it, and the config says what changed
-    index = json.loads((tmp_path / "streamed" / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(after) and len(streamed.shards) == len(
-        set(index["weight_map"].values())
-    )
+    index = find_weights(tmp_path / "streamed")
+    assert set(index.weight_map) == set(after) and len(streamed.shards) == len(set(index.weight_map.values()))
+    # named alike by both routes: for normswap's loader alone where the classes changed
+    assert index.hidden == find_weights(tmp_path / "memory").hidden == ("exact" in options)
     # a tied token embedding stays tied (GPT-2's LM head): its module centres the rows it looks up
     config = json.loads((tmp_path / "streamed" / "config.json").read_text())
     original = json.loads((source / "config.json").read_text())

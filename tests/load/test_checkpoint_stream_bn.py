@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from normswap.api import ConvertConfig, convert
 from normswap.errors import CheckFailedError
 from normswap.load import load_model
+from normswap.load.weight_files import find_weights
 
 runner = CliRunner()
 
@@ -95,8 +96,11 @@ def test_the_streamed_fold_writes_what_the_in_memory_route_writes(tmp_path, name
     )
     record = json.loads((tmp_path / "streamed" / "normswap.json").read_text())["modules"]
     assert record == json.loads((tmp_path / "memory" / "normswap.json").read_text())["modules"]
-    index = json.loads((tmp_path / "streamed" / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"]) == set(ours)
+    index = find_weights(tmp_path / "streamed")
+    assert set(index.weight_map) == set(ours)
+    # an Identity where the config builds a BatchNorm: stock loaders would build another model
+    assert index.hidden and find_weights(tmp_path / "memory").hidden
+    assert "holding bias, weight; the config builds a Conv2d holding weight" in streamed.stock_refused
     # what a user loads from it computes the original's function
     back = load_model(str(tmp_path / "streamed")).model
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in back.modules())

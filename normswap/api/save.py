@@ -277,7 +277,8 @@ def _shape_messages(path: Path, shapes: WrittenShapes | None, fallbacks: list[st
     """What the terminal and the report say of the shapes a written program takes, and why it is fixed."""
     messages = [f"{path}: {reason}" for reason in fallbacks]
     if shapes is not None:
-        fixed = " (a saved program's image size is the example's)" if shapes.rejected else ""
+        fixed = " (torch.export fixed the image size where the model's code ties it to the example's)"
+        fixed = fixed if shapes.rejected else ""
         messages.append(f"{path} {shapes.summary()}{fixed if not shapes.rejected_free else ''}")
     return messages
 

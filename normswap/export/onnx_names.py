@@ -1,6 +1,6 @@
 """Names in a written ONNX file that a deployment can read: outputs named for what the model returns
 (``logits``, ``last_hidden_state``), and the dynamic axes named for what they are (``batch``,
-``sequence``), as ``optimum-cli export onnx`` writes them, instead of the exporter's ``linear_72`` and
+``sequence``, ``height``, ``width``), as ``optimum-cli export onnx`` writes them, instead of the exporter's ``linear_72`` and
 ``s43``.
 
 The exporter names a graph input after the forward's parameter (``input_ids``, ``attention_mask``) and a
@@ -51,9 +51,14 @@ def _unique(name: str, taken: list[str]) -> str:
     return f"{name}_{n}"
 
 
+# the free dims of a channels-first floating input, as optimum names an image's: an image N x C x H x W,
+# a clip N x C x T x H x W
+_SPATIAL = {4: {2: "height", 3: "width"}, 5: {2: "frames", 3: "height", 4: "width"}}
+
+
 def axis_names(input_leaves: list[torch.Tensor], symbols: list[list[str | int]]) -> dict[str, str]:
     """{exporter symbol: name} for the free dims of the graph's inputs: dim 0 is ``batch``, a free dim of
-    an integer input (token ids, masks) ``sequence``; a second symbol of the same kind gets ``_2``
+    an integer input (token ids, masks) ``sequence``, an image's ``height`` and ``width``; a second symbol of the same kind gets ``_2``
     (an encoder-decoder's two lengths). ``symbols``: per input, its dims as the file states them."""
     names: dict[str, str] = {}
     for leaf, dims in zip(input_leaves, symbols, strict=False):
@@ -65,7 +70,7 @@ def axis_names(input_leaves: list[torch.Tensor], symbols: list[list[str | int]])
             elif not leaf.is_floating_point():
                 kind = "sequence"
             else:
-                kind = f"dim{dim}"
+                kind = _SPATIAL.get(leaf.ndim, {}).get(dim, f"dim{dim}")
             names[symbol] = _unique(kind, list(names.values()))
     return names
 

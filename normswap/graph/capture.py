@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from normswap.errors import shorten
 from normswap.graph.fx_capture import faithful_trace, trace_graph
@@ -237,21 +238,33 @@ def input_dims(
 
 
 def _free_dim(tensor: torch.Tensor, dim: int) -> Any:
-    """Which input dims export may make dynamic: the batch dim of every input, and every dim of an
-    integer input (token ids and masks: the sequence length). Image sizes stay static: symbolic heights
-    and widths make export reason about every pooling and unfold (timm's MobileViT took minutes)."""
+    """Which input dims export may make dynamic for a graph to analyze: the batch dim of every input, and
+    every dim of an integer input (token ids and masks: the sequence length). Image sizes stay static:
+    symbolic heights and widths make export reason about every pooling and unfold (timm's MobileViT took
+    35 s instead of 1), which the analysis of every pass would pay."""
     if dim == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
         return torch.export.Dim.AUTO
     return torch.export.Dim.STATIC
 
 
+def _saved_free_dim(tensor: torch.Tensor, dim: int) -> Any:
+    """Which input dims a program to save may keep free: :func:`_free_dim`'s, and the height and width of
+    a floating image ``N x C x H x W`` (or a clip's ``N x C x T x H x W``), so a CNN's program takes any
+    image size. Export keeps a dim static wherever the model's code fixes it (a ViT's patch grid):
+    ``Dim.AUTO``. Paid once, when the program is written. A 3-d floating input is left as it was: its
+    last dim may be a hidden size (``N x L x D`` embeddings) as well as a length (``N x C x L``)."""
+    if dim >= 2 and tensor.ndim in (4, 5) and tensor.is_floating_point():
+        return torch.export.Dim.AUTO
+    return _free_dim(tensor, dim)
+
+
 def _unit_dims_grown(value: Any) -> Any:
-    """``value`` with every free dim of size 1 (:func:`_free_dim`) repeated to size 2: torch.export
+    """``value`` with every free dim of size 1 (:func:`_saved_free_dim`) repeated to size 2: torch.export
     specializes a size-1 dim to 1 (HF directories' example inputs are 1 x 16 token ids), so a program
     exported from them would take batches of one only."""
     if isinstance(value, torch.Tensor):
         repeats = [
-            2 if size == 1 and _free_dim(value, i) is torch.export.Dim.AUTO else 1
+            2 if size == 1 and _saved_free_dim(value, i) is torch.export.Dim.AUTO else 1
             for i, size in enumerate(value.shape)
         ]
         return value.repeat(*repeats) if any(r > 1 for r in repeats) else value
@@ -274,7 +287,8 @@ def export_program(
 ) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with the batch dim and the sequence dims of integer inputs dynamic where
     the model leaves them free (``Dim.AUTO``: export keeps a dim static where the code fixes it, see
-    :func:`_free_dim`); a fully static export when that fails. Captured under :func:`capture_friendly`
+    :func:`_free_dim`), and image sizes too in a program to save (:func:`_saved_free_dim`); a fully static
+    export when that fails. Captured under :func:`capture_friendly`
     unless ``friendly`` is False: the program of a Hugging Face model built with a default config then
     returns no cache. ``grow_unit_dims`` (a program to save): the dynamic export traces inputs whose
     free dims of size 1 are repeated to 2, so those dims stay dynamic (:func:`_unit_dims_grown`).
@@ -286,10 +300,22 @@ def export_program(
     with settings, _quiet_export():
         if not dynamic:
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
+        traced_args, traced_kwargs = (
+            (_unit_dims_grown(args), _unit_dims_grown(kwargs)) if grow_unit_dims else (args, kwargs)
+        )
+        if grow_unit_dims and _has_images(traced_args, traced_kwargs):
+            try:
+                free_dims = input_dims(model, traced_args, traced_kwargs, _saved_free_dim)
+                return torch.export.export(
+                    model, traced_args, kwargs=traced_kwargs, dynamic_shapes=free_dims, strict=False
+                )
+            except Exception as exc:  # the image sizes alone may be what export cannot leave free
+                if fallbacks is not None:
+                    fallbacks.append(
+                        f"the export with free image sizes failed ({_short_error(exc)}), so they are fixed "
+                        "at the example's"
+                    )
         try:
-            traced_args, traced_kwargs = (
-                (_unit_dims_grown(args), _unit_dims_grown(kwargs)) if grow_unit_dims else (args, kwargs)
-            )
             free_dims = input_dims(model, traced_args, traced_kwargs, _free_dim)
             return torch.export.export(
                 model, traced_args, kwargs=traced_kwargs, dynamic_shapes=free_dims, strict=False
@@ -302,6 +328,12 @@ def export_program(
                     f"program is fixed at the example's shapes {format_shapes(input_shapes(args, kwargs))}"
                 )
             return program
+
+
+def _has_images(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether any input has a dim that only :func:`_saved_free_dim` frees (an image's height, ...)."""
+    leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    return any(_saved_free_dim(t, d) is not _free_dim(t, d) for t in leaves for d in range(t.ndim))
 
 
 # Loggers through which a failing or dynamic export talks to the user: the failure is reported by

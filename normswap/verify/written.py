@@ -18,9 +18,10 @@ from typing import Any
 from normswap.errors import CheckFailedError, NormswapError
 from normswap.verify.variants import InputVariant, candidate_variants, describe_error, format_shapes
 
-# Variants along the dims a saved program keeps free (batch, sequence length: normswap.graph.capture's
-# _free_dim). Image sizes are fixed in a saved program by design (symbolic heights and widths make
-# export reason about every pooling), so a program that rejects another image size is named, not refused.
+# Variants along the dims every saved program keeps free where the model does (batch, sequence length:
+# normswap.graph.capture's _free_dim). Image sizes are left free too (_saved_free_dim), but export fixes
+# one wherever the model's code branches on it (Swin's padding to its window), so a program that rejects
+# another image size is named, not refused.
 FREE_DIM_LABELS = ("batch ", "length ")
 
 

@@ -92,12 +92,12 @@ def test_every_exact_rewrite_is_written_in_every_format(tmp_path: Path, name, op
     back = _outputs(torch.export.load(tmp_path / "m.pt2").module(), args, kwargs)
     assert ((back - want).abs().max() / want.abs().max()).item() < 1e-5
     # the program takes every batch and length the conversion was verified on (the example and its
-    # variants); another image size is named in the output's messages (a saved program's is fixed)
+    # variants); another image size, where export fixed it, is named in the output's messages
     assert saved.shapes is not None and len(saved.shapes.accepted) >= 2, saved.shapes
     assert not saved.shapes.rejected_free, saved.shapes.rejected
     for rejected in saved.shapes.rejected:
         assert " size " in rejected["label"] and "Guard failed" in rejected["error"], rejected
-        assert any(rejected["shapes"] in m and "image size is the example's" in m for m in saved.messages)
+        assert any(rejected["shapes"] in m and "fixed the image size where the model's code ties it" in m for m in saved.messages)
     if "add_weight_norm" in options:  # torch cannot pickle a parametrized module: refused before the work
         config = normswap.ConvertConfig(output=tmp_path / "m.pt", **options)
         with pytest.raises(

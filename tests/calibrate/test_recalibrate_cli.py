@@ -231,5 +231,7 @@ def test_recalibrate_writes_onnx_as_convert_does(tmp_path):
     )  # fmt: skip
     assert ran.exit_code == 0, ran.output
     written = json.loads(report.read_text())["onnx"]
-    assert written["opset"] == 18 and written["dynamic_axes"] == {"x": {"0": "batch", "2": "height", "3": "width"}}
+    assert written["opset"] == 18 and written["dynamic_axes"] == {
+        "x": {"0": "batch", "2": "height", "3": "width"}
+    }
     assert {o["dtype"] for o in written["outputs"]} == {"float16"} and written["within_tolerance"]

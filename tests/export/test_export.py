@@ -29,7 +29,9 @@ def test_export_resnet18_takes_any_batch_and_any_image_size(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())["onnx"]
     # the example is 2 x 3 x 32 x 32: its batch and image-size variants run and agree
-    assert data["within_tolerance"] and data["dynamic_axes"] == {"x": {"0": "batch", "2": "height", "3": "width"}}
+    assert data["within_tolerance"] and data["dynamic_axes"] == {
+        "x": {"0": "batch", "2": "height", "3": "width"}
+    }
     assert data["shapes"]["accepted"] == ["2x3x32x32", "3x3x32x32", "1x3x32x32", "2x3x8x8", "2x3x45x45"]
     assert data["shapes"]["rejected"] == []
     assert {o["name"].split(" at ")[1] for o in data["outputs"]} == set(data["shapes"]["accepted"])

@@ -27,13 +27,23 @@ FUSED = "Fused kernels"
 WEIGHT_NORM = "Weight norm"
 
 
+# The stages in which a conversion's passes run, in this order. Plain weights first, so the folds see
+# and rewrite real parameters; the folds into layers; the norm swaps; the affine folds into the readers
+# of the (swapped) norms; weight norm added last among the module edits. Graph rewrites come after every
+# module edit, since they replace the user's module with an exported graph: norms fused before adds are
+# fused into them, and a deferred RMS scale last, after the norms' weights are folded.
+PLAIN_WEIGHTS, LAYER_FOLDS, LAYERSCALE_FOLDS, NORM_SWAPS, AFFINE_FOLDS, ADD_WEIGHT_NORM = range(6)
+GRAPH_STREAM, GRAPH_FUSE_NORMS, GRAPH_FUSE_ADDS, GRAPH_DEFER_RMS = range(6, 10)
+
+
 @dataclass(frozen=True)
 class Rewrite:
     """One rewrite: ``field`` of ConvertConfig (for a ``--to`` target, the target's name), ``option`` on
     the command line, ``kind``, ``family``, ``help`` (its ``--help`` line), ``docs`` (its page under
-    docs/), ``streams`` (a model directory can be rewritten tensor by tensor; a ``--to`` target only
-    under ``--exact``), ``graph`` (the result is an exported GraphModule), ``needs`` (the option it
-    refines, if any)."""
+    docs/), ``stage`` (when its passes run, above), ``streams`` (a model directory can be rewritten
+    tensor by tensor; a ``--to`` target only under ``--exact``), ``graph`` (the result is an exported
+    GraphModule), ``needs`` (the option it refines, if any), ``runs_also`` (the rewrite whose passes it
+    needs run first, at their own stage)."""
 
     field: str
     option: str
@@ -41,9 +51,11 @@ class Rewrite:
     family: str
     help: str
     docs: str
+    stage: int
     streams: bool = False
     graph: bool = False
     needs: str | None = None
+    runs_also: str | None = None
 
 
 # The on/off rewrites, each a boolean (or, for --add-weight-norm, a module list) of ConvertConfig.
@@ -55,6 +67,7 @@ OPTIONS: tuple[Rewrite, ...] = (
         FOLDS,
         "Fold eval-mode BatchNorm into the conv/linear beside it (exact).",
         "convert/fold-batchnorm.md",
+        LAYER_FOLDS,
         streams=True,
     ),
     Rewrite(
@@ -65,6 +78,7 @@ OPTIONS: tuple[Rewrite, ...] = (
         "Fold each LayerScale (ViT's ls1/ls2, DINOv2's layer_scale, ConvNeXt's gamma) into the Linear or conv "
         "that writes what it scales (exact).",
         "convert/fold-layerscale.md",
+        LAYERSCALE_FOLDS,
         streams=True,
     ),
     Rewrite(
@@ -74,6 +88,7 @@ OPTIONS: tuple[Rewrite, ...] = (
         FOLDS,
         "Fold each norm's weight and bias into the Linear layers that read it (exact).",
         "convert/fold-affine.md",
+        AFFINE_FOLDS,
         streams=True,
     ),
     Rewrite(
@@ -84,7 +99,9 @@ OPTIONS: tuple[Rewrite, ...] = (
         "Fold norm weights into their Linear readers, then apply each RMSNorm's scale after those matmuls "
         "(FlashNorm; exact; the result is a GraphModule: save as .pt2 or .onnx).",
         "convert/fold-affine.md",
+        GRAPH_DEFER_RMS,
         graph=True,
+        runs_also="fold_norm_affine",
     ),
     Rewrite(
         "fuse_add",
@@ -94,6 +111,7 @@ OPTIONS: tuple[Rewrite, ...] = (
         "With --to fused: also fuse each residual add into the norm after it (the output becomes a "
         "torch.fx GraphModule; exact).",
         "convert/fused.md",
+        GRAPH_FUSE_ADDS,
         graph=True,
         needs="--to fused",
     ),
@@ -105,6 +123,7 @@ OPTIONS: tuple[Rewrite, ...] = (
         "With --to fused: also fuse norms that are no module of their own (functional calls and norms "
         "written out inside another forward; the output becomes a torch.fx GraphModule; exact).",
         "convert/fused.md",
+        GRAPH_FUSE_NORMS,
         graph=True,
         needs="--to fused",
     ),
@@ -116,6 +135,7 @@ OPTIONS: tuple[Rewrite, ...] = (
         "Wrap these Conv/ConvTranspose/Linear layers in weight norm: comma-separated module paths, or "
         "'all' (exact).",
         "convert/weight-norm.md",
+        ADD_WEIGHT_NORM,
         streams=True,
     ),
     Rewrite(
@@ -125,6 +145,7 @@ OPTIONS: tuple[Rewrite, ...] = (
         WEIGHT_NORM,
         "Fold every weight norm back into a plain weight (exact).",
         "convert/weight-norm.md",
+        PLAIN_WEIGHTS,
         streams=True,
     ),
 )
@@ -140,6 +161,7 @@ TARGETS: tuple[Rewrite, ...] = (
         SWAP,
         "exact where the residual stream can be recentered, architectural elsewhere",
         "convert/recenter.md",
+        NORM_SWAPS,
         streams=True,
     ),
     Rewrite(
@@ -149,6 +171,7 @@ TARGETS: tuple[Rewrite, ...] = (
         SWAP,
         "Pre-CRMSNorm: the recentered residual stream stored in d-1 dims; exact, a graph rewrite",
         "convert/recenter.md",
+        GRAPH_STREAM,
         graph=True,
     ),
     Rewrite(
@@ -158,6 +181,7 @@ TARGETS: tuple[Rewrite, ...] = (
         FUSED,
         "the same norms on normswap's fused kernels; exact",
         "convert/fused.md",
+        NORM_SWAPS,
     ),
     Rewrite(
         "cosine",
@@ -166,6 +190,7 @@ TARGETS: tuple[Rewrite, ...] = (
         SWAP,
         "Linear/Conv layers become cosine-normalized ones (architectural; see --layers)",
         "convert/cosine.md",
+        NORM_SWAPS,
     ),
     *(
         Rewrite(
@@ -175,6 +200,7 @@ TARGETS: tuple[Rewrite, ...] = (
             SWAP,
             "a norm of another kind (architectural)",
             "convert/swap.md",
+            NORM_SWAPS,
         )
         for name in _SWAPS
     ),
@@ -182,6 +208,7 @@ TARGETS: tuple[Rewrite, ...] = (
 
 REWRITES: tuple[Rewrite, ...] = (*OPTIONS, *TARGETS)
 BY_OPTION: Mapping[str, Rewrite] = MappingProxyType({r.option: r for r in REWRITES})
+BY_FIELD: Mapping[str, Rewrite] = MappingProxyType({r.field: r for r in REWRITES})
 
 
 def to_help() -> str:

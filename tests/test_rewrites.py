@@ -105,3 +105,21 @@ def test_every_on_off_rewrite_reaches_the_config_from_its_flag(monkeypatch, tmp_
         assert "captured" in result.output, (entry.option, result.output)
         asked = {e.field for e in on_off if getattr(seen[-1], e.field)}
         assert asked == {entry.field}, entry.option
+
+
+def test_passes_run_in_the_order_of_the_registry_stages():
+    config = ConvertConfig(
+        add_weight_norm="all", fuse_add=True, fuse_inline=True, fold_norm_affine=True, to="fused",
+        fold_layerscale=True, fold_bn=True, remove_weight_norm=True,
+    )  # fmt: skip
+    passes = [p.name for p in config.passes()]
+    assert passes == [
+        "remove_weight_norm", "fold_batchnorm", "fold_layerscale", "fuse_norm", "fold_norm_affine",
+        "add_weight_norm", "fuse_graph_norm", "fuse_add_norm",
+    ]  # fmt: skip
+    stage = {r.field: r.stage for r in rewrites.REWRITES}
+    asked = ["remove_weight_norm", "fold_bn", "fold_layerscale", "fused", "fold_norm_affine", "add_weight_norm",
+             "fuse_inline", "fuse_add"]  # fmt: skip
+    assert [stage[f] for f in asked] == sorted(stage[f] for f in asked)
+    # a rewrite that needs another's passes runs them too, at their own stage
+    assert [p.name for p in ConvertConfig(defer_rms=True).passes()] == ["fold_norm_affine", "defer_rms"]

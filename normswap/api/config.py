@@ -6,7 +6,7 @@ convert`` builds from them, and one wording serves both.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.passes.core.base import Pass
 from normswap.passes.core.pipeline import ExactOnlyError, Pipeline
-from normswap.rewrites import BY_OPTION, OPTIONS, REWRITES, TARGETS, graph_options
+from normswap.rewrites import BY_FIELD, BY_OPTION, OPTIONS, REWRITES, TARGETS, graph_options
 
 if TYPE_CHECKING:
     import torch
@@ -261,66 +261,58 @@ class ConvertConfig:
         return AddWeightNorm(targets=paths, dim=dim)
 
     def _passes(self) -> list[Pass]:
-        from normswap.passes import (
-            FoldBatchNorm,
-            FoldLayerScale,
-            FoldNormAffine,
-            RecenterLayerNorm,
-            RemoveWeightNorm,
-            SwapNorm,
-        )
-
+        """The passes of the rewrites asked for (and of those they run also), in the order of their
+        stages (:mod:`normswap.rewrites`)."""
         self._check_kinds()
-        to = self.to
-        passes: list[Pass] = []
-        # plain weights first, so the folds see and rewrite real parameters
-        if self.remove_weight_norm:
-            passes.append(RemoveWeightNorm())
-        if self.fold_bn:
-            passes.append(FoldBatchNorm())
-        if self.fold_layerscale:
-            passes.append(FoldLayerScale())
-        kinds = tuple(self.from_kinds) if self.from_kinds else None
-        if to == "rmsnorm" and (kinds is None or "layer" in kinds):
-            # exact where the residual stream can be recentered; the generic swap takes the rest
-            passes.append(RecenterLayerNorm())
-            if not self.exact:
-                passes.append(SwapNorm(to, kinds))
-        elif to == "crmsnorm":
-            pass  # a graph rewrite: added below, after every module edit
-        elif to == "cosine":
-            from normswap.passes.swap.cosine_layers import CosineLayers
-
-            passes.append(CosineLayers(self.layers))
-        elif to == "fused":
-            from normswap.passes.fuse.modules import FuseNorm
-
-            passes.append(FuseNorm())
-        elif to is not None:
-            passes.append(SwapNorm(to, kinds, groups=self.groups))
-        if self.fold_norm_affine or self.defer_rms:
-            passes.append(FoldNormAffine())  # --defer-rms scales weightless norms: fold the weights first
-        if self.add_weight_norm is not None:
-            passes.append(self.weight_norm_pass())
-        # Graph rewrites come last: every module edit must be done on the user's module first. Norms are
-        # fused before adds are fused into them.
-        if to == "crmsnorm":
-            from normswap.passes.recenter.compress import CompressStream
-
-            passes.append(CompressStream())  # exact only: no lossy fallback for what it refuses
-        if self.fuse_inline:
-            from normswap.passes.fuse.graph import FuseGraphNorm
-
-            passes.append(FuseGraphNorm())
-        if self.fuse_add:
-            from normswap.passes.fuse.add_norm import FuseAddNorm
-
-            passes.append(FuseAddNorm())
-        if self.defer_rms:
-            from normswap.passes.affine.defer_rms import DeferRMS
-
-            passes.append(DeferRMS())
+        asked = {r.field: r for r in REWRITES if r.option in self.rewrites()}
+        for rewrite in list(asked.values()):
+            if rewrite.runs_also is not None:
+                asked.setdefault(rewrite.runs_also, BY_FIELD[rewrite.runs_also])
+        passes = [p for r in sorted(asked.values(), key=lambda r: r.stage) for p in self._passes_of(r.field)]
         if not passes:
             options = [entry.option for entry in OPTIONS if entry.needs is None]
             raise BadInputError(f"nothing to do: give --to KIND, {', '.join(options[:-1])} or {options[-1]}")
         return passes
+
+    def _passes_of(self, field: str) -> list[Pass]:
+        """How the rewrite ``field`` (a registry entry's) is built under this configuration."""
+        from normswap import passes as p
+
+        kinds = tuple(self.from_kinds) if self.from_kinds else None
+        if field == "rmsnorm" and (kinds is None or "layer" in kinds):
+            # exact where the residual stream can be recentered; the generic swap takes the rest
+            return [p.RecenterLayerNorm(), *([] if self.exact else [p.SwapNorm("rmsnorm", kinds)])]
+        if field == "crmsnorm":
+            from normswap.passes.recenter.compress import CompressStream
+
+            return [CompressStream()]  # exact only: no lossy fallback for what it refuses
+        if field == "fused":
+            from normswap.passes.fuse.modules import FuseNorm
+
+            return [FuseNorm()]
+        if field == "cosine":
+            from normswap.passes.swap.cosine_layers import CosineLayers
+
+            return [CosineLayers(self.layers)]
+        if field == "fuse_inline":
+            from normswap.passes.fuse.graph import FuseGraphNorm
+
+            return [FuseGraphNorm()]
+        if field == "fuse_add":
+            from normswap.passes.fuse.add_norm import FuseAddNorm
+
+            return [FuseAddNorm()]
+        if field == "defer_rms":
+            from normswap.passes.affine.defer_rms import DeferRMS
+
+            return [DeferRMS()]
+        plain: dict[str, Callable[[], Pass]] = {
+            "remove_weight_norm": p.RemoveWeightNorm,
+            "fold_bn": p.FoldBatchNorm,
+            "fold_layerscale": p.FoldLayerScale,
+            "fold_norm_affine": p.FoldNormAffine,
+            "add_weight_norm": self.weight_norm_pass,
+        }
+        if field in plain:
+            return [plain[field]()]
+        return [p.SwapNorm(field, kinds, groups=self.groups)]  # an architectural --to KIND

@@ -159,15 +159,15 @@ def test_a_run_with_nothing_to_change_says_so(dirs, tmp_path):
 def test_a_wrong_fold_past_the_last_block_is_caught_through_the_head(dirs, tmp_path, monkeypatch):
     """The last block of a post-LN model is also tried through the head, and a fold 1% off there passes
     neither: the stream's verification fails, naming the block, and nothing is written."""
-    import normswap.passes.affine.stream as affine_stream
+    import normswap.passes.affine.arithmetic as affine_arithmetic
 
-    real = affine_stream.fold_affine_into_linear
+    real = affine_arithmetic.fold_affine_into_linear
 
     def off(weight, bias, gain, shift, in_dim):
         w, b = real(weight, bias, gain, shift, in_dim)
         return w * 1.01, b
 
-    monkeypatch.setattr(affine_stream, "fold_affine_into_linear", off)
+    monkeypatch.setattr(affine_arithmetic, "fold_affine_into_linear", off)
     out = tmp_path / "out"
     code, report = _run(
         ["convert", str(dirs["bert"]), "--fold-norm-affine", "-o", str(out)], tmp_path / "r.json"

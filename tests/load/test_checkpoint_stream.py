@@ -262,8 +262,7 @@ def test_a_killed_run_leaves_no_directory_that_looks_complete(dirs, tmp_path):
 
 @pytest.mark.parametrize("in_dim", [0, 1])
 def test_the_fold_in_slices_equals_the_fold_on_the_whole_weight(in_dim):
-    from normswap.passes.affine.fold import fold_affine_into_linear
-    from normswap.passes.affine.stream import _fold_in_slices
+    from normswap.passes.affine.arithmetic import fold_affine_into_linear, fold_in_slices
 
     generator = torch.Generator().manual_seed(0)
     shape = (37, 24) if in_dim == 1 else (24, 37)  # 37 output features, 24 inputs
@@ -273,7 +272,7 @@ def test_the_fold_in_slices_equals_the_fold_on_the_whole_weight(in_dim):
     for b in (bias, None):
         whole = fold_affine_into_linear(weight, b, gain, shift, in_dim)
         into = weight.clone()
-        sliced = _fold_in_slices(into, b, gain, shift, in_dim, slice_elements=100)  # 4 rows a slice
+        sliced = fold_in_slices(into, b, gain, shift, in_dim, slice_elements=100)  # 4 rows a slice
         assert torch.equal(whole[0], sliced[0]) and torch.equal(whole[1], sliced[1])
         assert sliced[0] is into  # written over the weight it read: the group holds it once
 

@@ -62,7 +62,9 @@ from normswap.graph.ops import (
 from normswap.graph.patterns import NormMatch, find_norm_patterns
 from normswap.modules.norms import LayerNorm as RefLayerNorm
 from normswap.modules.norms import RMSNorm as RefRMSNorm
+from normswap.passes.affine.arithmetic import fold_edit
 from normswap.passes.core.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
+from normswap.passes.core.edits import apply_in_memory
 
 _TORCH_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _VIEW_OPS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "expand"})
@@ -71,40 +73,6 @@ _NORM_OPS = frozenset({"layer_norm", "rms_norm"})
 
 def _class(module: nn.Module | None) -> str:
     return type(module).__name__
-
-
-# --- the math ---------------------------------------------------------------------------------------
-
-
-def fold_affine_into_linear(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gain: torch.Tensor | None,
-    shift: torch.Tensor | None,
-    in_dim: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Absorb ``y = x * gain + shift`` (per input feature) into a linear map that reads ``y``.
-
-    ``in_dim`` is the weight's input-feature dim: 1 for ``nn.Linear`` (``(out, in)``), 0 for HF
-    ``Conv1D`` (``(in, out)``). Returns ``(W', b')`` in ``weight``'s dtype; ``b'`` is None only when
-    there was no bias and no shift. Math in float64.
-    """
-    weight = weight.detach()
-    shape = [1, 1]
-    shape[in_dim] = -1
-    new_w = torch.empty_like(weight, memory_format=torch.contiguous_format)
-    if gain is not None:
-        # the product promotes to float64 and rounds once into new_w's dtype: no float64 copy of W
-        torch.mul(weight, gain.detach().double().reshape(shape), out=new_w)
-    else:
-        new_w.copy_(weight)
-    new_b = bias.detach().double() if bias is not None else None
-    if shift is not None:
-        w, s = weight.double(), shift.detach().double()
-        moved = w @ s if in_dim == 1 else s @ w  # the shift as every output feature sees it
-        new_b = moved if new_b is None else new_b + moved
-    dtype = weight.dtype
-    return new_w, (new_b.to(bias.dtype if bias is not None else dtype) if new_b is not None else None)
 
 
 # --- graph bookkeeping ------------------------------------------------------------------------------
@@ -399,26 +367,12 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
         site, weight_name, bias_name, readers = plan.site, plan.weight_name, plan.bias_name, plan.readers
         norm = site.module
         assert norm is not None
-        gain = _tensor(norm, weight_name) if weight_name else None
-        shift = _tensor(norm, bias_name) if bias_name else None
-        if gain is not None and site.weight_offset:
-            gain = gain.detach().double() + site.weight_offset
-        bias_added = []
-        for reader in readers:
-            layer = reader.module
-            old_w, old_b = getattr(layer, reader.weight_name), getattr(layer, reader.bias_name)
-            new_w, new_b = fold_affine_into_linear(old_w, old_b, gain, shift, reader.in_dim)
-            with torch.no_grad():
-                old_w.copy_(new_w)
-                if new_b is not None and old_b is None:
-                    setattr(
-                        layer,
-                        reader.bias_name,
-                        nn.Parameter(new_b.to(old_w.device), requires_grad=old_w.requires_grad),
-                    )
-                    bias_added.append(reader.path)
-                elif new_b is not None:
-                    old_b.copy_(new_b)
+        # the group a stream writes, run on the model's own tensors (a reader gains a bias it needs)
+        tensors = {name for name, _ in ctx.model.named_parameters(remove_duplicate=False)}
+        tensors |= {name for name, _ in ctx.model.named_buffers(remove_duplicate=False)}
+        edit = fold_edit(plan, tensors, create_biases=True)
+        assert not isinstance(edit, str), edit  # every tensor is the model's own, and biases may be made
+        bias_added = [name.rpartition(".")[0] for name in apply_in_memory(ctx.model, edit)]
         new = _weightless_norm(site, norm)
         replace_submodule(ctx.model, site.path, new)
         into = [r.path for r in readers]

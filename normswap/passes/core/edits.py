@@ -8,7 +8,9 @@ function computing the tensors it writes, in float64, cast back to each tensor's
 writer opens only a group's inputs, computes it, writes it and forgets it, so memory is one group.
 
 The groups of each rewrite are its family's ``stream.py`` (``affine``, ``recenter``, ``batchnorm``,
-``weightnorm``), and :func:`normswap.passes.streaming.plan_edits` picks the one a conversion asks for.
+``weightnorm``, ``layerscale``), and :func:`normswap.passes.streaming.plan_edits` picks the one a
+conversion asks for. Where a family states its groups once for both routes (the LayerScale and affine
+folds), its in-memory pass runs the same groups on the model's own tensors (:func:`apply_in_memory`).
 Which rewrites stream is said once, in :mod:`normswap.rewrites`; :func:`normswap.api.checkpoint.stream_problem`
 says why a conversion does not.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
 from normswap.passes.core.base import Pass, PassContext, PassReport, Skip, SkipCause
 
@@ -101,6 +104,31 @@ class EditPlan:
         """A site the pass would change that the stream cannot write: skipped, with the reason."""
         assert self.report is not None
         self.report.skips.append(Skip(rewrite.name, site, reason, SkipCause.UNSUPPORTED))
+
+
+def apply_in_memory(model: nn.Module, edit: TensorEdit) -> list[str]:
+    """Run the group ``edit`` on ``model``'s own tensors, as the stream runs it on stored ones: each read
+    by its state-dict name, the results written into the tensors of those names (a tensor the group
+    ``creates`` becomes a parameter of the module its name names, on its anchor's device, in its dtype,
+    trainable as its anchor is). Returns the names created. Dropping tensors and untied copies are the
+    stream's: a module the pass replaces takes its tensors with it."""
+    if edit.new or edit.drops:
+        raise ValueError(f"{edit.label}: untied copies and dropped tensors are written by a stream only")
+    tensors = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+    with torch.no_grad():
+        outputs = edit.compute({name: tensors[name].detach() for name in edit.reads})
+        for name, value in outputs.items():
+            if name in edit.creates:
+                anchor = tensors[edit.creates[name][0]]
+                owner, _, attr = name.rpartition(".")
+                created = value.to(device=anchor.device, dtype=anchor.dtype)
+                setattr(model.get_submodule(owner), attr, nn.Parameter(created, anchor.requires_grad))
+            elif value.data_ptr() != tensors[name].data_ptr():
+                tensors[name].copy_(value)
+    return list(edit.creates)
 
 
 def plan_for(rewrite: Pass) -> EditPlan:

@@ -45,6 +45,7 @@ from normswap.passes.core.base import (
     SkipCause,
     replace_submodule,
 )
+from normswap.passes.core.edits import TensorEdit, Tensors, apply_in_memory
 
 _WRITERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # ops a scale parameter may go through to broadcast
@@ -62,6 +63,24 @@ def fold_scale_into_writer(
     new_weight = (weight.detach().double() * gain.reshape(-1, *[1] * (weight.ndim - 1))).to(weight.dtype)
     new_bias = None if bias is None else (bias.detach().double() * gain).to(bias.dtype)
     return new_weight, new_bias
+
+
+def scale_edit(plan: LayerScalePlan, layer: nn.Module) -> TensorEdit:
+    """The fold of ``plan`` as one group of tensor edits, the same on every route: the layer's weight and
+    bias scaled (:func:`fold_scale_into_writer`), the scale written as ones. ``layer``: the module at
+    ``plan.writer`` (on any device; only whether it has a bias is read)."""
+    weight, scale = f"{plan.writer}.weight", plan.site.path
+    bias = f"{plan.writer}.bias" if layer.bias is not None else None
+    reads = (weight, *((bias,) if bias else ()), scale)
+
+    def compute(t: Tensors) -> Tensors:
+        new_weight, new_bias = fold_scale_into_writer(t[weight], t.get(bias or ""), t[scale])
+        out = {weight: new_weight, scale: torch.ones_like(t[scale])}
+        if bias is not None and new_bias is not None:
+            out[bias] = new_bias
+        return out
+
+    return TensorEdit(f"fold {scale}", reads, compute, reads)
 
 
 @dataclass(frozen=True)
@@ -181,17 +200,9 @@ class FoldLayerScale(Pass[ScaleSite, LayerScalePlan, None]):
         return LayerScalePlan(site, path, owner, replace)
 
     def apply(self, plan: LayerScalePlan, ctx: PassContext, state: None) -> Change:
-        layer = ctx.modules[plan.writer]
-        scale = ctx.model.get_parameter(plan.site.path)
-        weight, bias = fold_scale_into_writer(layer.weight, layer.bias, scale)
-        with torch.no_grad():
-            layer.weight.copy_(weight)
-            if bias is not None:
-                layer.bias.copy_(bias)
-            if plan.replace:
-                replace_submodule(ctx.model, plan.owner, nn.Identity())
-            else:
-                scale.fill_(1.0)
+        apply_in_memory(ctx.model, scale_edit(plan, ctx.modules[plan.writer]))
+        if plan.replace:  # the scale's own module does nothing now: gone
+            replace_submodule(ctx.model, plan.owner, nn.Identity())
         return self.change(plan)
 
     def change(self, plan: LayerScalePlan) -> Change:

@@ -2,9 +2,9 @@
 
 The scales and their layers are :class:`~normswap.passes.layerscale.fold.FoldLayerScale`'s own checks,
 run on the model built on the meta device. A group is one scale with the Linear or conv that writes what
-it scales: ``W' = diag(g) W``, ``b' = g b`` (:func:`~normswap.passes.layerscale.fold.fold_scale_into_writer`)
-and the scale written as ones, so the directory keeps every module its config builds and loads with
-stock ``from_pretrained``. A group's memory is its layer's weight and bias and the scale.
+it scales: ``W' = diag(g) W``, ``b' = g b``, the scale written as ones (so the directory keeps every
+module its config builds and loads with stock ``from_pretrained``): the group the in-memory pass runs
+too (:func:`~normswap.passes.layerscale.fold.scale_edit`). A group's memory is its layer's weight and bias and the scale.
 
 Each group is checked where it was written: the layer and its scale as written against the layer and
 its scale as they were, on a random input, in the stored dtype. A block-by-block check would need every
@@ -21,8 +21,8 @@ from torch import nn
 
 from normswap.passes.batchnorm.stream import layer_filled, layer_probe
 from normswap.passes.core.base import PassContext
-from normswap.passes.core.edits import EditPlan, TensorEdit, Tensors, plan_for
-from normswap.passes.layerscale.fold import FoldLayerScale, LayerScalePlan, fold_scale_into_writer
+from normswap.passes.core.edits import EditPlan, Tensors, plan_for
+from normswap.passes.layerscale.fold import FoldLayerScale, LayerScalePlan, scale_edit
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
 
@@ -36,18 +36,6 @@ class LayerScaleGroup:
     layer: nn.Module
     weight: str
     bias: str | None
-
-    def edit(self) -> TensorEdit:
-        reads = (self.weight, *((self.bias,) if self.bias else ()), self.scale)
-
-        def compute(t: Tensors) -> Tensors:
-            weight, bias = fold_scale_into_writer(t[self.weight], t.get(self.bias or ""), t[self.scale])
-            out = {self.weight: weight, self.scale: torch.ones_like(t[self.scale])}
-            if self.bias is not None and bias is not None:
-                out[self.bias] = bias
-            return out
-
-        return TensorEdit(f"fold {self.scale}", reads, compute, reads)
 
     def _scaled(self, tensors: Tensors, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         layer = layer_filled(self.layer, tensors, self.layer_path, dtype)
@@ -102,7 +90,7 @@ def plan_layerscale_folds(model: nn.Module, ctx: PassContext, stored: set[str]) 
         if isinstance(group, str):
             plan.cannot_stream(rewrite, site.path, group)
             continue
-        plan.edits.append(group.edit())
+        plan.edits.append(scale_edit(checked, group.layer))
         plan.checks.append(group)
         plan.report.changes.append(rewrite.change(checked))
     return plan

@@ -14,7 +14,7 @@ from torch import nn
 
 from normswap.modules import RMSNorm
 from normswap.passes import FoldNormAffine, Pipeline
-from normswap.passes.affine.fold import fold_affine_into_linear
+from normswap.passes.affine.arithmetic import fold_affine_into_linear
 from normswap.util.tolerance import EXACT_TOLERANCE
 from normswap.verify import compare_models
 

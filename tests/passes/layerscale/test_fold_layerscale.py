@@ -219,14 +219,14 @@ def test_a_directory_streams_each_scale_folded_and_verified_and_loads_back(tmp_p
 
 
 def test_a_wrong_streamed_fold_is_caught_by_its_check_and_nothing_is_written(tmp_path: Path, monkeypatch):
-    import normswap.passes.layerscale.stream as layerscale_stream
+    import normswap.passes.layerscale.fold as layerscale_fold
 
     source, _ = _convnext_directory(tmp_path)
 
     def off_by_a_little(weight, bias, scale):
         return fold_scale_into_writer(weight, bias, scale * (1 + 1e-3))
 
-    monkeypatch.setattr(layerscale_stream, "fold_scale_into_writer", off_by_a_little)
+    monkeypatch.setattr(layerscale_fold, "fold_scale_into_writer", off_by_a_little)
     result = normswap.convert(source, normswap.ConvertConfig(fold_layerscale=True, output=tmp_path / "out"))
     assert not result.ok and result.verdict is normswap.Verdict.EXACT_FAILURE
     assert result.refusal.startswith(

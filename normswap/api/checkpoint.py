@@ -16,7 +16,6 @@ input directory are copied (not other weight formats or folders).
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 from collections import deque
@@ -33,20 +32,16 @@ from normswap.api.checkpoint_checks import check_rewritten_layers, verify_blocks
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError, CheckFailedError, describe
 from normswap.load.checkpoint_dir import (
-    CONFIG_FILE,
     CheckpointDirectory,
     build_on_meta,
     read_checkpoint_directory,
     stored_tensor_reader,
 )
-from normswap.load.checkpoint_write import copy_side_files
+from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers
 from normswap.load.config_inputs import example_inputs
-from normswap.load.folder_files import folder_file
 from normswap.load.paths import check_output
-from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_header, read_tensor
+from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_tensor
 from normswap.load.save import publish_directory, reserve_temp_dir
-from normswap.load.stock_reading import finish_directory, stock_of_directory
-from normswap.load.weight_files import write_index
 from normswap.passes.core.base import PassReport
 from normswap.passes.core.edits import EditPlan, TensorEdit
 from normswap.passes.streaming import plan_edits
@@ -94,10 +89,6 @@ class StreamedConversion:
             "fold_checks": [asdict(check) for check in self.fold_checks],
             "stock_refused": self.stock_refused,
         }
-
-
-def _headers(checkpoint: CheckpointDirectory) -> dict[str, tuple[dict[str, TensorEntry], dict[str, str]]]:
-    return {shard: read_header(checkpoint.path / shard) for shard in checkpoint.shards}
 
 
 def _layout(
@@ -242,36 +233,6 @@ def _stream(
     return sorted(layout), untouched, len(edited) + len(byte_copies), largest
 
 
-def _write_index(checkpoint: CheckpointDirectory, temp: Path, layout_shards: list[str]) -> None:
-    """The output's index, named as the input's weights are (one file without an index stays so)."""
-    assert checkpoint.weights is not None
-    if len(layout_shards) == 1 and not checkpoint.weights.indexed:
-        return
-    weight_map: dict[str, str] = {}
-    total = 0
-    for shard in layout_shards:
-        entries, _ = read_header(temp / shard)
-        for name, entry in entries.items():
-            weight_map[name] = shard
-            total += entry.nbytes
-    write_index(temp, weight_map, total, checkpoint.weights.names)
-
-
-def _write_config(checkpoint: CheckpointDirectory, temp: Path, plan: EditPlan) -> str | None:
-    """The output's config (``plan``'s changes made), ``normswap.json`` for the modules the input recorded
-    and ``plan`` records, the weight files named for who may read them
-    (:func:`~normswap.load.stock_reading.finish_directory`); returns why stock loaders are kept out."""
-    config = dict(checkpoint.config)
-    config.update(plan.config_changes)
-    (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    modules = {**checkpoint.replaced_modules, **plan.recorded}
-    stock_refused = finish_directory(temp, modules, lambda: stock_of_directory(checkpoint))
-    generation = folder_file(checkpoint.path, "generation_config.json")
-    if generation.is_file():
-        shutil.copyfile(generation, temp / generation.name)
-    return stock_refused
-
-
 @dataclass
 class PlannedStream:
     """A model directory's rewrite decided on the meta device, before anything is written: the pass's
@@ -301,7 +262,7 @@ def plan_checkpoint(
     if why is not None:
         raise BadInputError(f"cannot stream this conversion: {why}")
     checkpoint = source if isinstance(source, CheckpointDirectory) else read_checkpoint_directory(source)
-    headers = _headers(checkpoint)
+    headers = stored_headers(checkpoint)
     say("analyzing the model built on the meta device (no weights read)")
     model = build_on_meta(checkpoint)
     weight_norm = (
@@ -343,8 +304,9 @@ def write_checkpoint(
     try:
         say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
         shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
-        _write_index(checkpoint, temp, shards)
-        stock_refused = _write_config(checkpoint, temp, plan)
+        stock_refused = finish_from_source(
+            checkpoint, temp, shards, config_changes=plan.config_changes, recorded=plan.recorded
+        )
         written = read_checkpoint_directory(temp)
         shards = list(written.shards)
         verification: list[BlockwiseReport] = []

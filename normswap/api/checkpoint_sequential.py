@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from normswap.api.checkpoint import _available_memory, _copy_all, _gb, _headers, _write_config, _write_index
+from normswap.api.checkpoint import _available_memory, _copy_all, _gb
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError, CheckFailedError, describe
 from normswap.load.checkpoint_dir import (
@@ -35,13 +35,12 @@ from normswap.load.checkpoint_dir import (
     read_checkpoint_directory,
     transformers_config,
 )
-from normswap.load.checkpoint_write import copy_side_files
+from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers
 from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import NAMES, ShardWriter
 from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.core.base import Change, PassReport, Skip, build_context
-from normswap.passes.core.edits import EditPlan
 
 if TYPE_CHECKING:
     from normswap.calibrate.sequential import SequentialCalibrationReport
@@ -315,7 +314,7 @@ def convert_checkpoint_sequential(
         )
         return new
 
-    headers = _headers(checkpoint)
+    headers = stored_headers(checkpoint)
     layout = _layout(checkpoint, headers, new_tensors)
     where = {name: shard for shard, rows in layout.items() for name, _, _ in rows}
     written_names = {f"{owner}.{n}" for owner, rows in new_tensors.items() for n, _, _ in rows}
@@ -364,8 +363,7 @@ def convert_checkpoint_sequential(
         for writer in writers.values():
             writer.close()
         shards = sorted(layout)
-        _write_index(checkpoint, temp, shards)
-        stock_refused = _write_config(checkpoint, temp, EditPlan(recorded=recorded))
+        stock_refused = finish_from_source(checkpoint, temp, shards, config_changes={}, recorded=recorded)
         say("checking the written directory")
         written = read_checkpoint_directory(temp)
         _check_written(written)

@@ -169,6 +169,7 @@ class ConvertConfig:
         return next(iter(self.given(*graph_options())), None)
 
     def _check_output(self) -> None:
+        from normswap.api.sources import check_output_format
         from normswap.load import SAVE_FORMATS
         from normswap.load.checkpoint_write import is_directory_output
         from normswap.load.paths import check_output
@@ -191,8 +192,7 @@ class ConvertConfig:
                     f"hold: save {output} as .pt2 or .onnx"
                 )
             return
-        if output.suffix not in SAVE_FORMATS:
-            raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
+        check_output_format(output)
         if SAVE_FORMATS[output.suffix] == "onnx" and (problem := onnx_check_problem(dtype)) is not None:
             raise BadInputError(f"-o {output}: {problem}")
         if SAVE_FORMATS[output.suffix] != "pickle":

@@ -147,11 +147,13 @@ def read_data(
 
 
 def check_output_format(output: Path) -> None:
-    """Refuse an -o whose suffix names no format normswap writes (.pt2, .pt, .onnx ...)."""
+    """Refuse an -o whose suffix names no format normswap writes (.pt2, .pt, .onnx ...); a name without a
+    file extension is a model directory, as in every Hugging Face tool."""
     from normswap.errors import BadInputError
     from normswap.load import SAVE_FORMATS
+    from normswap.load.checkpoint_write import is_directory_output
 
-    if output.suffix not in SAVE_FORMATS:
+    if not is_directory_output(output) and output.suffix not in SAVE_FORMATS:
         raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
 
 
@@ -168,8 +170,12 @@ def check_output_before_work(
     pickle."""
     from normswap.graph.capture import capture_graph
     from normswap.load import SAVE_FORMATS, check_writable
+    from normswap.load.checkpoint_write import check_directory_output, is_directory_output
     from normswap.util.dtypes import output_dtype
 
+    if is_directory_output(output):  # written with save_pretrained and loaded back: no export to try
+        check_directory_output(model, output)
+        return
     captured = None
     if SAVE_FORMATS.get(output.suffix.lower()) != "pickle" and (args is not None or kwargs):
         _say(on_step, "checking that the model can be exported")
@@ -199,15 +205,19 @@ def save_trained(
     -o replaced only with ``overwrite``. Without example inputs, the first data batch shows an export
     what the model takes."""
     from normswap.api.save import save
+    from normswap.load.checkpoint_dir import is_checkpoint_directory, read_checkpoint_directory
     from normswap.util.dtypes import output_dtype
 
     if not inputs_known and data.first is not None:
         args, kwargs = data.first.args, data.first.kwargs
+    # a model directory written from one: its shard size and side files (tokenizer, ...) are kept
+    directory = read_checkpoint_directory(source) if is_checkpoint_directory(source) else None
     return save(
         model,
         output,
         args or (),
         kwargs,
+        source=directory,
         refuse_path=never_written(source),
         overwrite=overwrite,
         opset=opset,

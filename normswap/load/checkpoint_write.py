@@ -23,6 +23,7 @@ with the module that has none: save it as .pt2.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Callable
@@ -36,8 +37,9 @@ from torch import nn
 from normswap.errors import BadInputError
 from normswap.load.checkpoint_dir import CONFIG_FILE, RECORD_FILE, CheckpointDirectory, quiet_transformers
 from normswap.load.folder_files import folder_file
-from normswap.load.stock_reading import finish_directory, stock_on_meta
-from normswap.load.weight_files import HIDDEN, STOCK
+from normswap.load.safetensors_io import TensorEntry, read_header
+from normswap.load.stock_reading import finish_directory, stock_of_directory, stock_on_meta
+from normswap.load.weight_files import HIDDEN, STOCK, write_index
 from normswap.util.dtypes import floating_dtype
 
 # Files of the input directory not copied: the weights (rewritten), what save_pretrained writes anew, and
@@ -329,3 +331,44 @@ def write_checkpoint_directory(
         config_changes=config_changes,
         reload_max_rel=reload_error,
     )
+
+
+def stored_headers(
+    checkpoint: CheckpointDirectory,
+) -> dict[str, tuple[dict[str, TensorEntry], dict[str, str]]]:
+    """Each shard's header (tensor name -> entry, and its metadata), as stored."""
+    return {shard: read_header(checkpoint.path / shard) for shard in checkpoint.shards}
+
+
+def finish_from_source(
+    checkpoint: CheckpointDirectory,
+    temp: Path,
+    shards: list[str],
+    *,
+    config_changes: dict[str, Any],
+    recorded: dict[str, Any],
+) -> str | None:
+    """Complete a model directory whose ``shards`` were written at ``temp`` in the layout of the directory
+    ``checkpoint`` (a stream, a block-by-block calibration, a sharded save): the index, named as the
+    input's weights are (one file without an index stays so); ``config.json`` with ``config_changes``;
+    ``normswap.json`` for the modules the input recorded and ``recorded`` adds, the weight files named for
+    who may read them (:func:`~normswap.load.stock_reading.finish_directory`); and the input's
+    ``generation_config.json``. Returns why stock loaders are kept out (None: they read it)."""
+    assert checkpoint.weights is not None
+    if len(shards) > 1 or checkpoint.weights.indexed:
+        weight_map: dict[str, str] = {}
+        total = 0
+        for shard in shards:
+            entries, _ = read_header(temp / shard)
+            for name, entry in entries.items():
+                weight_map[name] = shard
+                total += entry.nbytes
+        write_index(temp, weight_map, total, checkpoint.weights.names)
+    config = {**checkpoint.config, **config_changes}
+    (temp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    modules = {**checkpoint.replaced_modules, **recorded}
+    stock_refused = finish_directory(temp, modules, lambda: stock_of_directory(checkpoint))
+    generation = folder_file(checkpoint.path, "generation_config.json")
+    if generation.is_file():
+        shutil.copyfile(generation, temp / generation.name)
+    return stock_refused

@@ -31,6 +31,8 @@ from normswap.api.sources import (
 from normswap.errors import BadInputError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from normswap.api.save import SavedOutput
     from normswap.calibrate.batchnorm import RecalibrationReport
     from normswap.calibrate.distill import DistillReport
@@ -203,10 +205,12 @@ def distill(
     shards); process 0 alone reports progress and writes (``main`` in the result). Options are checked
     before any model is loaded.
     """
+    from normswap.api.save import SavedOutput
     from normswap.calibrate.distill import check_options
     from normswap.calibrate.distill import distill as distill_model
     from normswap.calibrate.distill_checkpoint import CheckpointPlan, save_sharded
     from normswap.calibrate.parallel import full_state_dict
+    from normswap.load.checkpoint_write import is_directory_output
 
     sharded_output = output.suffix == SHARDED_SUFFIX
     if not sharded_output:
@@ -225,15 +229,24 @@ def distill(
         main = parallel is None or parallel.is_main
         say, count = (on_step, on_progress) if main else (None, None)
         teacher, teacher_placement = _load_teacher(original, weights, trust_pickle, parallel, shard_teacher)
-        student = load_for_inference(converted, converted_weights, trust_pickle)
+        student, student_fill = _load_student(converted, converted_weights, trust_pickle, parallel)
+        if student_fill is not None and dtype is not None and is_directory_output(output):
+            raise BadInputError(
+                f"--dtype: {output} is written shard by shard in {converted}'s dtypes; convert the written "
+                "directory with --dtype, or write a single file"
+            )
         resolved = example_inputs(teacher, inputs, input_shapes) or example_inputs(student)
         args, kwargs = resolved if resolved is not None else (None, None)
+        # a student built on the meta device (read into its shards later) is checked on meta inputs
+        student_args, student_kwargs = (args, kwargs) if student_fill is None else _on_meta((args, kwargs))
         if resolved is not None:
-            # before training: minutes of training must not end in a refusal
+            # before training: minutes of training must not end in a refusal (a student on the meta
+            # device cannot run eagerly: its first step is its check, and an export below, if any)
             check_inputs_fit(teacher.model, args, kwargs, what="ORIGINAL")
-            check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
+            if student_fill is None:
+                check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
         if main and not sharded_output:
-            check_output_before_work(student.model, output, args, kwargs, say, dtype)
+            check_output_before_work(student.model, output, student_args, student_kwargs, say, dtype)
         batches, held_out = read_data(data, holdout, args, kwargs, batch_size, normalize, model=teacher.model)
         if count is not None:
             count(0, steps, "distilling")
@@ -257,6 +270,7 @@ def distill(
             shard_teacher=shard_teacher,
             checkpoints=plan,
             teacher_placement=teacher_placement,
+            student_fill=student_fill,
         )
         sources = {"original": original, "converted": converted, "data": data}
         run = TrainingRun(
@@ -269,6 +283,13 @@ def distill(
         elif sharded_output:
             save_sharded(output, distilled, parallel, overwrite)
             run.wrote = "sharded, torch.distributed.checkpoint"
+        elif student_fill is not None and is_directory_output(output):
+            from normswap.calibrate.parallel_save import save_directory_sharded
+
+            assert parallel is not None and student.checkpoint is not None
+            written = save_directory_sharded(output, distilled, student.checkpoint, parallel, overwrite)
+            run.saved = SavedOutput(output, "directory", directory=written) if main else None
+            run.wrote = "directory, written shard by shard"
         else:
             if parallel is not None:
                 # Gathered to process 0, which writes it into a whole copy of CONVERTED as loaded.
@@ -294,6 +315,37 @@ def distill(
                 )
                 run.wrote, run.saved = saved.format, saved
         return run
+
+
+def _on_meta(value: Any) -> Any:
+    """``value`` with every tensor in it on the meta device (shapes and dtypes kept)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, value)
+
+
+def _load_student(
+    converted: str, weights: str | Path | None, trust_pickle: bool, parallel: Any
+) -> tuple[LoadedModel, Callable[[nn.Module], str] | None]:
+    """CONVERTED, and under torchrun for a model directory the way to fill it later: then it is built on
+    the meta device (no weight read) and the distillation shards it and reads each process's rows from
+    the files, so no process holds the student whole (:func:`~normswap.calibrate.parallel_load.
+    load_directory_sharded`); elsewhere it is loaded whole (a .pt2, a factory, one process)."""
+    from normswap.load.checkpoint_dir import is_checkpoint_directory
+
+    if parallel is None or weights is not None or not is_checkpoint_directory(converted):
+        return load_for_inference(converted, weights, trust_pickle), None
+    from normswap.calibrate.parallel_load import load_directory_sharded
+
+    structure = load_for_inference(converted, None, trust_pickle, structure_only=True)
+    checkpoint = structure.checkpoint
+    assert checkpoint is not None  # a model directory's structure carries its description
+
+    def fill(model: nn.Module) -> str:
+        return load_directory_sharded(model, checkpoint, parallel, trained=True)
+
+    return structure, fill
 
 
 @contextlib.contextmanager

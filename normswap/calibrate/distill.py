@@ -236,6 +236,7 @@ def distill(
     shard_teacher: bool | None = None,
     checkpoints: CheckpointPlan | None = None,
     teacher_placement: str | None = None,
+    student_fill: Callable[[nn.Module], str] | None = None,
 ) -> tuple[nn.Module, DistillReport]:
     """Fine-tune ``student`` for ``steps`` AdamW steps so its outputs match ``teacher``'s (module doc).
 
@@ -251,6 +252,9 @@ def distill(
     changed in place, and the returned student is sharded (``parallel.full_state_dict`` gathers it).
     ``checkpoints`` saves every ``every`` steps and, with ``resume``, continues from the newest checkpoint.
     ``teacher_placement``: the teacher is placed already (sharded while it was loaded, as this says).
+    ``student_fill``: the student was built on the meta device; this shards it and reads each process's
+    shards from its files (:func:`~normswap.calibrate.parallel_load.load_directory_sharded`), returning
+    what it did, so no process holds the student whole.
 
     Raises BadInputError on bad options, when there are no training batches, when the two models'
     outputs differ in structure or shape, or when no parameter is selected for training.
@@ -357,7 +361,8 @@ def distill(
             if shard_teacher is None:
                 shard_teacher = parameter_bytes(teacher) > TEACHER_SHARD_BYTES
             placed = teacher_placement or parallel.place(teacher, shard_teacher)
-            report.placement = f"student: {parallel.shard(target)}; teacher: {placed}"
+            student_placed = student_fill(target) if student_fill is not None else parallel.shard(target)
+            report.placement = f"student: {student_placed}; teacher: {placed}"
             params = [p for name, p in target.named_parameters() if name in trained_names]
             report.notes.append(
                 f"{parallel.world_size} processes, each batch split over them; {report.placement}"

@@ -127,13 +127,7 @@ def _main(parallel: DataParallel | None) -> bool:
 
 def _collective(parallel: DataParallel | None, value: Any) -> Any:
     """Process 0's ``value`` on every process."""
-    if parallel is None:
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return value if parallel is None else parallel.from_main(value)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,7 +230,7 @@ def _finished(folder: Path) -> list[Path]:
     return sorted(found)
 
 
-def _write_shared_folder(
+def write_shared_folder(
     path: Path,
     parallel: DataParallel | None,
     write: Any,
@@ -291,7 +285,7 @@ def save_checkpoint(
     path = plan.directory / f"step-{step:08d}"
     tensors, optimizer_values = _split_state(model, optimizer)
     record = {"format": _FORMAT, "step": step, "losses": losses, "run": run, "optimizer": optimizer_values}
-    _write_shared_folder(path, parallel, lambda temp: dcp_save(tensors, temp, parallel), record)
+    write_shared_folder(path, parallel, lambda temp: dcp_save(tensors, temp, parallel), record)
     if _main(parallel):
         for older in _finished(plan.directory):
             if older != path and _same_run(older, run):
@@ -416,4 +410,4 @@ def save_sharded(
 
     check_output("-o", path, overwrite=overwrite, directory=True)  # the output rule, as every output
     state = get_model_state_dict(model)
-    _write_shared_folder(path, parallel, lambda temp: dcp_save(state, temp, parallel), overwrite=overwrite)
+    write_shared_folder(path, parallel, lambda temp: dcp_save(state, temp, parallel), overwrite=overwrite)

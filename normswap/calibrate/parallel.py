@@ -132,6 +132,14 @@ class DataParallel:
         dist.all_reduce(total)
         return float(total.item())
 
+    def from_main(self, value: Any) -> Any:
+        """Process 0's ``value`` (any picklable object) on every process."""
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         import torch.distributed as dist
 

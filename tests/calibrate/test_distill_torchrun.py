@@ -162,3 +162,71 @@ def test_a_pt2_student_is_sharded_at_its_root_and_computes_the_same(llama_dyt, t
     for a, b in zip(one_report["losses"], two_report["losses"], strict=True):
         assert abs(a - b) <= 1e-6 * abs(a)
     assert (tmp_path / "two.pt2").is_file()
+
+
+def _logits(directory: Path) -> torch.Tensor:
+    from normswap.load import load_model
+
+    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return load_model(str(directory)).model(ids).logits
+
+
+def _two_nodes(*args: str, port: int) -> list[str]:
+    """Two torchrun launches of one process each that meet through a c10d rendezvous on localhost, as two
+    machines of a cluster would."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+    command += ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=normswap-test"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [*command, "-m", "normswap_cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    return [_finish(node) for node in nodes]
+
+
+def test_a_directory_student_is_read_into_shards_and_written_shard_by_shard(tmp_path):
+    """A student that is a model directory is never loaded whole under torchrun: built on the meta device,
+    each process reads its rows, and a directory output is written one gathered tensor at a time. Two
+    processes on one node, and one process on each of two "nodes", train what one process trains."""
+    import socket
+
+    original = make_directory(tmp_path, "llama")
+    student = tmp_path / "student"
+    result = runner.invoke(app, ["convert", str(original), "--to", "layernorm", "-o", str(student)])
+    assert result.exit_code == 0, result.output
+    data = tmp_path / "data.pt"
+    torch.save(torch.randint(0, 300, (15, 10), generator=torch.Generator().manual_seed(1)), data)
+    run = ("distill", str(original), str(student), "--data", str(data), *COMMON, "--steps", "2")
+
+    result = runner.invoke(app, [*run, "-o", str(tmp_path / "one")])
+    assert result.exit_code == 0, result.output
+    report = tmp_path / "two.json"
+    output = _finish(_torchrun(*run, "-o", str(tmp_path / "two"), "--report", str(report)))
+    assert output.count("wrote ") == 1, output
+    placement = json.loads(report.read_text())["placement"]
+    assert placement.startswith(
+        f"student: 2 blocks (model.layers) and the root, read shard by shard from {student}"
+    )
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    _two_nodes(*run, "-o", str(tmp_path / "nodes"), port=port)
+
+    expected, started = _logits(tmp_path / "one"), _logits(student)
+    assert (expected - started).abs().max() > 1e-3 * expected.abs().max()  # trained, not the start
+    for written in ("two", "nodes"):
+        got = _logits(tmp_path / written)
+        assert (expected - got).abs().max() <= 1e-5 * expected.abs().max(), written
+        # laid out as the student was (its recorded LayerNorms: stock loaders kept out), side files copied
+        files = sorted(p.name for p in (tmp_path / written).iterdir())
+        assert files == sorted(p.name for p in (tmp_path / "one").iterdir()), files
+        assert "normswap-model.safetensors.index.json" in files and "tokenizer.json" in files
+
+    refused = _torchrun(*run, "-o", str(tmp_path / "cast"), "--dtype", "bfloat16")
+    log, _ = refused.communicate(timeout=240)
+    assert refused.returncode != 0 and "written shard by shard in" in " ".join(log.split()), log
+    assert not (tmp_path / "cast").exists()

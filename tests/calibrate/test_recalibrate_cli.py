@@ -235,3 +235,48 @@ def test_recalibrate_writes_onnx_as_convert_does(tmp_path):
         "x": {"0": "batch", "2": "height", "3": "width"}
     }
     assert {o["dtype"] for o in written["outputs"]} == {"float16"} and written["within_tolerance"]
+
+
+def test_recalibrate_a_model_directory_into_a_model_directory(tmp_path):
+    """A Hugging Face directory in, a directory out (-o without a suffix), as convert writes one: stock
+    classes kept, so transformers' from_pretrained loads the re-estimated statistics."""
+    import transformers
+
+    config = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=5
+    )
+    torch.manual_seed(0)
+    transformers.ResNetForImageClassification(config).eval().save_pretrained(tmp_path / "resnet")
+    (tmp_path / "resnet" / "preprocessor_config.json").write_text("{}")
+    data = tmp_path / "images.pt"
+    torch.save(torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 + 1, data)
+    out, report = tmp_path / "out", tmp_path / "r.json"
+    ran = _run(
+        "recalibrate", str(tmp_path / "resnet"), "--data", str(data), "--batch-size", "4", "-o", str(out),
+        "--report", str(report),
+    )  # fmt: skip
+    assert ran.exit_code == 0, ran.output
+    assert json.loads(report.read_text())["directory"]["stock_from_pretrained"] is True
+    assert (out / "preprocessor_config.json").is_file()  # the input's side files come along
+    reloaded = transformers.ResNetForImageClassification.from_pretrained(out).eval()
+    norm = "resnet.embedder.embedder.normalization"
+    before = transformers.ResNetForImageClassification.from_pretrained(tmp_path / "resnet").get_submodule(
+        norm
+    )
+    after = reloaded.get_submodule(norm)
+    # the statistics moved to the data's, and are what the same run writes into a .pt
+    assert not torch.allclose(before.running_mean, after.running_mean)
+    ran = _run(
+        "recalibrate",
+        str(tmp_path / "resnet"),
+        "--data",
+        str(data),
+        "--batch-size",
+        "4",
+        "-o",
+        str(tmp_path / "m.pt"),
+    )
+    assert ran.exit_code == 0, ran.output
+    pickled = torch.load(tmp_path / "m.pt", weights_only=False).get_submodule(norm)
+    for name in ("running_mean", "running_var", "weight", "bias"):
+        assert torch.equal(getattr(pickled, name), getattr(after, name)), name

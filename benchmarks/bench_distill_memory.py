@@ -1,0 +1,130 @@
+"""Peak memory per process of `normswap distill` with models whose weights dominate memory: one process
+against torchrun, both models model directories.
+
+    python benchmarks/bench_distill_memory.py [--hidden 1536] [--layers 11] [--processes 2] [--out benchmarks/results]
+
+A Llama directory (fp32, random weights, 1.54 GB at the defaults) is the teacher and its LayerNorm
+conversion, also a directory, the student. `normswap distill` runs 2 steps (every parameter trained,
+AdamW) in one process, then under `torchrun --standalone --nproc-per-node N` with the teacher sharded:
+there the student is read straight into its FSDP2 shards and written shard by shard, the teacher read
+into its shards too. Peak RSS is ``wait4``'s figure for the command (for torchrun, its largest process).
+The two trained students are loaded afterwards and their logits compared on one batch. Results:
+``benchmarks/results/distill_memory_cpu.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_convert import _run_rss
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _write_models(root: Path, hidden: int, layers: int) -> tuple[Path, Path, Path, int]:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    teacher = root / "teacher"
+    model.save_pretrained(teacher)
+    parameters = sum(p.numel() for p in model.parameters())
+    del model
+    student = root / "student"
+    subprocess.run(
+        [sys.executable, "-m", "normswap_cli", "convert", str(teacher), "--to", "layernorm", "-o", str(student)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    data = root / "data.pt"
+    torch.save(torch.randint(0, 32000, (12, 64), generator=torch.Generator().manual_seed(1)), data)
+    return teacher, student, data, parameters
+
+
+def _distill(root: Path, teacher: Path, student: Path, data: Path, processes: int) -> dict:
+    output = root / f"out{processes}"
+    common = [
+        "distill", str(teacher), str(student), "--trust-pickle", "--data", str(data), "--batch-size", "4",
+        "--steps", "2", "--lr", "1e-4", "-o", str(output),
+    ]  # fmt: skip
+    if processes == 1:
+        command = [sys.executable, "-m", "normswap_cli", *common]
+    else:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+            "-m", "normswap_cli", *common, "--shard-teacher",
+        ]  # fmt: skip
+    seconds, peak = _run_rss(command, {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))})
+    return {"seconds": seconds, "peak_rss_bytes": peak, "output": output}
+
+
+def _logits_difference(a: Path, b: Path) -> float:
+    from normswap.load import load_model
+
+    ids = torch.randint(0, 32000, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        first = load_model(str(a)).model(ids).logits
+        second = load_model(str(b)).model(ids).logits
+    return ((first - second).abs().max() / first.abs().max()).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1536)
+    parser.add_argument("--layers", type=int, default=11)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        teacher, student, data, parameters = _write_models(root, args.hidden, args.layers)
+        weights = sum(f.stat().st_size for f in teacher.glob("*.safetensors"))
+        runs = {}
+        for processes in (1, args.processes):
+            runs[processes] = _distill(root, teacher, student, data, processes)
+            print(f"{processes} process(es): peak RSS of the largest {runs[processes]['peak_rss_bytes'] / 1e9:.2f} GB, "
+                  f"{runs[processes]['seconds']:.1f} s", flush=True)  # fmt: skip
+        difference = _logits_difference(runs[1]["output"], runs[args.processes]["output"])
+    one, many = runs[1]["peak_rss_bytes"], runs[args.processes]["peak_rss_bytes"]
+    result = {
+        "command": "python benchmarks/bench_distill_memory.py " + " ".join(sys.argv[1:]),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "model": {
+            "kind": "LlamaForCausalLM fp32 teacher directory; its --to layernorm student directory",
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "parameters": parameters,
+            "teacher_bytes": weights,
+        },
+        "runs": {
+            str(n): {"seconds": r["seconds"], "peak_rss_bytes": r["peak_rss_bytes"]} for n, r in runs.items()
+        },
+        "peak_per_process_ratio": many / one,
+        "goal_ratio": 0.6,
+        "trained_logits_max_abs_over_max": difference,
+        "ru_maxrss_note": "wait4's maxrss: for torchrun, the largest single process of its tree",
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "distill_memory_cpu.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"weights {weights / 1e9:.2f} GB; per process {many / one:.2f}x of one process; logits {difference:.2e}"
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

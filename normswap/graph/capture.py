@@ -18,6 +18,9 @@ import inspect
 import io
 import logging
 import re
+import signal
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -287,8 +290,8 @@ def export_program(
 ) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with the batch dim and the sequence dims of integer inputs dynamic where
     the model leaves them free (``Dim.AUTO``: export keeps a dim static where the code fixes it, see
-    :func:`_free_dim`), and image sizes too in a program to save (:func:`_saved_free_dim`); a fully static
-    export when that fails. Captured under :func:`capture_friendly`
+    :func:`_free_dim`), and image sizes too in a program to save (:func:`_saved_free_dim`, within a time
+    budget: :data:`IMAGE_SIZE_BUDGET`); a fully static export when that fails. Captured under :func:`capture_friendly`
     unless ``friendly`` is False: the program of a Hugging Face model built with a default config then
     returns no cache. ``grow_unit_dims`` (a program to save): the dynamic export traces inputs whose
     free dims of size 1 are repeated to 2, so those dims stay dynamic (:func:`_unit_dims_grown`).
@@ -303,23 +306,13 @@ def export_program(
         traced_args, traced_kwargs = (
             (_unit_dims_grown(args), _unit_dims_grown(kwargs)) if grow_unit_dims else (args, kwargs)
         )
-        if grow_unit_dims and _has_images(traced_args, traced_kwargs):
-            try:
-                free_dims = input_dims(model, traced_args, traced_kwargs, _saved_free_dim)
-                return torch.export.export(
-                    model, traced_args, kwargs=traced_kwargs, dynamic_shapes=free_dims, strict=False
-                )
-            except Exception as exc:  # the image sizes alone may be what export cannot leave free
-                if fallbacks is not None:
-                    fallbacks.append(
-                        f"the export with free image sizes failed ({_short_error(exc)}), so they are fixed "
-                        "at the example's"
-                    )
         try:
             free_dims = input_dims(model, traced_args, traced_kwargs, _free_dim)
-            return torch.export.export(
+            start = time.perf_counter()
+            program = torch.export.export(
                 model, traced_args, kwargs=traced_kwargs, dynamic_shapes=free_dims, strict=False
             )
+            took = time.perf_counter() - start
         except Exception as exc:  # data-dependent shapes and the like: the static program still serves
             program = torch.export.export(model, args, kwargs=kwargs, strict=False)
             if fallbacks is not None:
@@ -328,6 +321,53 @@ def export_program(
                     f"program is fixed at the example's shapes {format_shapes(input_shapes(args, kwargs))}"
                 )
             return program
+        if not (grow_unit_dims and _has_images(traced_args, traced_kwargs)):
+            return program
+        # Free image sizes make export reason about every pooling, window and unfold: seconds for a CNN,
+        # minutes for Swin's padding. They are tried within a budget relative to the export just done.
+        budget = max(IMAGE_SIZE_BUDGET[0], IMAGE_SIZE_BUDGET[1] * took)
+        why = None
+        try:
+            with _time_limit(budget):
+                free_dims = input_dims(model, traced_args, traced_kwargs, _saved_free_dim)
+                return torch.export.export(
+                    model, traced_args, kwargs=traced_kwargs, dynamic_shapes=free_dims, strict=False
+                )
+        except _OutOfTime:
+            why = f"took over {budget:.0f} s (the export with them fixed took {took:.1f} s)"
+        except Exception as exc:  # the image sizes alone may be what export cannot leave free
+            why = f"failed ({_short_error(exc)})"
+        if fallbacks is not None:
+            fallbacks.append(f"the export with free image sizes {why}, so they are fixed at the example's")
+        return program
+
+
+# (at least this many seconds, this many times the export with the image sizes fixed) for freeing them
+IMAGE_SIZE_BUDGET = (10.0, 10.0)
+
+
+class _OutOfTime(Exception):
+    """An export that ran past its time limit (:func:`_time_limit`)."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`_OutOfTime` inside the block once ``seconds`` have passed (a timer signal, so on the
+    main thread only; elsewhere the block runs without a limit)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _has_images(args: tuple, kwargs: dict[str, Any]) -> bool:

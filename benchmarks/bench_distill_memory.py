@@ -1,14 +1,17 @@
 """Peak memory per process of `normswap distill` with models whose weights dominate memory: one process
 against torchrun, both models model directories.
 
-    python benchmarks/bench_distill_memory.py [--hidden 1536] [--layers 11] [--processes 2] [--out benchmarks/results]
+    python benchmarks/bench_distill_memory.py [--hidden 1536] [--layers 11] [--processes 2] [--lr 1e-5]
+        [--variant "--activation-checkpointing" ...] [--out benchmarks/results]
 
 A Llama directory (fp32, random weights, 1.54 GB at the defaults) is the teacher and its LayerNorm
 conversion, also a directory, the student. `normswap distill` runs 2 steps (every parameter trained,
 AdamW) in one process, then under `torchrun --standalone --nproc-per-node N` with the teacher sharded:
 there the student is read straight into its FSDP2 shards and written shard by shard, the teacher read
 into its shards too. Peak RSS is ``wait4``'s figure for the command (for torchrun, its largest process).
-The two trained students are loaded afterwards and their logits compared on one batch. Results:
+The two trained students are loaded afterwards and their logits compared on one batch (Adam turns a
+gradient that differs in its last bits into an update that differs by up to ``lr``, so the difference
+grows with ``lr``). Each ``--variant`` (extra distill options) runs under torchrun too. Results:
 ``benchmarks/results/distill_memory_cpu.json``.
 """
 
@@ -54,11 +57,20 @@ def _write_models(root: Path, hidden: int, layers: int) -> tuple[Path, Path, Pat
     return teacher, student, data, parameters
 
 
-def _distill(root: Path, teacher: Path, student: Path, data: Path, processes: int) -> dict:
-    output = root / f"out{processes}"
+def _distill(
+    root: Path,
+    teacher: Path,
+    student: Path,
+    data: Path,
+    processes: int,
+    lr: float,
+    extra: list[str],
+    name: str,
+) -> dict:
+    output = root / f"out-{name}"
     common = [
         "distill", str(teacher), str(student), "--trust-pickle", "--data", str(data), "--batch-size", "4",
-        "--steps", "2", "--lr", "1e-4", "-o", str(output),
+        "--steps", "2", "--lr", str(lr), "-o", str(output), *extra,
     ]  # fmt: skip
     if processes == 1:
         command = [sys.executable, "-m", "normswap_cli", *common]
@@ -86,19 +98,25 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=11)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--variant", action="append", default=[], help="extra distill options, one run each")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         teacher, student, data, parameters = _write_models(root, args.hidden, args.layers)
         weights = sum(f.stat().st_size for f in teacher.glob("*.safetensors"))
+        plans = {"1": (1, []), str(args.processes): (args.processes, [])}
+        plans.update({f"{args.processes} {v}": (args.processes, v.split()) for v in args.variant})
         runs = {}
-        for processes in (1, args.processes):
-            runs[processes] = _distill(root, teacher, student, data, processes)
-            print(f"{processes} process(es): peak RSS of the largest {runs[processes]['peak_rss_bytes'] / 1e9:.2f} GB, "
-                  f"{runs[processes]['seconds']:.1f} s", flush=True)  # fmt: skip
-        difference = _logits_difference(runs[1]["output"], runs[args.processes]["output"])
-    one, many = runs[1]["peak_rss_bytes"], runs[args.processes]["peak_rss_bytes"]
+        for name, (processes, extra) in plans.items():
+            runs[name] = _distill(
+                root, teacher, student, data, processes, args.lr, extra, name.replace(" ", "")
+            )
+            print(f"{name}: peak RSS of the largest process {runs[name]['peak_rss_bytes'] / 1e9:.2f} GB, "
+                  f"{runs[name]['seconds']:.1f} s", flush=True)  # fmt: skip
+        difference = _logits_difference(runs["1"]["output"], runs[str(args.processes)]["output"])
+    one, many = runs["1"]["peak_rss_bytes"], runs[str(args.processes)]["peak_rss_bytes"]
     result = {
         "command": "python benchmarks/bench_distill_memory.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -109,8 +127,14 @@ def main() -> None:
             "parameters": parameters,
             "teacher_bytes": weights,
         },
+        "lr": args.lr,
         "runs": {
-            str(n): {"seconds": r["seconds"], "peak_rss_bytes": r["peak_rss_bytes"]} for n, r in runs.items()
+            n: {
+                "seconds": r["seconds"],
+                "peak_rss_bytes": r["peak_rss_bytes"],
+                "ratio_to_one_process": r["peak_rss_bytes"] / one,
+            }
+            for n, r in runs.items()
         },
         "peak_per_process_ratio": many / one,
         "goal_ratio": 0.6,

@@ -114,6 +114,22 @@ def distill(
             show_default=False,
         ),
     ] = None,
+    mixed_precision: Annotated[
+        bool,
+        flag(
+            "--mixed-precision",
+            help="Under torchrun: the student computes in bfloat16 and reduces gradients in float32 (FSDP2's "
+            "MixedPrecisionPolicy); its weights and optimizer state stay float32.",
+        ),
+    ] = False,
+    activation_checkpointing: Annotated[
+        bool,
+        flag(
+            "--activation-checkpointing",
+            help="Each block of the student recomputes its activations in the backward instead of keeping "
+            "them (less memory, about one more forward per step).",
+        ),
+    ] = False,
     overwrite: OverwriteOpt = False,
     opset: OpsetOpt = None,
     static_shapes: StaticShapesOpt = False,
@@ -164,6 +180,8 @@ def distill(
             checkpoint_every=checkpoint_every,
             resume=resume,
             shard_teacher=shard_teacher,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
             overwrite=overwrite,
             opset=opset,
             static_shapes=static_shapes,

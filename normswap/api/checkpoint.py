@@ -40,7 +40,7 @@ from normswap.load.checkpoint_dir import (
 from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers
 from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
-from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_tensor
+from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_tensor, shard_writers
 from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.core.base import PassReport
 from normswap.passes.core.edits import EditPlan, TensorEdit
@@ -145,38 +145,34 @@ def _stream(
     model's size, and a group's reading overlaps the previous one's computing and writing."""
     layout = _layout(checkpoint, headers, plan)
     where = {name: shard for shard, rows in layout.items() for name, _, _ in rows}
-    writers = {
-        shard: ShardWriter(temp / shard, rows, headers[shard][1] or {"format": "pt"})
-        for shard, rows in layout.items()
-    }
-    edited, byte_copies = plan.writes, plan.copies
-    jobs = [
-        (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
-        for shard, rows in layout.items()
-        for name, _, _ in rows
-        if name not in edited and name in headers[shard][0]
-    ]
-    untouched = len(jobs)
-    for name, source in byte_copies.items():  # an untied tensor: its source's input bytes
-        shard = checkpoint.weight_map[source]
-        jobs.append((writers[where[name]], name, checkpoint.path / shard, headers[shard][0][source]))
+    with shard_writers(temp, layout, {shard: headers[shard][1] for shard in layout}) as writers:
+        edited, byte_copies = plan.writes, plan.copies
+        jobs = [
+            (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
+            for shard, rows in layout.items()
+            for name, _, _ in rows
+            if name not in edited and name in headers[shard][0]
+        ]
+        untouched = len(jobs)
+        for name, source in byte_copies.items():  # an untied tensor: its source's input bytes
+            shard = checkpoint.weight_map[source]
+            jobs.append((writers[where[name]], name, checkpoint.path / shard, headers[shard][0][source]))
 
-    def entry(name: str) -> TensorEntry:
-        return headers[checkpoint.weight_map[name]][0][name]
+        def entry(name: str) -> TensorEntry:
+            return headers[checkpoint.weight_map[name]][0][name]
 
-    def read_group(edit: TensorEdit) -> dict[str, torch.Tensor]:
-        return {n: read_tensor(checkpoint.path / checkpoint.weight_map[n], entry(n)) for n in edit.reads}
+        def read_group(edit: TensorEdit) -> dict[str, torch.Tensor]:
+            return {n: read_tensor(checkpoint.path / checkpoint.weight_map[n], entry(n)) for n in edit.reads}
 
-    def write_group(outputs: dict[str, torch.Tensor]) -> None:
-        for name, value in outputs.items():
-            writers[where[name]].write(name, value)
+        def write_group(outputs: dict[str, torch.Tensor]) -> None:
+            for name, value in outputs.items():
+                writers[where[name]].write(name, value)
 
-    edits = plan.edits
-    sizes = [sum(entry(n).nbytes for n in edit.reads) for edit in edits]
-    budget = 2 * max(sizes, default=0)
-    stop = threading.Event()
-    largest = 0
-    try:
+        edits = plan.edits
+        sizes = [sum(entry(n).nbytes for n in edit.reads) for edit in edits]
+        budget = 2 * max(sizes, default=0)
+        stop = threading.Event()
+        largest = 0
         with ThreadPoolExecutor(max_workers=3, thread_name_prefix="normswap-io") as pool:
             copying = pool.submit(_copy_all, jobs, stop)
             writing: deque[tuple[Future[None], int]] = deque()
@@ -224,12 +220,6 @@ def _stream(
             except BaseException:
                 stop.set()  # the copies stop at their next tensor; the pool waits for what runs
                 raise
-        for writer in writers.values():
-            writer.close()
-    except BaseException:
-        for writer in writers.values():
-            writer.abandon()
-        raise
     return sorted(layout), untouched, len(edited) + len(byte_copies), largest
 
 

@@ -38,7 +38,7 @@ from normswap.load.checkpoint_dir import (
 from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers
 from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
-from normswap.load.safetensors_io import NAMES, ShardWriter
+from normswap.load.safetensors_io import NAMES, shard_writers
 from normswap.load.save import publish_directory, reserve_temp_dir
 from normswap.passes.core.base import Change, PassReport, Skip, build_context
 
@@ -324,44 +324,38 @@ def convert_checkpoint_sequential(
         budget = min(_ACTIVATION_CAP, int(_ACTIVATION_SHARE * available))
     temp = reserve_temp_dir(output)
     store = ActivationStore(budget, destination=output)
-    writers: dict[str, ShardWriter] = {}
     try:
-        writers = {
-            shard: ShardWriter(temp / shard, rows, headers[shard][1] or {"format": "pt"})
-            for shard, rows in layout.items()
-        }
-        jobs = [
-            (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
-            for shard, rows in layout.items()
-            for name, _, _ in rows
-            if name not in written_names
-        ]
+        with shard_writers(temp, layout, {shard: headers[shard][1] for shard in layout}) as writers:
+            jobs = [
+                (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
+                for shard, rows in layout.items()
+                for name, _, _ in rows
+                if name not in written_names
+            ]
 
-        def write(prefix: str, module: nn.Module) -> None:
-            for name, tensor in module.state_dict().items():
-                writers[where[f"{prefix}.{name}"]].write(f"{prefix}.{name}", tensor)
+            def write(prefix: str, module: nn.Module) -> None:
+                for name, tensor in module.state_dict().items():
+                    writers[where[f"{prefix}.{name}"]].write(f"{prefix}.{name}", tensor)
 
-        def write_block(index: int, block: nn.Module) -> None:
-            for local in inside:
-                write(f"{blocks}.{index}.{local}", block.get_submodule(local))
+            def write_block(index: int, block: nn.Module) -> None:
+                for local in inside:
+                    write(f"{blocks}.{index}.{local}", block.get_submodule(local))
 
-        stop = threading.Event()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="normswap-copy") as pool:
-            copying = pool.submit(_copy_all, jobs, stop)
-            try:
-                calibration, outside_news = calibrate_blocks(
-                    shell, count, inside, outside, build, batches, ModelInputs(args, kwargs), store,
-                    write_block, say,
-                )  # fmt: skip
-                for path, module in outside_news.items():
-                    write(path, module)
-                say("waiting for the byte copies of the untouched tensors")
-                copying.result()
-            except BaseException:
-                stop.set()
-                raise
-        for writer in writers.values():
-            writer.close()
+            stop = threading.Event()
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="normswap-copy") as pool:
+                copying = pool.submit(_copy_all, jobs, stop)
+                try:
+                    calibration, outside_news = calibrate_blocks(
+                        shell, count, inside, outside, build, batches, ModelInputs(args, kwargs), store,
+                        write_block, say,
+                    )  # fmt: skip
+                    for path, module in outside_news.items():
+                        write(path, module)
+                    say("waiting for the byte copies of the untouched tensors")
+                    copying.result()
+                except BaseException:
+                    stop.set()
+                    raise
         shards = sorted(layout)
         stock_refused = finish_from_source(checkpoint, temp, shards, config_changes={}, recorded=recorded)
         say("checking the written directory")
@@ -371,13 +365,9 @@ def convert_checkpoint_sequential(
         copied_files, not_copied = copy_side_files(checkpoint, temp)
         publish_directory(temp, output, overwrite=config.overwrite)
     except OSError as exc:
-        for writer in writers.values():
-            writer.abandon()
         shutil.rmtree(temp, ignore_errors=True)
         raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None
     except BaseException:
-        for writer in writers.values():
-            writer.abandon()
         shutil.rmtree(temp, ignore_errors=True)
         raise
     finally:

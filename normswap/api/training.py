@@ -186,6 +186,8 @@ def distill(
     checkpoint_every: int | None = None,
     resume: bool = False,
     shard_teacher: bool | None = None,
+    mixed_precision: bool = False,
+    activation_checkpointing: bool = False,
     overwrite: bool = False,
     opset: int | None = None,
     static_shapes: bool = False,
@@ -226,6 +228,10 @@ def distill(
     with _processes() as parallel:
         if parallel is None and shard_teacher is not None:
             raise BadInputError("--shard-teacher applies under torchrun (several processes)")
+        if parallel is None and mixed_precision:
+            raise BadInputError(
+                "--mixed-precision applies under torchrun (FSDP2's MixedPrecisionPolicy over several processes)"
+            )
         main = parallel is None or parallel.is_main
         say, count = (on_step, on_progress) if main else (None, None)
         teacher, teacher_placement = _load_teacher(original, weights, trust_pickle, parallel, shard_teacher)
@@ -271,6 +277,8 @@ def distill(
             checkpoints=plan,
             teacher_placement=teacher_placement,
             student_fill=student_fill,
+            mixed_precision=mixed_precision,
+            activation_checkpointing=activation_checkpointing,
         )
         sources = {"original": original, "converted": converted, "data": data}
         run = TrainingRun(
@@ -327,7 +335,7 @@ def _on_meta(value: Any) -> Any:
 
 def _load_student(
     converted: str, weights: str | Path | None, trust_pickle: bool, parallel: Any
-) -> tuple[LoadedModel, Callable[[nn.Module], str] | None]:
+) -> tuple[LoadedModel, Callable[[nn.Module, bool], str] | None]:
     """CONVERTED, and under torchrun for a model directory the way to fill it later: then it is built on
     the meta device (no weight read) and the distillation shards it and reads each process's rows from
     the files, so no process holds the student whole (:func:`~normswap.calibrate.parallel_load.
@@ -342,8 +350,10 @@ def _load_student(
     checkpoint = structure.checkpoint
     assert checkpoint is not None  # a model directory's structure carries its description
 
-    def fill(model: nn.Module) -> str:
-        return load_directory_sharded(model, checkpoint, parallel, trained=True)
+    def fill(model: nn.Module, mixed_precision: bool) -> str:
+        return load_directory_sharded(
+            model, checkpoint, parallel, trained=True, mixed_precision=mixed_precision
+        )
 
     return structure, fill
 

@@ -46,11 +46,10 @@ import copy
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from normswap.calibrate.batchnorm import _device_and_dtype, _Modes, _run, _to_model
@@ -63,81 +62,24 @@ from normswap.calibrate.distill_checkpoint import (
     model_fingerprint,
     save_checkpoint,
 )
+from normswap.calibrate.distill_loss import (
+    check_kl_targets,
+    check_same_structure,
+    distillation_loss,
+    loss_targets,
+)
 from normswap.calibrate.distill_report import DistillReport
 from normswap.calibrate.parallel import TEACHER_SHARD_BYTES, DataParallel, parameter_bytes
+from normswap.calibrate.recompute import recomputed_blocks
 from normswap.errors import BadInputError
 from normswap.graph.capture import capture_friendly
 from normswap.verify import ModelComparison, compare_outputs
-from normswap.verify.metrics import flatten_outputs
 
 LOSSES = ("mse", "kl")
 TRAIN_SETS = ("all", "norms")
 
 # Called after each step with (steps done, steps in all, that step's training loss).
 StepCallback = Callable[[int, int, float], None]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Outputs and losses
-
-
-def _describe_outputs(items: list[tuple[str, torch.Tensor]]) -> str:
-    return ", ".join(f"{name} {tuple(t.shape)}" for name, t in items) or "no floating-point output"
-
-
-def _check_same_structure(teacher_out: Any, student_out: Any, what: str) -> None:
-    """The two models must return the same floating outputs (names and shapes) to be compared."""
-    mine, theirs = flatten_outputs(student_out), flatten_outputs(teacher_out)
-    if not theirs:
-        raise BadInputError(
-            f"the original model returns no floating-point output on {what}: nothing to distil"
-        )
-    layout = [(n, tuple(t.shape)) for n, t in theirs]
-    if [(n, tuple(t.shape)) for n, t in mine] != layout:
-        raise BadInputError(
-            f"the two models' outputs differ on {what}: the original returns {_describe_outputs(theirs)}; "
-            f"the converted model returns {_describe_outputs(mine)}"
-        )
-
-
-def loss_targets(output: Any) -> list[tuple[str, torch.Tensor]]:
-    """The outputs the loss compares: a mapping's ``logits`` when it has them, else every floating output."""
-    if isinstance(output, Mapping):
-        logits = output.get("logits")
-        if isinstance(logits, torch.Tensor) and logits.is_floating_point():
-            return [("output.logits", logits)]
-    return flatten_outputs(output)
-
-
-def _check_kl_targets(targets: list[tuple[str, torch.Tensor]]) -> None:
-    for name, t in targets:
-        if t.ndim < 1 or t.shape[-1] < 2:
-            raise BadInputError(
-                f"--loss kl reads the last dim as classes, but output {name} has shape {tuple(t.shape)}: "
-                "use --loss mse"
-            )
-
-
-def distillation_loss(
-    student: list[tuple[str, torch.Tensor]],
-    teacher: list[tuple[str, torch.Tensor]],
-    loss: str,
-    temperature: float = 1.0,
-) -> torch.Tensor:
-    """The module doc's loss between matching (name, tensor) lists; a 0-d fp32 tensor."""
-    pairs = [
-        (s.float(), t.detach().to(s.device).float()) for (_, s), (_, t) in zip(student, teacher, strict=True)
-    ]
-    if loss == "mse":
-        diff = torch.cat([(s - t).reshape(-1) for s, t in pairs])
-        return diff.pow(2).mean()
-    terms = []
-    for s, t in pairs:
-        log_p_student = F.log_softmax(s / temperature, dim=-1)
-        log_p_teacher = F.log_softmax(t / temperature, dim=-1)
-        kl = F.kl_div(log_p_student, log_p_teacher, reduction="none", log_target=True).sum(-1)
-        terms.append(kl.mean() * temperature**2)
-    return torch.stack(terms).mean()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,7 +178,9 @@ def distill(
     shard_teacher: bool | None = None,
     checkpoints: CheckpointPlan | None = None,
     teacher_placement: str | None = None,
-    student_fill: Callable[[nn.Module], str] | None = None,
+    student_fill: Callable[[nn.Module, bool], str] | None = None,
+    mixed_precision: bool = False,
+    activation_checkpointing: bool = False,
 ) -> tuple[nn.Module, DistillReport]:
     """Fine-tune ``student`` for ``steps`` AdamW steps so its outputs match ``teacher``'s (module doc).
 
@@ -254,7 +198,10 @@ def distill(
     ``teacher_placement``: the teacher is placed already (sharded while it was loaded, as this says).
     ``student_fill``: the student was built on the meta device; this shards it and reads each process's
     shards from its files (:func:`~normswap.calibrate.parallel_load.load_directory_sharded`), returning
-    what it did, so no process holds the student whole.
+    what it did, so no process holds the student whole. ``mixed_precision`` (under ``parallel``): the
+    student computes in bfloat16 and reduces its gradients in float32 (FSDP2's ``MixedPrecisionPolicy``).
+    ``activation_checkpointing``: the student's blocks recompute their activations in the backward
+    (:mod:`normswap.calibrate.recompute`).
 
     Raises BadInputError on bad options, when there are no training batches, when the two models'
     outputs differ in structure or shape, or when no parameter is selected for training.
@@ -354,6 +301,8 @@ def distill(
                     report.notes.append(text)
         teacher_modes.all_eval()
         student_modes.all_eval()
+        if activation_checkpointing:
+            report.notes.append(settings.enter_context(recomputed_blocks(target)))
         for name, p in target.named_parameters():
             p.requires_grad_(name in trained_names)
         if parallel is not None:
@@ -361,7 +310,11 @@ def distill(
             if shard_teacher is None:
                 shard_teacher = parameter_bytes(teacher) > TEACHER_SHARD_BYTES
             placed = teacher_placement or parallel.place(teacher, shard_teacher)
-            student_placed = student_fill(target) if student_fill is not None else parallel.shard(target)
+            student_placed = (
+                student_fill(target, mixed_precision)
+                if student_fill is not None
+                else parallel.shard(target, mixed_precision=mixed_precision)
+            )
             report.placement = f"student: {student_placed}; teacher: {placed}"
             params = [p for name, p in target.named_parameters() if name in trained_names]
             report.notes.append(
@@ -458,7 +411,7 @@ class _Loop:
     def targets_of(self, output: Any) -> list[tuple[str, torch.Tensor]]:
         found = loss_targets(output)
         if self.loss == "kl":
-            _check_kl_targets(found)
+            check_kl_targets(found)
         return found
 
     def step_loss(self, batch: ModelInputs, what: str, check: bool) -> tuple[float, torch.Tensor]:
@@ -469,7 +422,7 @@ class _Loop:
         wanted = self.teacher_outputs(batch, what)
         got = self.student_outputs(batch, what)
         if check:
-            _check_same_structure(wanted, got, what)
+            check_same_structure(wanted, got, what)
         targets = self.targets_of(got)
         self.loss_outputs = [name for name, _ in targets]
         value = distillation_loss(targets, self.targets_of(wanted), self.loss, self.temperature)
@@ -486,7 +439,7 @@ class _Loop:
         with torch.no_grad():
             out = self.student_outputs(batch, "held-out batch")
             if check:
-                _check_same_structure(reference, out, "the held-out batch")
+                check_same_structure(reference, out, "the held-out batch")
             value = distillation_loss(
                 self.targets_of(out), self.targets_of(reference), self.loss, self.temperature
             )

@@ -147,13 +147,16 @@ class DataParallel:
 
     # -- models -------------------------------------------------------------------------------------
 
-    def shard(self, model: nn.Module, trained: bool = True) -> str:
+    def shard(self, model: nn.Module, trained: bool = True, mixed_precision: bool = False) -> str:
         """``fully_shard`` the model's blocks, then its root; returns what was sharded, for the report.
 
         FSDP2 cannot shard a 0-d parameter (DyT's and Derf's alpha): those stay whole on every process,
         and :meth:`average_replicated_gradients` does for them what FSDP's reduce-scatter does for the rest.
+        ``mixed_precision``: FSDP2's ``MixedPrecisionPolicy``: the gathered parameters and the compute in
+        bfloat16, the gradients reduced and the parameters and optimizer state kept in float32, the
+        model's outputs cast back to float32 (the loss compares them with the teacher's).
         """
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from normswap.verify.blockwise import find_blocks
 
@@ -168,16 +171,31 @@ class DataParallel:
                 p.data = p.data.to(self.device)
         if trained:
             self.replicated.extend(p for p in scalars if p.requires_grad)
+        policy: dict[str, Any] = {}
+        if mixed_precision:
+            half, full = torch.bfloat16, torch.float32
+            policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=full)}
+        large = _large_outside(model, path) if count else []
         if count:
             for block in model.get_submodule(path):
-                fully_shard(block, mesh=self.mesh, ignored_params=set(scalars))
+                fully_shard(block, mesh=self.mesh, ignored_params=set(scalars), **policy)
+            # the embeddings and the head, each its own unit: gathered for their own forward and backward
+            # only, not held whole with the root for the whole step (they are a quarter of a 1B model)
+            for _, module in large:
+                fully_shard(module, mesh=self.mesh, ignored_params=set(scalars), **policy)
         # FSDP2 keeps the root's parameters gathered after forward, for the backward that follows; a
         # model that only runs forward (the teacher) would hold its largest tensors, the embeddings and
         # the head, whole for the whole run.
         forward_only = {} if trained else {"reshard_after_forward": True}
-        fully_shard(model, mesh=self.mesh, ignored_params=set(scalars), **forward_only)
+        if mixed_precision:
+            policy = {
+                "mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=full, output_dtype=full)
+            }
+        fully_shard(model, mesh=self.mesh, ignored_params=set(scalars), **forward_only, **policy)
         what = f"{count} blocks ({path}) and the root" if count else "the root only (no list of blocks)"
-        return what + (f", {len(scalars)} scalar parameters whole on every process" if scalars else "")
+        what += f", {', '.join(name for name, _ in large)} on their own" if large else ""
+        what += f", {len(scalars)} scalar parameters whole on every process" if scalars else ""
+        return what + (", bfloat16 compute with float32 gradient reduction" if mixed_precision else "")
 
     def average_replicated_gradients(self) -> None:
         """Average the gradients of the parameters left whole over the processes, as FSDP does its own."""
@@ -194,6 +212,31 @@ class DataParallel:
             return self.shard(model, trained=False)
         model.to(self.device)
         return "a whole copy on every process"
+
+
+def _large_outside(model: nn.Module, blocks: str) -> list[tuple[str, nn.Module]]:
+    """The modules outside the list of blocks at ``blocks`` that hold at least half a block's parameters
+    themselves (token embeddings, an LM head), and share none with another module (a tied head and
+    embedding stay with the root: one parameter cannot be in two FSDP units)."""
+    listed = model.get_submodule(blocks)
+    per_block = sum(p.numel() for p in listed.parameters()) / max(1, len(listed))
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    found = []
+    for name, module in model.named_modules():
+        if not name or name == blocks or name.startswith(blocks + ".") or blocks.startswith(name + "."):
+            continue
+        own = list(module.parameters(recurse=False))
+        if (
+            own
+            and not list(module.children())
+            and all(owners[id(p)] == 1 for p in own)
+            and (sum(p.numel() for p in own) >= per_block / 2)
+        ):
+            found.append((name, module))
+    return found
 
 
 def parameter_bytes(model: nn.Module) -> int:

@@ -91,7 +91,9 @@ def _fill(
             target.copy_(read_tensor(path, entry).to(device))
 
 
-def load_directory_sharded(model: nn.Module, checkpoint: Any, parallel: DataParallel, trained: bool) -> str:
+def load_directory_sharded(
+    model: nn.Module, checkpoint: Any, parallel: DataParallel, trained: bool, mixed_precision: bool = False
+) -> str:
     """Shard ``model`` (the directory's model built on the meta device, recorded modules in place) and
     fill each process's shards from the directory's files; returns what was sharded, for the report."""
     from normswap.load.checkpoint_dir import quiet_transformers
@@ -103,7 +105,7 @@ def load_directory_sharded(model: nn.Module, checkpoint: Any, parallel: DataPara
     stored = set(checkpoint.weight_map)
     computed = _computed_buffers(checkpoint)
     _check_covered(model, checkpoint, stored)
-    placement = parallel.shard(model, trained=trained)
+    placement = parallel.shard(model, trained=trained, mixed_precision=mixed_precision)
     model.to_empty(device=parallel.device)
     targets = model.state_dict(keep_vars=True)
     for shard in checkpoint.shards:

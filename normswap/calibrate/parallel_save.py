@@ -29,7 +29,7 @@ from normswap.load.checkpoint_write import (
     finish_from_source,
     stored_headers,
 )
-from normswap.load.safetensors_io import DTYPES, ShardWriter
+from normswap.load.safetensors_io import DTYPES, shard_writers
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,13 +71,9 @@ def save_directory_sharded(
 
     def write(temp: Path) -> None:
         main = parallel.is_main
-        writers = {
-            shard: ShardWriter(temp / shard, rows, headers[shard][1] or {"format": "pt"})
-            for shard, rows in layout.items()
-            if main
-        }
-        try:
-            non_finite = []
+        non_finite = []
+        metadata = {shard: headers[shard][1] for shard in layout}
+        with shard_writers(temp, layout if main else {}, metadata) as writers:
             for shard, rows in layout.items():
                 for name, dtype, _ in rows:
                     whole = _whole(state[name])  # every process: a collective for a sharded tensor
@@ -86,12 +82,6 @@ def save_directory_sharded(
                     if main:
                         writers[shard].write(name, whole.to(DTYPES[dtype]))
                     del whole
-            for writer in writers.values():
-                writer.close()
-        except BaseException:
-            for writer in writers.values():
-                writer.abandon()
-            raise
         if non_finite:
             raise CheckFailedError(
                 f"the trained model holds non-finite values ({non_finite[0]}, {len(non_finite)} tensors in "

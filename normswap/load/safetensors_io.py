@@ -13,9 +13,11 @@ byte is read through them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,6 +247,28 @@ class ShardWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+@contextlib.contextmanager
+def shard_writers(
+    folder: Path,
+    layout: Mapping[str, list[tuple[str, str, tuple[int, ...]]]],
+    metadata: Mapping[str, dict[str, str]],
+) -> Iterator[dict[str, ShardWriter]]:
+    """A :class:`ShardWriter` for each shard of ``layout`` (file name -> rows) in ``folder``, with that
+    shard's ``metadata`` (``format: pt`` where it has none): each closed, and so checked complete, when the
+    block ends; all abandoned when it raises (the caller removes the folder)."""
+    writers: dict[str, ShardWriter] = {}
+    try:
+        for shard, rows in layout.items():
+            writers[shard] = ShardWriter(folder / shard, rows, dict(metadata.get(shard) or {"format": "pt"}))
+        yield writers
+        for writer in writers.values():
+            writer.close()
+    except BaseException:
+        for writer in writers.values():
+            writer.abandon()
+        raise
 
 
 def stored_dtype(config: Any, where: str | Path = "config.json") -> torch.dtype | None:

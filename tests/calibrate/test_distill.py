@@ -15,7 +15,8 @@ from normswap_cli.app import app
 from torch import nn
 from typer.testing import CliRunner
 
-from normswap.calibrate.distill import distill, distillation_loss
+from normswap.calibrate.distill import distill
+from normswap.calibrate.distill_loss import distillation_loss
 from normswap.errors import BadInputError
 from normswap.passes import SwapNorm
 
@@ -442,3 +443,43 @@ def test_cli_writes_onnx_as_convert_does(tiny, tmp_path):
     refused = _run(*common, "-o", str(tmp_path / "b.onnx"), "--dtype", "bfloat16")
     _one_line_error(refused, "onnxruntime's CPU build has no bf16 kernels")
     assert "AdamW" not in refused.output  # refused before the work
+
+
+def test_activation_checkpointing_trains_the_same_model_and_leaves_it_as_it_was():
+    """Each block recomputes its activations in the backward: the same losses and weights as keeping them
+    (an HF Llama's decoder layers take keyword inputs), and afterwards the blocks run their own forward."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    teacher = transformers.LlamaForCausalLM(config).eval()
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    data = [torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    calls: list[int] = []
+    student.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+    kept, kept_report = distill(teacher, student, data, steps=3, lr=1e-3)
+    without = len(calls)
+    recomputed, report = distill(teacher, student, data, steps=3, lr=1e-3, activation_checkpointing=True)
+    assert len(calls) - without == without + 3  # each of the 3 steps runs the block's forward once more
+    assert "2 blocks (model.layers) recompute their activations in the backward" in report.notes
+    for a, b in zip(kept_report.losses, report.losses, strict=True):
+        assert abs(a - b) <= 1e-6 * abs(a)
+    for (name, a), b in zip(kept.state_dict().items(), recomputed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    assert not any("forward" in layer.__dict__ for layer in recomputed.model.layers)
+    with pytest.raises(
+        BadInputError, match="--activation-checkpointing: the converted model has no list of blocks"
+    ):
+        distill(
+            nn.Linear(4, 4),
+            nn.Linear(4, 4),
+            _random_batches(3, (2, 4)),
+            steps=1,
+            activation_checkpointing=True,
+        )

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from normswap.calibrate.data import ModelInputs
-from normswap.calibrate.distill import distill, distillation_loss
+from normswap.calibrate.distill import distill
 from normswap.calibrate.distill_checkpoint import CheckpointPlan
+from normswap.calibrate.distill_loss import distillation_loss
 from normswap.calibrate.parallel import DataParallel
 from normswap.errors import BadInputError
 from normswap.passes import SwapNorm

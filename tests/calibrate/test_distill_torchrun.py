@@ -230,3 +230,29 @@ def test_a_directory_student_is_read_into_shards_and_written_shard_by_shard(tmp_
     log, _ = refused.communicate(timeout=240)
     assert refused.returncode != 0 and "written shard by shard in" in " ".join(log.split()), log
     assert not (tmp_path / "cast").exists()
+
+
+def test_mixed_precision_and_activation_checkpointing_under_torchrun(llama_dyt, tmp_path):
+    """FSDP2's MixedPrecisionPolicy (bfloat16 compute, float32 reduction and weights) and per-block
+    recomputation: the run trains, says so, keeps float32 weights, and its losses stay near the float32
+    run's; recomputation alone changes no number. Mixed precision is refused outside torchrun."""
+    original, student, data = llama_dyt
+    run = ("distill", str(original), str(student), "--data", str(data), *COMMON, "--steps", "3")
+    reports = {}
+    for name, flags in (("plain", ()), ("recomputed", ("--activation-checkpointing",)),
+                        ("mixed", ("--mixed-precision", "--activation-checkpointing"))):  # fmt: skip
+        reports[name] = tmp_path / f"{name}.json"
+        _finish(_torchrun(*run, *flags, "-o", str(tmp_path / f"{name}.pt"), "--report", str(reports[name])))
+    plain, recomputed, mixed = (json.loads(reports[n].read_text()) for n in ("plain", "recomputed", "mixed"))
+    for a, b in zip(plain["losses"], recomputed["losses"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(a)
+    assert "bfloat16 compute with float32 gradient reduction" in mixed["placement"]
+    assert "2 blocks (model.layers) recompute their activations in the backward" in mixed["notes"]
+    for a, b in zip(plain["losses"], mixed["losses"], strict=True):
+        assert abs(a - b) <= 0.1 * abs(a) and a != b  # bfloat16 rounding: near, not equal
+    weights = torch.load(tmp_path / "mixed.pt", weights_only=False).state_dict()
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
+    result = runner.invoke(app, [*run, "--mixed-precision", "-o", str(tmp_path / "one.pt")])
+    assert result.exit_code == 2 and "--mixed-precision applies under torchrun" in " ".join(
+        result.output.split()
+    )

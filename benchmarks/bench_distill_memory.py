@@ -34,7 +34,15 @@ from bench_convert import _run_rss
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _write_models(root: Path, hidden: int, layers: int) -> tuple[Path, Path, Path, int]:
+def write_models(
+    root: Path,
+    hidden: int,
+    layers: int,
+    student: tuple[str, ...] = ("--to", "layernorm"),
+    name: str = "student",
+) -> tuple[Path, Path, Path, int]:
+    """A fp32 Llama directory with random weights (the teacher), ``normswap convert TEACHER *student -o
+    ROOT/name`` (the student), 12 x 64 token ids (the data), and the parameter count."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -47,14 +55,14 @@ def _write_models(root: Path, hidden: int, layers: int) -> tuple[Path, Path, Pat
     model.save_pretrained(teacher)
     parameters = sum(p.numel() for p in model.parameters())
     del model
-    student = root / "student"
+    converted = root / name
     subprocess.run(
-        [sys.executable, "-m", "normswap_cli", "convert", str(teacher), "--to", "layernorm", "-o", str(student)],
+        [sys.executable, "-m", "normswap_cli", "convert", str(teacher), *student, "-o", str(converted)],
         check=True, capture_output=True,
     )  # fmt: skip
     data = root / "data.pt"
     torch.save(torch.randint(0, 32000, (12, 64), generator=torch.Generator().manual_seed(1)), data)
-    return teacher, student, data, parameters
+    return teacher, converted, data, parameters
 
 
 def _distill(
@@ -104,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        teacher, student, data, parameters = _write_models(root, args.hidden, args.layers)
+        teacher, student, data, parameters = write_models(root, args.hidden, args.layers)
         weights = sum(f.stat().st_size for f in teacher.glob("*.safetensors"))
         plans = {"1": (1, []), str(args.processes): (args.processes, [])}
         plans.update({f"{args.processes} {v}": (args.processes, v.split()) for v in args.variant})

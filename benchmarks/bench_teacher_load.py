@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,31 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_convert import _run_rss
+from bench_distill_memory import write_models
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _write_models(root: Path, hidden: int, layers: int) -> tuple[Path, Path, Path, int]:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875), num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    directory = root / "llama"
-    model.save_pretrained(directory)
-    parameters = sum(p.numel() for p in model.parameters())
-    del model
-    student = root / "student.pt"
-    subprocess.run(
-        [sys.executable, "-m", "normswap_cli", "convert", str(directory), "--to", "dyt", "-o", str(student)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    data = root / "data.pt"
-    torch.save(torch.randint(0, 32000, (12, 64), generator=torch.Generator().manual_seed(1)), data)
-    return directory, student, data, parameters
 
 
 def _run(root: Path, directory: Path, student: Path, data: Path, processes: int, flag: str) -> dict:
@@ -73,7 +50,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        directory, student, data, parameters = _write_models(root, args.hidden, args.layers)
+        directory, student, data, parameters = write_models(
+            root, args.hidden, args.layers, ("--to", "dyt"), "student.pt"
+        )
         weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         runs = {}
         for flag in ("--no-shard-teacher", "--shard-teacher"):

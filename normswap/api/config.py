@@ -169,10 +169,10 @@ class ConvertConfig:
         return next(iter(self.given(*graph_options())), None)
 
     def _check_output(self) -> None:
-        from normswap.api.sources import check_output_format
         from normswap.load import SAVE_FORMATS
         from normswap.load.checkpoint_write import is_directory_output
         from normswap.load.paths import check_output
+        from normswap.load.save import check_output_format
         from normswap.util.dtypes import onnx_check_problem
 
         output = self.output_path
@@ -276,12 +276,19 @@ class ConvertConfig:
 
     def _passes_of(self, field: str) -> list[Pass]:
         """How the rewrite ``field`` (a registry entry's) is built under this configuration."""
-        from normswap import passes as p
+        from normswap.passes import (
+            FoldBatchNorm,
+            FoldLayerScale,
+            FoldNormAffine,
+            RecenterLayerNorm,
+            RemoveWeightNorm,
+            SwapNorm,
+        )
 
         kinds = tuple(self.from_kinds) if self.from_kinds else None
         if field == "rmsnorm" and (kinds is None or "layer" in kinds):
             # exact where the residual stream can be recentered; the generic swap takes the rest
-            return [p.RecenterLayerNorm(), *([] if self.exact else [p.SwapNorm("rmsnorm", kinds)])]
+            return [RecenterLayerNorm(), *([] if self.exact else [SwapNorm("rmsnorm", kinds)])]
         if field == "crmsnorm":
             from normswap.passes.recenter.compress import CompressStream
 
@@ -307,12 +314,12 @@ class ConvertConfig:
 
             return [DeferRMS()]
         plain: dict[str, Callable[[], Pass]] = {
-            "remove_weight_norm": p.RemoveWeightNorm,
-            "fold_bn": p.FoldBatchNorm,
-            "fold_layerscale": p.FoldLayerScale,
-            "fold_norm_affine": p.FoldNormAffine,
+            "remove_weight_norm": RemoveWeightNorm,
+            "fold_bn": FoldBatchNorm,
+            "fold_layerscale": FoldLayerScale,
+            "fold_norm_affine": FoldNormAffine,
             "add_weight_norm": self.weight_norm_pass,
         }
         if field in plain:
             return [plain[field]()]
-        return [p.SwapNorm(field, kinds, groups=self.groups)]  # an architectural --to KIND
+        return [SwapNorm(field, kinds, groups=self.groups)]  # an architectural --to KIND

@@ -146,17 +146,6 @@ def read_data(
     return source, held_out
 
 
-def check_output_format(output: Path) -> None:
-    """Refuse an -o whose suffix names no format normswap writes (.pt2, .pt, .onnx ...); a name without a
-    file extension is a model directory, as in every Hugging Face tool."""
-    from normswap.errors import BadInputError
-    from normswap.load import SAVE_FORMATS
-    from normswap.load.checkpoint_write import is_directory_output
-
-    if not is_directory_output(output) and output.suffix not in SAVE_FORMATS:
-        raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
-
-
 def check_output_before_work(
     model: nn.Module,
     output: Path,

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 from normswap.api.sources import (
     check_inputs_fit,
     check_output_before_work,
-    check_output_format,
     example_inputs,
     load_for_inference,
     read_data,
     save_trained,
 )
 from normswap.errors import BadInputError
+from normswap.load.save import check_output_format
 
 if TYPE_CHECKING:
     from torch import nn

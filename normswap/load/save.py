@@ -329,6 +329,15 @@ def _pickled_as_program(model: nn.Module) -> bool:
 _FORMAT_PACKAGES = {"onnx": ("onnx", "onnxscript", "onnxruntime")}
 
 
+def check_output_format(output: Path) -> None:
+    """Refuse an -o whose suffix names no format normswap writes (.pt2, .pt, .onnx ...); a name without a
+    file extension is a model directory, as in every Hugging Face tool."""
+    from normswap.load.checkpoint_write import is_directory_output
+
+    if not is_directory_output(output) and output.suffix not in SAVE_FORMATS:
+        raise BadInputError(f"-o {output}: unknown output format; use one of {', '.join(SAVE_FORMATS)}")
+
+
 def check_writable(
     model: nn.Module,
     path: Path,

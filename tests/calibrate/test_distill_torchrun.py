@@ -234,19 +234,17 @@ def test_a_directory_student_is_read_into_shards_and_written_shard_by_shard(tmp_
 
 
 def test_mixed_precision_and_activation_checkpointing_under_torchrun(llama_dyt, tmp_path):
-    """FSDP2's MixedPrecisionPolicy (bfloat16 compute, float32 reduction and weights) and per-block
-    recomputation: the run trains, says so, keeps float32 weights, and its losses stay near the float32
-    run's; recomputation alone changes no number. Mixed precision is refused outside torchrun."""
+    """FSDP2's MixedPrecisionPolicy (bfloat16 compute, float32 reduction and weights) with per-block
+    recomputation (which alone changes no number: tests/calibrate/test_distill.py): the run trains, says
+    so, keeps float32 weights, and its losses stay near the float32 run's. Mixed precision is refused
+    outside torchrun."""
     original, student, data = llama_dyt
     run = ("distill", str(original), str(student), "--data", str(data), *COMMON, "--steps", "3")
     reports = {}
-    for name, flags in (("plain", ()), ("recomputed", ("--activation-checkpointing",)),
-                        ("mixed", ("--mixed-precision", "--activation-checkpointing"))):  # fmt: skip
+    for name, flags in (("plain", ()), ("mixed", ("--mixed-precision", "--activation-checkpointing"))):
         reports[name] = tmp_path / f"{name}.json"
         _finish(_torchrun(*run, *flags, "-o", str(tmp_path / f"{name}.pt"), "--report", str(reports[name])))
-    plain, recomputed, mixed = (json.loads(reports[n].read_text()) for n in ("plain", "recomputed", "mixed"))
-    for a, b in zip(plain["losses"], recomputed["losses"], strict=True):
-        assert abs(a - b) <= 1e-6 * abs(a)
+    plain, mixed = (json.loads(reports[n].read_text()) for n in ("plain", "mixed"))
     assert "bfloat16 compute with float32 gradient reduction" in mixed["placement"]
     assert "2 blocks (model.layers) recompute their activations in the backward" in mixed["notes"]
     for a, b in zip(plain["losses"], mixed["losses"], strict=True):

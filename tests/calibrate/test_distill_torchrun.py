@@ -191,7 +191,8 @@ def _two_nodes(*args: str, port: int) -> list[str]:
 def test_a_directory_student_is_read_into_shards_and_written_shard_by_shard(tmp_path):
     """A student that is a model directory is never loaded whole under torchrun: built on the meta device,
     each process reads its rows, and a directory output is written one gathered tensor at a time. Two
-    processes on one node, and one process on each of two "nodes", train what one process trains."""
+    processes on one node, one process on each of two "nodes", and two processes resuming a one-process
+    run's checkpoint train what one process trains."""
     import socket
 
     original = make_directory(tmp_path, "llama")
@@ -226,6 +227,16 @@ def test_a_directory_student_is_read_into_shards_and_written_shard_by_shard(tmp_
         files = sorted(p.name for p in (tmp_path / written).iterdir())
         assert files == sorted(p.name for p in (tmp_path / "one").iterdir()), files
         assert "normswap-model.safetensors.index.json" in files and "tokenizer.json" in files
+
+    # stopped after 1 step in one process, resumed in two from its checkpoint: the same model again
+    checkpoints = ("--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1")
+    first = [a if a != "2" else "1" for a in run]  # --steps 1
+    result = runner.invoke(app, [*first, *checkpoints, "-o", str(tmp_path / "first")])
+    assert result.exit_code == 0, result.output
+    output = _finish(_torchrun(*run, *checkpoints, "--resume", "-o", str(tmp_path / "resumed")))
+    assert "resumed from" in output and "after 1 of 2 steps" in output, output
+    resumed = _logits(tmp_path / "resumed")
+    assert (expected - resumed).abs().max() <= 1e-5 * expected.abs().max()
 
     refused = _torchrun(*run, "-o", str(tmp_path / "cast"), "--dtype", "bfloat16")
     log, _ = refused.communicate(timeout=240)

@@ -112,10 +112,10 @@ def test_the_streamed_fold_writes_what_the_in_memory_route_writes(tmp_path, name
 
 
 def test_a_wrong_fold_is_caught_by_its_check_and_nothing_is_written(tmp_path, monkeypatch):
-    from normswap.passes.batchnorm import stream as tensor_edits_batchnorm
+    from normswap.passes.batchnorm import group as batchnorm_group
 
     source, _ = _directory(tmp_path, "resnet")
-    real = tensor_edits_batchnorm.folded_weights
+    real = batchnorm_group.folded_weights
 
     def off_by_a_little(group, tensors):
         weight, bias = real(group, tensors)
@@ -123,7 +123,7 @@ def test_a_wrong_fold_is_caught_by_its_check_and_nothing_is_written(tmp_path, mo
             bias = bias + 1e-3 * bias.abs().max()
         return weight, bias
 
-    monkeypatch.setattr(tensor_edits_batchnorm, "folded_weights", off_by_a_little)
+    monkeypatch.setattr(batchnorm_group, "folded_weights", off_by_a_little)
     with pytest.raises(
         CheckFailedError,
         match=r"verification: resnet\.embedder\.embedder\.normalization -> "

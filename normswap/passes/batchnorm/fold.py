@@ -63,8 +63,8 @@ from normswap.passes.batchnorm.arithmetic import (
     bn_scale_shift,
     fold_bn_into_conv_transpose_weights,
     fold_bn_into_conv_weights,
-    fold_bn_into_next_layer_weights,
 )
+from normswap.passes.batchnorm.group import fold_group
 from normswap.passes.batchnorm.layers import CONV_TRANSPOSES, class_name, layer_text
 from normswap.passes.batchnorm.match import (
     Fold,
@@ -75,6 +75,7 @@ from normswap.passes.batchnorm.match import (
     plan_module_site,
 )
 from normswap.passes.core.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
+from normswap.passes.core.edits import apply_in_memory
 from normswap.passes.swap.norm_act import is_identity, norm_act_tail, with_tail
 
 
@@ -155,8 +156,8 @@ class FoldBatchNorm(Pass[NormSite, FoldPlan, None]):
         bn = site.module
         assert bn is not None
         tail = norm_act_tail(bn) or []
-        scale, shift = _scale_shift(site, bn)
         if fold.how == "affine":
+            scale, shift = _scale_shift(site, bn)
             dtype = bn.weight.dtype if getattr(bn, "weight", None) is not None else bn.running_mean.dtype
             affine = ChannelAffine.from_scale_shift(scale, shift, dtype, bn.running_mean.device)
             replace_submodule(ctx.model, site.path, with_tail(tail, affine))
@@ -170,17 +171,16 @@ class FoldBatchNorm(Pass[NormSite, FoldPlan, None]):
                 {"into": None, "replacement": "ChannelAffine"},
             )
         layer = ctx.model.get_submodule(fold.layer)
+        # the group a stream writes, run on the model's own tensors (a layer without a bias gains one)
+        group = fold_group(site.path, bn, bn_eps(site, bn), fold.layer, layer, fold.how)
+        bias_added = bool(apply_in_memory(ctx.model, group.edit()))
         if fold.how == "backward":
-            bias_added = _fold_backward(layer, scale, shift)
             description = f"folded into {layer_text(fold.layer, layer)}"
             if not is_identity(tail):
                 description += (
                     f"; kept its {' and '.join(n for n, m in tail if not isinstance(m, nn.Identity))}"
                 )
         else:
-            groups = getattr(layer, "groups", 1)
-            weight, bias = fold_bn_into_next_layer_weights(layer.weight, layer.bias, scale, shift, groups)
-            bias_added = _set_weights(layer, weight, bias)
             description = f"folded forward into the next layer {layer_text(fold.layer, layer)}"
         replace_submodule(ctx.model, site.path, with_tail(tail))
         return Change(

@@ -308,7 +308,7 @@ def print_streamed(report: Any, result: Any) -> None:
             f"{fmt_float(worst)} x max|ref| [green]PASS[/]",
             soft_wrap=True,
         )
-    if result.recorded_modules:
+    if result.recorded_modules or result.stock_refused:
         out.print(f"  {how_it_loads(result.recorded_modules, result.stock_refused)}", soft_wrap=True)
     if result.config_changes:
         out.print(f"  config.json: {', '.join(f'{k}={v}' for k, v in result.config_changes.items())}")
@@ -317,9 +317,9 @@ def print_streamed(report: Any, result: Any) -> None:
 
 def how_it_loads(recorded: dict[str, Any], stock_refused: str | None) -> str:
     """How a written model directory loads, said the same by every route that writes one."""
-    if not recorded:
-        return "loads with transformers' from_pretrained"
     modules = f"{len(recorded)} modules recorded in normswap.json"
+    if stock_refused is None and not recorded:
+        return "loads with transformers' from_pretrained"
     if stock_refused is None:
         return (
             f"{modules} (normswap.load_model builds them; transformers' from_pretrained builds the original "

@@ -329,7 +329,7 @@ def write_checkpoint(
         copied_tensors=copied,
         edited_tensors=edited,
         largest_group_bytes=largest,
-        recorded_modules=plan.recorded,
+        recorded_modules={**checkpoint.replaced_modules, **plan.recorded},
         config_changes=plan.config_changes,
         copied_files=copied_files,
         not_copied=not_copied,

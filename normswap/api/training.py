@@ -208,7 +208,7 @@ def distill(
     before any model is loaded.
     """
     from normswap.api.save import SavedOutput
-    from normswap.calibrate.distill import check_options
+    from normswap.calibrate.distill import check_mixed_precision, check_options
     from normswap.calibrate.distill import distill as distill_model
     from normswap.calibrate.distill_checkpoint import CheckpointPlan, save_sharded
     from normswap.calibrate.parallel import full_state_dict
@@ -228,10 +228,7 @@ def distill(
     with _processes() as parallel:
         if parallel is None and shard_teacher is not None:
             raise BadInputError("--shard-teacher applies under torchrun (several processes)")
-        if parallel is None and mixed_precision:
-            raise BadInputError(
-                "--mixed-precision applies under torchrun (FSDP2's MixedPrecisionPolicy over several processes)"
-            )
+        check_mixed_precision(mixed_precision, parallel)  # before the models are loaded
         main = parallel is None or parallel.is_main
         say, count = (on_step, on_progress) if main else (None, None)
         teacher, teacher_placement = _load_teacher(original, weights, trust_pickle, parallel, shard_teacher)
@@ -339,7 +336,8 @@ def _load_student(
     """CONVERTED, and under torchrun for a model directory the way to fill it later: then it is built on
     the meta device (no weight read) and the distillation shards it and reads each process's rows from
     the files, so no process holds the student whole (:func:`~normswap.calibrate.parallel_load.
-    load_directory_sharded`); elsewhere it is loaded whole (a .pt2, a factory, one process)."""
+    load_directory_sharded`); elsewhere it is loaded whole (a .pt2, a factory, one process, a directory
+    whose tensors transformers renames as it loads)."""
     from normswap.load.checkpoint_dir import is_checkpoint_directory
 
     if parallel is None or weights is not None or not is_checkpoint_directory(converted):
@@ -349,6 +347,8 @@ def _load_student(
     structure = load_for_inference(converted, None, trust_pickle, structure_only=True)
     checkpoint = structure.checkpoint
     assert checkpoint is not None  # a model directory's structure carries its description
+    if not checkpoint.stored_as_loaded:  # transformers renames its tensors as it loads: read it whole
+        return load_for_inference(converted, None, trust_pickle), None
 
     def fill(model: nn.Module, mixed_precision: bool) -> str:
         return load_directory_sharded(
@@ -390,7 +390,9 @@ def _load_teacher(
     assert checkpoint is not None  # a model directory's structure carries its description
     if shard_teacher is None:
         shard_teacher = checkpoint.total_bytes > TEACHER_SHARD_BYTES
-    if not shard_teacher:
+    # a directory whose tensors transformers renames as it loads is read whole, then sharded (rows are
+    # read by stored name)
+    if not shard_teacher or not checkpoint.stored_as_loaded:
         return load_for_inference(original, weights, trust_pickle), None
     from normswap.calibrate.parallel_load import load_directory_sharded
 

@@ -159,6 +159,14 @@ def check_options(*, steps: int, lr: float, loss: str, temperature: float, train
         raise BadInputError(f"--train {train!r}: choose from {', '.join(TRAIN_SETS)}")
 
 
+def check_mixed_precision(mixed_precision: bool, parallel: DataParallel | None) -> None:
+    """Mixed precision is FSDP2's, over the processes of a torchrun job: refused in one process."""
+    if mixed_precision and parallel is None:
+        raise BadInputError(
+            "--mixed-precision applies under torchrun (FSDP2's MixedPrecisionPolicy over several processes)"
+        )
+
+
 def distill(
     teacher: nn.Module,
     student: nn.Module,
@@ -207,6 +215,7 @@ def distill(
     outputs differ in structure or shape, or when no parameter is selected for training.
     """
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature, train=train)
+    check_mixed_precision(mixed_precision, parallel)
     if checkpoints is not None:
         checkpoints.check()
     if teacher is student:
@@ -310,6 +319,10 @@ def distill(
             if shard_teacher is None:
                 shard_teacher = parameter_bytes(teacher) > TEACHER_SHARD_BYTES
             placed = teacher_placement or parallel.place(teacher, shard_teacher)
+            if (
+                mixed_precision
+            ):  # float32 weights and optimizer state, whatever dtype the student is stored in
+                target.float()
             student_placed = (
                 student_fill(target, mixed_precision)
                 if student_fill is not None

@@ -21,7 +21,7 @@ from torch import nn
 
 from normswap.calibrate.distill_checkpoint import write_shared_folder
 from normswap.calibrate.parallel import DataParallel
-from normswap.errors import BadInputError, CheckFailedError
+from normswap.errors import BadInputError, CheckFailedError, describe
 from normswap.load.checkpoint_dir import CheckpointDirectory, read_checkpoint_directory
 from normswap.load.checkpoint_write import (
     WrittenDirectory,
@@ -29,7 +29,7 @@ from normswap.load.checkpoint_write import (
     finish_from_source,
     stored_headers,
 )
-from normswap.load.safetensors_io import DTYPES, shard_writers
+from normswap.load.safetensors_io import DTYPES, ShardWriter
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -70,37 +70,55 @@ def save_directory_sharded(
     found: dict[str, Any] = {}
 
     def write(temp: Path) -> None:
+        # Every process takes part in every gather, in the same order, whatever happens on process 0: a
+        # failure there (a full disk) is carried to the end of the loop and then told to all, so none
+        # waits for a gather that never comes.
         main = parallel.is_main
+        failed: str | None = None
+        writers: dict[str, ShardWriter] = {}
+        if main:
+            try:
+                writers = {
+                    shard: ShardWriter(temp / shard, rows, headers[shard][1] or {"format": "pt"})
+                    for shard, rows in layout.items()
+                }
+            except OSError as exc:
+                failed = f"-o {path}: {describe(exc)}"
         non_finite = []
-        metadata = {shard: headers[shard][1] for shard in layout}
-        with shard_writers(temp, layout if main else {}, metadata) as writers:
-            for shard, rows in layout.items():
-                for name, dtype, _ in rows:
-                    whole = _whole(state[name])  # every process: a collective for a sharded tensor
-                    if whole.is_floating_point() and not bool(torch.isfinite(whole).all()):
-                        non_finite.append(name)  # every process sees the whole tensor: all decide alike
-                    if main:
+        for shard, rows in layout.items():
+            for name, dtype, _ in rows:
+                whole = _whole(state[name])  # every process: a collective for a sharded tensor
+                if whole.is_floating_point() and not bool(torch.isfinite(whole).all()):
+                    non_finite.append(name)  # every process sees the whole tensor: all decide alike
+                if main and failed is None:
+                    try:
                         writers[shard].write(name, whole.to(DTYPES[dtype]))
-                    del whole
+                    except (OSError, ValueError) as exc:
+                        failed = f"-o {path}: {name}: {describe(exc)}"
+                del whole
+        if main and failed is None:
+            try:
+                for writer in writers.values():
+                    writer.close()
+                if not non_finite:
+                    found["refused"] = finish_from_source(
+                        source, temp, sorted(layout), config_changes={}, recorded={}
+                    )
+                    # the model its config describes is what the files hold
+                    found["shards"] = list(read_checkpoint_directory(temp).shards)
+                    found["copied"] = copy_side_files(source, temp)
+            except Exception as exc:  # anything: the others wait for the word below
+                failed = f"-o {path}: {describe(exc)}"
+        for writer in writers.values():
+            writer.abandon()  # closed already where all went well
+        failed = parallel.from_main(failed)  # every process stops on process 0's failure, none waits
         if non_finite:
             raise CheckFailedError(
                 f"the trained model holds non-finite values ({non_finite[0]}, {len(non_finite)} tensors in "
                 "all); nothing written"
             )
-        error = None
-        if main:
-            try:
-                found["refused"] = finish_from_source(
-                    source, temp, sorted(layout), config_changes={}, recorded={}
-                )
-                # the model its config describes is what the files hold
-                found["shards"] = list(read_checkpoint_directory(temp).shards)
-                found["copied"] = copy_side_files(source, temp)
-            except (BadInputError, OSError) as exc:
-                error = f"-o {path}: {exc}"
-        error = parallel.from_main(error)  # every process stops on process 0's failure, none waits
-        if error is not None:
-            raise BadInputError(error)
+        if failed is not None:
+            raise BadInputError(failed)
 
     write_shared_folder(path, parallel, write, overwrite=overwrite)
     if not parallel.is_main:

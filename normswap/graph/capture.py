@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,20 +261,21 @@ def _saved_free_dim(tensor: torch.Tensor, dim: int) -> Any:
     return _free_dim(tensor, dim)
 
 
-def _unit_dims_grown(value: Any) -> Any:
-    """``value`` with every free dim of size 1 (:func:`_saved_free_dim`) repeated to size 2: torch.export
+def _unit_dims_grown(value: Any, free: Callable[[torch.Tensor, int], Any] = _free_dim) -> Any:
+    """``value`` with every dim of size 1 that ``free`` leaves free repeated to size 2: torch.export
     specializes a size-1 dim to 1 (HF directories' example inputs are 1 x 16 token ids), so a program
-    exported from them would take batches of one only."""
+    exported from them would take batches of one only. Only the dims the export leaves free are grown:
+    a fixed dim keeps the example's size."""
     if isinstance(value, torch.Tensor):
         repeats = [
-            2 if size == 1 and _saved_free_dim(value, i) is torch.export.Dim.AUTO else 1
+            2 if size == 1 and free(value, i) is torch.export.Dim.AUTO else 1
             for i, size in enumerate(value.shape)
         ]
         return value.repeat(*repeats) if any(r > 1 for r in repeats) else value
     if isinstance(value, list | tuple):
-        return type(value)(_unit_dims_grown(v) for v in value)
+        return type(value)(_unit_dims_grown(v, free) for v in value)
     if isinstance(value, dict):
-        return {k: _unit_dims_grown(v) for k, v in value.items()}
+        return {k: _unit_dims_grown(v, free) for k, v in value.items()}
     return value
 
 
@@ -327,11 +328,12 @@ def export_program(
         # minutes for Swin's padding. They are tried within a budget relative to the export just done.
         budget = max(IMAGE_SIZE_BUDGET[0], IMAGE_SIZE_BUDGET[1] * took)
         why = None
+        image_args, image_kwargs = (_unit_dims_grown(v, _saved_free_dim) for v in (args, kwargs))
         try:
             with _time_limit(budget):
-                free_dims = input_dims(model, traced_args, traced_kwargs, _saved_free_dim)
+                free_dims = input_dims(model, image_args, image_kwargs, _saved_free_dim)
                 return torch.export.export(
-                    model, traced_args, kwargs=traced_kwargs, dynamic_shapes=free_dims, strict=False
+                    model, image_args, kwargs=image_kwargs, dynamic_shapes=free_dims, strict=False
                 )
         except _OutOfTime:
             why = f"took over {budget:.0f} s (the export with them fixed took {took:.1f} s)"
@@ -346,15 +348,21 @@ def export_program(
 IMAGE_SIZE_BUDGET = (10.0, 10.0)
 
 
-class _OutOfTime(Exception):
-    """An export that ran past its time limit (:func:`_time_limit`)."""
+class _OutOfTime(BaseException):
+    """An export that ran past its time limit (:func:`_time_limit`); a BaseException, so that no
+    ``except Exception`` inside the export takes it for one of its own errors."""
 
 
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise :class:`_OutOfTime` inside the block once ``seconds`` have passed (a timer signal, so on the
-    main thread only; elsewhere the block runs without a limit)."""
+    """Raise :class:`_OutOfTime` inside the block once ``seconds`` have passed, and again every second
+    until the block ends (a timer signal, so on the main thread only; elsewhere, or when a timer of
+    someone else's is running, the block runs without a limit). The handler and timer before it are put
+    back."""
     if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:  # the caller's own alarm: not ours to take
         yield
         return
 
@@ -362,12 +370,12 @@ def _time_limit(seconds: float) -> Iterator[None]:
         raise _OutOfTime
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _has_images(args: tuple, kwargs: dict[str, Any]) -> bool:

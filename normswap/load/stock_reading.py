@@ -56,43 +56,66 @@ def _class(module: nn.Module) -> str:
     return type(module).__name__
 
 
+def _widths(module: nn.Module) -> list[int]:
+    """The channel counts a module of this kind may normalize: its 1-d tensors' lengths and the sizes its
+    constructor was given (a norm without affine has no tensor to read them from)."""
+    found = {t.shape[0] for t in (*module.parameters(), *module.buffers()) if t.ndim == 1}
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, tuple | list) and shape:
+        found.add(int(shape[-1]))
+    for attribute in ("num_features", "num_channels", "hidden_size", "dim"):
+        value = getattr(module, attribute, None)
+        if isinstance(value, int) and value > 0:
+            found.add(value)
+    return sorted(found)
+
+
 def _probe_inputs(module: nn.Module, generator: torch.Generator) -> Iterator[torch.Tensor]:
     """Inputs a module of this kind takes: token ids for an embedding; for a norm, its channel count as
     the last dim or as dim 1 (channels-first)."""
     if isinstance(module, nn.Embedding):
         yield torch.randint(module.num_embeddings, (2, 5), generator=generator)
         return
-    for width in sorted({t.shape[0] for t in module.parameters() if t.ndim == 1}):
+    for width in _widths(module):
         for shape in ((2, 5, width), (2, width, 3, 3), (2, width, 5)):
             yield torch.randn(shape, generator=generator) * 2 + 0.5
 
 
-def _same_function(stock: nn.Module, recorded: nn.Module) -> bool:
-    """Whether the two modules (same tensor names, on the meta device) compute the same outputs from the
-    same random tensors, on the first probe input both take."""
+def _function_difference(stock: nn.Module, recorded: nn.Module) -> str | None:
+    """Why the two modules (the same tensor names, on the meta device) may compute another function, or
+    None when they compute the same outputs from the same random tensors on the first probe input both
+    take (an integer buffer, such as a count, is zero in both)."""
     generator = torch.Generator().manual_seed(0)
     old = copy.deepcopy(stock).to_empty(device="cpu").float()
     new = copy.deepcopy(recorded).to_empty(device="cpu").float()
     values = {}
     for name, tensor in old.state_dict().items():
-        if not tensor.is_floating_point():
-            return False  # an index or a count: random values mean nothing
-        values[name] = torch.randn(tensor.shape, generator=generator) * 0.5 + 1
-    old.load_state_dict(values)
-    new.load_state_dict(values)
+        if tensor.is_floating_point():
+            values[name] = torch.randn(tensor.shape, generator=generator) * 0.5 + 1
+        else:
+            values[name] = torch.zeros_like(tensor)
+    try:
+        old.load_state_dict(values)
+        new.load_state_dict(values)
+    except RuntimeError:  # the same names, other shapes
+        return "holds tensors of other shapes"
     with torch.no_grad():
         for x in _probe_inputs(old, generator):
             try:
                 want, got = old(x), new(x)
-            except (RuntimeError, ValueError, TypeError, IndexError):
-                continue  # not an input of this module's shape
-            if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor):
-                return False
-            if want.shape != got.shape:
-                return False
+            except Exception:  # not an input of this module's shape: the next one
+                continue
+            if (
+                not isinstance(want, torch.Tensor)
+                or not isinstance(got, torch.Tensor)
+                or want.shape != got.shape
+            ):
+                return "computes another function"
             max_abs = (want.double() - got.double()).abs().max().item()
-            return within_exact_tolerance(max_abs, want.double().abs().max().item(), torch.float32)
-    return False
+            if within_exact_tolerance(max_abs, want.double().abs().max().item(), torch.float32):
+                return None
+            return "computes another function"
+    return "could not be run on a probe input to confirm it computes the same function"
 
 
 def stock_reading_problem(stock: nn.Module, modules: Mapping[str, Any]) -> str | None:
@@ -113,8 +136,9 @@ def stock_reading_problem(stock: nn.Module, modules: Mapping[str, Any]) -> str |
                 f"{path} is a {_class(new)} holding {', '.join(new_names) or 'no tensors'}; the config "
                 f"builds a {_class(old)} holding {', '.join(old_names) or 'no tensors'}"
             )
-        if not _same_function(old, new):
-            return f"{path} is a {_class(new)}; the config builds a {_class(old)}, which computes another function"
+        difference = _function_difference(old, new)
+        if difference is not None:
+            return f"{path} is a {_class(new)}; the config builds a {_class(old)}, which {difference}"
     return None
 
 

@@ -192,3 +192,18 @@ def test_free_image_sizes_past_their_time_budget_are_fixed_with_the_reason(tmp_p
     assert any("the export with free image sizes took over 0 s" in f for f in data["fallbacks"]), data[
         "fallbacks"
     ]
+
+
+def test_a_program_whose_image_sizes_stay_fixed_takes_the_example_with_a_unit_height(tmp_path, monkeypatch):
+    """A 1-pixel-high input (a 1-d signal as N x C x 1 x T): where the image sizes stay fixed, the
+    height is the example's 1, not the 2 the attempt to free it traced with."""
+    import normswap.graph.capture as capture
+
+    monkeypatch.setattr(capture, "IMAGE_SIZE_BUDGET", (0.001, 0.0))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, (1, 3)), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 1, 8)
+    program = capture.export_program(model, (x,), {}, grow_unit_dims=True, fallbacks=(notes := []))
+    torch.testing.assert_close(program.module()(x), model(x))
+    torch.testing.assert_close(program.module()(torch.randn(3, 3, 1, 8)).shape, torch.Size([3, 4, 1, 6]))
+    assert any("free image sizes took over" in n for n in notes), notes

@@ -148,3 +148,22 @@ def test_every_writer_says_how_it_loads(dirs, tmp_path):
         written = json.loads(report.read_text())[route]
         assert "LayerNorm" in written["stock_refused"]
         _hidden(out)
+
+
+def test_a_norm_without_tensors_and_integer_buffers_are_judged_by_their_function():
+    # OLMo's LayerNorm has no affine: its width comes from its shape; a BatchNorm's count is an integer
+    from torch import nn
+
+    from normswap.modules.fused import FusedLayerNorm
+
+    weightless = module_recipe(FusedLayerNorm(8, elementwise_affine=False, bias=False))
+    assert (
+        stock_reading_problem(
+            nn.Sequential(nn.LayerNorm(8, elementwise_affine=False)).to("meta"), {"0": weightless}
+        )
+        is None
+    )
+    other = module_recipe(FusedLayerNorm(8, eps=0.5, elementwise_affine=False, bias=False))
+    assert "computes another function" in stock_reading_problem(
+        nn.Sequential(nn.LayerNorm(8, elementwise_affine=False)).to("meta"), {"0": other}
+    )

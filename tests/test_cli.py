@@ -132,7 +132,7 @@ def test_exact_refuses_an_architectural_swap_and_writes_nothing(tmp_path):
 
 def test_a_broken_exact_rewrite_fails_the_check_and_writes_nothing(tmp_path, monkeypatch):
     # the package re-exports a function of the same name, so fetch the module itself
-    fold = importlib.import_module("normswap.passes.batchnorm.fold")
+    fold = importlib.import_module("normswap.passes.batchnorm.group")
 
     def wrong(weight, bias, scale, shift, out_channel_dim=0):
         w, b = real(weight, bias, scale, shift, out_channel_dim)

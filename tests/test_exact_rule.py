@@ -111,7 +111,7 @@ WRONG = re.compile(
 
 
 def test_a_rewrite_with_a_weight_moved_by_1e_3_fails_convert_and_validate_with_the_same_reason(monkeypatch):
-    fold = importlib.import_module("normswap.passes.batchnorm.fold")
+    fold = importlib.import_module("normswap.passes.batchnorm.group")
     real = fold.fold_bn_into_conv_weights
 
     def wrong(weight, bias, scale, shift, out_channel_dim=0):

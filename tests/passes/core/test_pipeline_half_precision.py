@@ -34,7 +34,7 @@ def test_a_correct_bf16_fold_of_a_deep_net_passes_against_fp32(monkeypatch):
 
 
 def test_a_wrong_bf16_fold_still_fails(monkeypatch):
-    fold = importlib.import_module("normswap.passes.batchnorm.fold")
+    fold = importlib.import_module("normswap.passes.batchnorm.group")
     real = fold.fold_bn_into_conv_weights
 
     def wrong(weight, bias, scale, shift, out_channel_dim=0):
@@ -69,7 +69,7 @@ def test_an_fp32_fold_beyond_the_table_is_judged_against_fp64(monkeypatch):
 
 
 def test_a_wrong_fp32_fold_fails_against_fp64_too(monkeypatch):
-    fold = importlib.import_module("normswap.passes.batchnorm.fold")
+    fold = importlib.import_module("normswap.passes.batchnorm.group")
     real = fold.fold_bn_into_conv_weights
 
     def slightly_wrong(weight, bias, scale, shift, out_channel_dim=0):

@@ -178,13 +178,13 @@ def _same_class(stock: nn.Module, module: nn.Module) -> bool:
     return recipe is not None and recipe == module_recipe(stock)
 
 
-def plan_directory(model: nn.Module) -> DirectoryPlan:
-    """Compare the converted model with what its config builds, module by module (class and own tensor
+def plan_directory(model: nn.Module, stock_model: nn.Module) -> DirectoryPlan:
+    """Compare the converted model with ``stock_model`` (what its config builds, on meta), module by module (class and own tensor
     names), and say how each difference is written. BadInputError when one cannot be: a class without
     a recipe, a module gone. Such a model is saved as .pt2."""
     from normswap.modules.recipes import module_recipe
 
-    stock = dict(stock_on_meta(type(model), model.config).named_modules())
+    stock = dict(stock_model.named_modules())
     dtype = floating_dtype(model)
     plan = DirectoryPlan()
     present: set[str] = set()
@@ -287,7 +287,8 @@ def write_checkpoint_directory(
     path = Path(path)
     check_output("-o", path, overwrite=overwrite, directory=True)
     check_directory_output(model, path)
-    plan = plan_directory(model)
+    stock_model = stock_on_meta(type(model), model.config)  # what from_pretrained builds, built once
+    plan = plan_directory(model, stock_model)
     config = model.config
     tie = _tie_setting(model)
     config_changes: dict[str, Any] = {}
@@ -303,9 +304,7 @@ def write_checkpoint_directory(
             model.save_pretrained(
                 temp, state_dict=state, max_shard_size=_shard_bytes(source), safe_serialization=True
             )
-        stock_refused = finish_directory(
-            temp, plan.recorded, lambda: stock_on_meta(type(model), model.config)
-        )
+        stock_refused = finish_directory(temp, plan.recorded, lambda: stock_model)
         reload_error = verify(temp) if verify is not None else None
         copied, not_copied = copy_side_files(source, temp)
         shards = sorted(p.name for p in temp.glob("*.safetensors"))

@@ -179,8 +179,8 @@ def _same_class(stock: nn.Module, module: nn.Module) -> bool:
 
 
 def plan_directory(model: nn.Module, stock_model: nn.Module) -> DirectoryPlan:
-    """Compare the converted model with ``stock_model`` (what its config builds, on meta), module by module (class and own tensor
-    names), and say how each difference is written. BadInputError when one cannot be: a class without
+    """Compare the converted model with ``stock_model`` (what its config builds, on meta), module by
+    module (class and own tensor names), and say how each difference is written. BadInputError when one cannot be: a class without
     a recipe, a module gone. Such a model is saved as .pt2."""
     from normswap.modules.recipes import module_recipe
 

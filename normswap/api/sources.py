@@ -161,6 +161,7 @@ def check_output_before_work(
     from normswap.load import SAVE_FORMATS, check_writable
     from normswap.load.checkpoint_write import check_directory_output, is_directory_output
     from normswap.util.dtypes import output_dtype
+    from normswap.util.fake_weights import fake_weights
 
     if is_directory_output(output):  # written with save_pretrained and loaded back: no export to try
         check_directory_output(model, output)
@@ -168,7 +169,8 @@ def check_output_before_work(
     captured = None
     if SAVE_FORMATS.get(output.suffix.lower()) != "pickle" and (args is not None or kwargs):
         _say(on_step, "checking that the model can be exported")
-        captured = capture_graph(model, args, kwargs)
+        with fake_weights(model, args, kwargs):  # a model to be read into shards later: no weights yet
+            captured = capture_graph(model, args, kwargs)
     check_writable(
         model, output, args, kwargs, captured=captured, dtype=None if dtype is None else output_dtype(dtype)
     )

@@ -240,8 +240,6 @@ def distill(
             )
         resolved = example_inputs(teacher, inputs, input_shapes) or example_inputs(student)
         args, kwargs = resolved if resolved is not None else (None, None)
-        # a student built on the meta device (read into its shards later) is checked on meta inputs
-        student_args, student_kwargs = (args, kwargs) if student_fill is None else _on_meta((args, kwargs))
         if resolved is not None:
             # before training: minutes of training must not end in a refusal (a student on the meta
             # device cannot run eagerly: its first step is its check, and an export below, if any)
@@ -249,7 +247,7 @@ def distill(
             if student_fill is None:
                 check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
         if main and not sharded_output:
-            check_output_before_work(student.model, output, student_args, student_kwargs, say, dtype)
+            check_output_before_work(student.model, output, args, kwargs, say, dtype)
         batches, held_out = read_data(data, holdout, args, kwargs, batch_size, normalize, model=teacher.model)
         if count is not None:
             count(0, steps, "distilling")
@@ -322,40 +320,76 @@ def distill(
         return run
 
 
-def _on_meta(value: Any) -> Any:
-    """``value`` with every tensor in it on the meta device (shapes and dtypes kept)."""
-    import torch
-    from torch.utils import _pytree as pytree
+@dataclasses.dataclass
+class _Unfilled:
+    """A model built without its weights (on the meta device) and how each process reads its rows later."""
 
-    return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, value)
+    loaded: LoadedModel
+    fill: Callable[[nn.Module, Any, bool, bool], str]  # (model, parallel, trained, mixed precision)
+    stored_bytes: int
+
+
+def _unfilled(spec: str, trust_pickle: bool) -> _Unfilled | None:
+    """MODEL built on the meta device, to be read straight into its shards under torchrun: a model
+    directory (:func:`~normswap.calibrate.parallel_load.load_directory_sharded`) or a .pt2
+    (:func:`~normswap.calibrate.parallel_load.load_program_sharded`). None for what is loaded whole: a
+    factory or a .pt (their weights come from running code), a directory whose tensors transformers renames
+    as it loads (rows are read by stored name), a .pt2 of a layout other than torch writes today."""
+    from normswap.calibrate import parallel_load
+    from normswap.load.checkpoint_dir import is_checkpoint_directory
+    from normswap.load.model_file import LoadedModel, ModelFormat, detect_format
+    from normswap.load.program import load_program_on_meta
+    from normswap.util.modes import set_inference_mode
+
+    path = Path(spec)
+    if is_checkpoint_directory(spec):
+        structure = load_for_inference(spec, None, trust_pickle, structure_only=True)
+        checkpoint = structure.checkpoint
+        assert checkpoint is not None  # a model directory's structure carries its description
+        if not checkpoint.stored_as_loaded:
+            return None
+        return _Unfilled(
+            structure,
+            lambda model, parallel, trained, mp: parallel_load.load_directory_sharded(
+                model, checkpoint, parallel, trained=trained, mixed_precision=mp
+            ),
+            checkpoint.total_bytes,
+        )
+    if not path.is_file() or detect_format(path) is not ModelFormat.EXPORTED_PROGRAM:
+        return None
+    read = load_program_on_meta(path, trust_pickle=trust_pickle)
+    if read is None:
+        return None
+    model, args, kwargs, weights = read
+    set_inference_mode(model)
+    # the archive's constants (computed buffers) were read; the model holds them on the meta device too,
+    # so that the checks before training run on one device, and they are put back once it is filled
+    computed = {name: buffer.detach().clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
+    for name in computed:
+        owner, _, attribute = name.rpartition(".")
+        buffers = model.get_submodule(owner)._buffers
+        buffers[attribute] = buffers[attribute].to("meta")  # type: ignore[union-attr]
+    return _Unfilled(
+        LoadedModel(model, args, kwargs, source=spec, format="pt2"),
+        lambda model, parallel, trained, mp: parallel_load.load_program_sharded(
+            model, weights, computed, parallel, trained=trained, mixed_precision=mp
+        ),
+        sum(entry.nbytes for entry in weights.entries.values()),
+    )
 
 
 def _load_student(
     converted: str, weights: str | Path | None, trust_pickle: bool, parallel: Any
 ) -> tuple[LoadedModel, Callable[[nn.Module, bool], str] | None]:
-    """CONVERTED, and under torchrun for a model directory the way to fill it later: then it is built on
-    the meta device (no weight read) and the distillation shards it and reads each process's rows from
-    the files, so no process holds the student whole (:func:`~normswap.calibrate.parallel_load.
-    load_directory_sharded`); elsewhere it is loaded whole (a .pt2, a factory, one process, a directory
-    whose tensors transformers renames as it loads)."""
-    from normswap.load.checkpoint_dir import is_checkpoint_directory
-
-    if parallel is None or weights is not None or not is_checkpoint_directory(converted):
+    """CONVERTED, and under torchrun for a model directory or a .pt2 the way to fill it later: then it is
+    built on the meta device (no weight read) and the distillation shards it and reads each process's rows
+    from the files, so no process holds the student whole (:func:`_unfilled`); elsewhere it is loaded
+    whole (one process, a factory, a .pt, see :func:`_unfilled`)."""
+    unfilled = None if parallel is None or weights is not None else _unfilled(converted, trust_pickle)
+    if unfilled is None:
         return load_for_inference(converted, weights, trust_pickle), None
-    from normswap.calibrate.parallel_load import load_directory_sharded
-
-    structure = load_for_inference(converted, None, trust_pickle, structure_only=True)
-    checkpoint = structure.checkpoint
-    assert checkpoint is not None  # a model directory's structure carries its description
-    if not checkpoint.stored_as_loaded:  # transformers renames its tensors as it loads: read it whole
-        return load_for_inference(converted, None, trust_pickle), None
-
-    def fill(model: nn.Module, mixed_precision: bool) -> str:
-        return load_directory_sharded(
-            model, checkpoint, parallel, trained=True, mixed_precision=mixed_precision
-        )
-
-    return structure, fill
+    fill = unfilled.fill
+    return unfilled.loaded, lambda model, mixed_precision: fill(model, parallel, True, mixed_precision)
 
 
 @contextlib.contextmanager
@@ -376,26 +410,20 @@ def _load_teacher(
     original: str, weights: str | Path | None, trust_pickle: bool, parallel: Any, shard_teacher: bool | None
 ) -> tuple[LoadedModel, str | None]:
     """ORIGINAL, and how it was placed when that was done while loading: under torchrun a model directory
-    to be sharded (asked, or larger than TEACHER_SHARD_BYTES) is read straight into its shards, so no
-    process holds it whole."""
+    or a .pt2 to be sharded (asked, or larger than TEACHER_SHARD_BYTES) is read straight into its shards,
+    so no process holds it whole."""
     from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
-    from normswap.load.checkpoint_dir import is_checkpoint_directory
     from normswap.load.config_inputs import example_inputs as config_inputs
 
-    if parallel is None or not is_checkpoint_directory(original):
+    unfilled = None if parallel is None or weights is not None else _unfilled(original, trust_pickle)
+    if shard_teacher is None and unfilled is not None:
+        shard_teacher = unfilled.stored_bytes > TEACHER_SHARD_BYTES
+    if unfilled is None or not shard_teacher:
+        # sharded after a whole load when asked (a factory, a .pt, a directory transformers renames)
         return load_for_inference(original, weights, trust_pickle), None
-    # built on the meta device (no weight read) to learn its size and, when sharded, to be filled
-    structure = load_for_inference(original, weights, trust_pickle, structure_only=True)
-    checkpoint = structure.checkpoint
-    assert checkpoint is not None  # a model directory's structure carries its description
-    if shard_teacher is None:
-        shard_teacher = checkpoint.total_bytes > TEACHER_SHARD_BYTES
-    # a directory whose tensors transformers renames as it loads is read whole, then sharded (rows are
-    # read by stored name)
-    if not shard_teacher or not checkpoint.stored_as_loaded:
-        return load_for_inference(original, weights, trust_pickle), None
-    from normswap.calibrate.parallel_load import load_directory_sharded
-
-    placement = load_directory_sharded(structure.model, checkpoint, parallel, trained=False)
-    args, kwargs = config_inputs(structure.model, checkpoint.config, device=parallel.device)
-    return dataclasses.replace(structure, example_args=args, example_kwargs=kwargs), placement
+    loaded = unfilled.loaded
+    placement = unfilled.fill(loaded.model, parallel, False, False)
+    if loaded.checkpoint is None:
+        return loaded, placement
+    args, kwargs = config_inputs(loaded.model, loaded.checkpoint.config, device=parallel.device)
+    return dataclasses.replace(loaded, example_args=args, example_kwargs=kwargs), placement

@@ -1,4 +1,4 @@
-"""A model directory loaded straight into FSDP2 shards: no process ever holds the whole model.
+"""A model directory or a .pt2 loaded straight into FSDP2 shards: no process ever holds the whole model.
 
 Why: under torchrun every process would otherwise load the teacher whole and shard it afterwards, so
 each process's peak memory is the whole model however many processes share it. Here the model is built
@@ -14,6 +14,7 @@ whole, the files must cover the model exactly: a missing, unexpected or wrongly 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 from normswap.calibrate.parallel import DataParallel
 from normswap.errors import BadInputError
+from normswap.load.program_weights import StoredWeights
 
 
 def _computed_buffers(checkpoint: Any) -> dict[str, torch.Tensor]:
@@ -62,16 +64,14 @@ def _check_covered(model: nn.Module, checkpoint: Any, stored: set[str]) -> None:
         )
 
 
-def _fill(
-    target: torch.Tensor, name: str, checkpoint: Any, entries: dict[str, Any], device: torch.device
-) -> None:
-    """This process's part of one stored tensor, read into ``target`` (a DTensor's shard, or whole)."""
+def _fill(target: torch.Tensor, name: str, path: Path, entry: Any, device: torch.device) -> None:
+    """This process's part of one stored tensor (``entry``: its byte range in ``path``), read into
+    ``target`` (a DTensor's shard, or whole)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from normswap.load.safetensors_io import read_rows, read_tensor
 
-    path, entry = checkpoint.path / checkpoint.weight_map[name], entries[name]
     if tuple(target.shape) != entry.shape:
         raise BadInputError(f"{path}: {name} has shape {list(entry.shape)}, the model {list(target.shape)}")
     with torch.no_grad():
@@ -91,6 +91,29 @@ def _fill(
             target.copy_(read_tensor(path, entry).to(device))
 
 
+def _shard_and_fill(
+    model: nn.Module,
+    stored: dict[str, tuple[Path, Any]],
+    computed: dict[str, torch.Tensor],
+    parallel: DataParallel,
+    trained: bool,
+    mixed_precision: bool,
+) -> str:
+    """Shard ``model`` (on the meta device), give it memory for its shards only, read each stored tensor's
+    rows of this process (``stored``: by state-dict name, the file and byte range) and put back the
+    tensors ``computed`` outside the files; returns what was sharded."""
+    placement = parallel.shard(model, trained=trained, mixed_precision=mixed_precision)
+    model.to_empty(device=parallel.device)
+    targets = model.state_dict(keep_vars=True)
+    for name, (path, entry) in stored.items():
+        if name in targets:
+            _fill(targets[name], name, path, entry, parallel.device)
+    with torch.no_grad():
+        for name, value in computed.items():
+            model.get_buffer(name).copy_(value.to(parallel.device))
+    return placement
+
+
 def load_directory_sharded(
     model: nn.Module, checkpoint: Any, parallel: DataParallel, trained: bool, mixed_precision: bool = False
 ) -> str:
@@ -102,18 +125,29 @@ def load_directory_sharded(
     if hasattr(model, "tie_weights"):
         with quiet_transformers():
             model.tie_weights()  # as the whole-model build does: a tied head is the embedding, stored once
-    stored = set(checkpoint.weight_map)
     computed = _computed_buffers(checkpoint)
-    _check_covered(model, checkpoint, stored)
-    placement = parallel.shard(model, trained=trained, mixed_precision=mixed_precision)
-    model.to_empty(device=parallel.device)
-    targets = model.state_dict(keep_vars=True)
+    _check_covered(model, checkpoint, set(checkpoint.weight_map))
+    stored = {}
     for shard in checkpoint.shards:
         entries, _ = read_header(checkpoint.path / shard)
-        for name in entries:
-            if checkpoint.weight_map.get(name) == shard and name in targets:
-                _fill(targets[name], name, checkpoint, entries, parallel.device)
-    with torch.no_grad():
-        for name, value in computed.items():
-            model.get_buffer(name).copy_(value.to(parallel.device))
+        for name, entry in entries.items():
+            if checkpoint.weight_map.get(name) == shard:
+                stored[name] = (checkpoint.path / shard, entry)
+    placement = _shard_and_fill(model, stored, computed, parallel, trained, mixed_precision)
     return f"{placement}, read shard by shard from {checkpoint.path}"
+
+
+def load_program_sharded(
+    model: nn.Module,
+    weights: StoredWeights,
+    computed: dict[str, torch.Tensor],
+    parallel: DataParallel,
+    trained: bool,
+    mixed_precision: bool = False,
+) -> str:
+    """Shard ``model`` (a .pt2's module on the meta device, :func:`~normswap.load.program.
+    load_program_on_meta`) and fill each process's shards from the archive's members, and its buffers that
+    the archive stored as constants from ``computed``; returns what was sharded, for the report."""
+    stored = {name: (weights.path, entry) for name, entry in weights.entries.items()}
+    placement = _shard_and_fill(model, stored, computed, parallel, trained, mixed_precision)
+    return f"{placement}, read shard by shard from {weights.path}"

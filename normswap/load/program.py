@@ -9,14 +9,15 @@ import importlib
 import logging
 import re
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import nn
 
 from normswap.errors import BadInputError, describe
+from normswap.load.program_weights import NotReadable, StoredWeights
 
 
 def _concrete_size(size: Any) -> int:
@@ -148,10 +149,13 @@ def _pass_on(records: list[logging.LogRecord]) -> None:
         logging.getLogger(record.name).handle(record)
 
 
-def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
-    """``torch.export.load`` of an archive that :func:`~normswap.load.archive.check_pt2_archive` passed,
-    registering what the archive needs (see :func:`_registering_module`) and retrying; only archives that
-    need it pay for those imports."""
+def _read_exported_program(
+    path: Path, *, trust_pickle: bool, read: Callable[[IO[bytes]], Any] = torch.export.load
+) -> Any:
+    """``read`` (``torch.export.load``, or what returns (program, ...) like it) of an archive that
+    :func:`~normswap.load.archive.check_pt2_archive` passed, registering what the archive needs (see
+    :func:`_registering_module`) and retrying; only archives that need it pay for those imports. The
+    program's calls are checked before it is returned."""
     from normswap.load.archive import check_program_calls, check_pt2_archive
 
     imported: set[str] = set()
@@ -166,7 +170,9 @@ def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
             with _listening() as collect:
                 try:
                     f.seek(0)
-                    program = torch.export.load(f)
+                    result = read(f)
+                except NotReadable:
+                    raise
                 except Exception as exc:
                     module = _registering_module(" ".join([collect.text(), str(exc)]))
                     if module is None or module in imported:
@@ -178,8 +184,8 @@ def _read_exported_program(path: Path, *, trust_pickle: bool) -> Any:
                     imported.add(module)
                     continue
             _pass_on(collect.records)
-            check_program_calls(path, program)
-            return program
+            check_program_calls(path, result[0] if isinstance(result, tuple) else result)
+            return result
 
 
 def is_args_kwargs_pair(value: Any) -> bool:
@@ -213,6 +219,35 @@ def load_program(path: Path, *, trust_pickle: bool) -> tuple[nn.Module, tuple | 
         raise
     except Exception as exc:
         raise BadInputError(f"cannot load torch.export archive {path}: {describe(exc)}") from None
+    return _program_module(path, ep)
+
+
+def load_program_on_meta(
+    path: Path, *, trust_pickle: bool
+) -> tuple[nn.Module, tuple | None, dict | None, StoredWeights] | None:
+    """Like :func:`load_program`, but the weights are not read: the module holds them on the meta device,
+    and the result says where each lies in the archive (by the module's state-dict names), for a process
+    to read its part (:mod:`normswap.load.program_weights`). None for an archive of another layout than
+    torch writes today: load it whole."""
+    from normswap.load.archive import UnsafeArchiveError
+    from normswap.load.program_weights import read_program_on_meta, weights_of_module
+
+    try:
+        ep, stored, state = _read_exported_program(
+            path, trust_pickle=trust_pickle, read=lambda f: read_program_on_meta(f, path)
+        )
+    except UnsafeArchiveError:
+        raise
+    except NotReadable:
+        return None
+    except Exception as exc:
+        raise BadInputError(f"cannot load torch.export archive {path}: {describe(exc)}") from None
+    module, args, kwargs = _program_module(path, ep)
+    located = weights_of_module(module, state, stored)
+    return None if located is None else (module, args, kwargs, located)
+
+
+def _program_module(path: Path, ep: Any) -> tuple[nn.Module, tuple | None, dict | None]:
     examples = _example_inputs_of(ep) or _synthesize_example_inputs(ep)
     args, kwargs = examples if examples is not None else (None, None)
     try:

@@ -145,31 +145,60 @@ def test_a_killed_worker_fails_the_command_and_nothing_is_half_written(llama_dyt
     assert named and all((p / "run.json").is_file() and (p / ".metadata").is_file() for p in named)
 
 
-def test_a_pt2_student_is_sharded_at_its_root_and_computes_the_same(llama_dyt, tmp_path):
-    """convert's .pt2 output is a graph with no list of blocks: one FSDP2 unit, the same losses."""
+def test_pt2_models_are_read_into_their_shards_and_compute_the_same(llama_dyt, tmp_path):
+    """A .pt2 student and a .pt2 teacher are never loaded whole under torchrun: built on the meta device
+    from the archive's program, each process reads its rows of each weight member. convert's .pt2 output
+    is a graph with no list of blocks: one FSDP2 unit. Two processes reach the losses of one."""
     original, _, data = llama_dyt
     student = tmp_path / "student.pt2"
     result = runner.invoke(app, ["convert", str(original), "--to", "dyt", "-o", str(student)])
     assert result.exit_code == 0, result.output
-    run = ("distill", str(original), str(student), "--data", str(data), "--batch-size", "5", "--lr", "1e-3")
+    from normswap.load import load_model
+
+    teacher = load_model(str(original))
+    teacher_pt2 = tmp_path / "teacher.pt2"
+    ids = torch.randint(0, 300, (2, 11))  # batch and sequence free: the distillation's batches are 5 x 10
+    free = {"input_ids": {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}}
+    program = torch.export.export(teacher.model, (), {"input_ids": ids}, dynamic_shapes=free, strict=False)
+    torch.export.save(program, teacher_pt2)
+    run = (
+        "distill",
+        str(teacher_pt2),
+        str(student),
+        "--data",
+        str(data),
+        "--batch-size",
+        "5",
+        "--lr",
+        "1e-3",
+    )
     one = tmp_path / "one.json"
     result = runner.invoke(app, [*run, "--steps", "3", "-o", str(tmp_path / "one.pt2"), "--report", str(one)])
     assert result.exit_code == 0, result.output
     two = tmp_path / "two.json"
-    _finish(_torchrun(*run, "--steps", "3", "-o", str(tmp_path / "two.pt2"), "--report", str(two)))
+    run_two = (*run, "--steps", "3", "-o", str(tmp_path / "two.pt2"), "--report", str(two), "--shard-teacher")
+    _finish(_torchrun(*run_two))
     one_report, two_report = json.loads(one.read_text()), json.loads(two.read_text())
-    assert two_report["placement"].startswith("student: the root only (no list of blocks)")
+    placement = two_report["placement"]
+    assert placement.startswith("student: the root only (no list of blocks)"), placement
+    assert f"read shard by shard from {student}" in placement
+    assert f"read shard by shard from {teacher_pt2}" in placement
     for a, b in zip(one_report["losses"], two_report["losses"], strict=True):
         assert abs(a - b) <= 1e-6 * abs(a)
-    assert (tmp_path / "two.pt2").is_file()
+    assert min(one_report["losses"]) > 1e-6  # the losses compared are not zeros
+    # the trained students compute the same (weights are no measure: Adam turns last-bit gradient
+    # differences into updates of up to lr)
+    first, second, start = (_logits(p) for p in (tmp_path / "one.pt2", tmp_path / "two.pt2", student))
+    assert ((first - second).abs().max() / first.abs().max()).item() < 1e-5
+    assert ((first - start).abs().max() / first.abs().max()).item() > 1e-3  # trained, not the start
 
 
-def _logits(directory: Path) -> torch.Tensor:
+def _logits(model: Path) -> torch.Tensor:
     from normswap.load import load_model
 
-    ids = torch.randint(0, 300, (2, 11), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 300, (5, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        return load_model(str(directory)).model(ids).logits
+        return load_model(str(model)).model(input_ids=ids).logits
 
 
 def _two_nodes(*args: str, port: int) -> list[str]:

@@ -234,6 +234,24 @@ def test_tampered_archive_is_refused_before_anything_runs(
 
 
 @pytest.mark.parametrize(
+    ("build", "member"),
+    [pytest.param(build, member, id=name) for name, build, member in _RUNS_PAYLOAD_WHEN_TRUSTED]
+    + [pytest.param(_shape_expression, "models/model.json", id="shape_expression")],
+)
+def test_the_reader_without_weights_refuses_what_the_whole_reader_refuses(
+    tmp_path: Path, clean_archive: Path, build: Callable, member: str
+) -> None:
+    """The .pt2 read onto the meta device for torchrun's shards goes through the same archive check."""
+    from normswap.load.program import load_program_on_meta
+
+    marker = tmp_path / "payload-ran"
+    tampered = build(clean_archive, tmp_path / "tampered.pt2", marker)
+    with pytest.raises(UnsafeArchiveError, match=re.escape(member)):
+        load_program_on_meta(tampered, trust_pickle=False)
+    assert not marker.exists(), "the archive's payload ran"
+
+
+@pytest.mark.parametrize(
     "build", [pytest.param(build, id=name) for name, build, _ in _RUNS_PAYLOAD_WHEN_TRUSTED]
 )
 def test_payloads_are_live_under_trust_pickle(tmp_path: Path, clean_archive: Path, build: Callable) -> None:

@@ -74,8 +74,9 @@ def _distill(
     lr: float,
     extra: list[str],
     name: str,
+    output_suffix: str = "",
 ) -> dict:
-    output = root / f"out-{name}"
+    output = root / f"out-{name}{output_suffix}"
     common = [
         "distill", str(teacher), str(student), "--trust-pickle", "--data", str(data), "--batch-size", "4",
         "--steps", "2", "--lr", str(lr), "-o", str(output), *extra,
@@ -91,13 +92,25 @@ def _distill(
     return {"seconds": seconds, "peak_rss_bytes": peak, "output": output}
 
 
-def _logits_difference(a: Path, b: Path) -> float:
+def _logits(trained: Path, student: Path) -> torch.Tensor:
+    """The logits of a trained student: a model directory, or a .dcp folder read into ``student``."""
     from normswap.load import load_model
 
     ids = torch.randint(0, 32000, (2, 32), generator=torch.Generator().manual_seed(3))
+    if trained.suffix == ".dcp":
+        import torch.distributed.checkpoint as dcp
+
+        model = load_model(str(student)).model
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=str(trained), no_dist=True)
+        model.load_state_dict(state)
+    else:
+        model = load_model(str(trained)).model
     with torch.no_grad():
-        first = load_model(str(a)).model(ids).logits
-        second = load_model(str(b)).model(ids).logits
+        return model(input_ids=ids).logits
+
+
+def _relative(first: torch.Tensor, second: torch.Tensor) -> float:
     return ((first - second).abs().max() / first.abs().max()).item()
 
 
@@ -110,26 +123,42 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], help="extra distill options, one run each")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    n = args.processes
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         teacher, student, data, parameters = write_models(root, args.hidden, args.layers)
+        program = root / "student.pt2"
+        subprocess.run(
+            [sys.executable, "-m", "normswap_cli", "convert", str(teacher), "--to", "layernorm", "-o", str(program)],
+            check=True, capture_output=True,
+        )  # fmt: skip
         weights = sum(f.stat().st_size for f in teacher.glob("*.safetensors"))
-        plans = {"1": (1, []), str(args.processes): (args.processes, [])}
-        plans.update({f"{args.processes} {v}": (args.processes, v.split()) for v in args.variant})
+        # (processes, student, extra options, output suffix): the .pt2 student is written as .dcp (a .pt2
+        # output is one file, gathered whole to process 0 by design)
+        plans = {"1": (1, student, [], ""), str(n): (n, student, [], "")}
+        plans.update({f"{n} {v}": (n, student, v.split(), "") for v in args.variant})
+        plans.update({"pt2 1": (1, program, [], ".dcp"), f"pt2 {n}": (n, program, [], ".dcp")})
         runs = {}
-        for name, (processes, extra) in plans.items():
+        for name, (processes, model, extra, suffix) in plans.items():
             runs[name] = _distill(
-                root, teacher, student, data, processes, args.lr, extra, name.replace(" ", "")
+                root, teacher, model, data, processes, args.lr, extra, name.replace(" ", ""), suffix
             )
             print(f"{name}: peak RSS of the largest process {runs[name]['peak_rss_bytes'] / 1e9:.2f} GB, "
                   f"{runs[name]['seconds']:.1f} s", flush=True)  # fmt: skip
-        difference = _logits_difference(runs["1"]["output"], runs[str(args.processes)]["output"])
-    one, many = runs["1"]["peak_rss_bytes"], runs[str(args.processes)]["peak_rss_bytes"]
+        difference = _relative(
+            _logits(runs["1"]["output"], student), _logits(runs[str(n)]["output"], student)
+        )
+        program_difference = _relative(
+            _logits(runs["pt2 1"]["output"], program), _logits(runs[f"pt2 {n}"]["output"], program)
+        )
+    one, many = runs["1"]["peak_rss_bytes"], runs[str(n)]["peak_rss_bytes"]
+    program_ratio = runs[f"pt2 {n}"]["peak_rss_bytes"] / runs["pt2 1"]["peak_rss_bytes"]
     result = {
         "command": "python benchmarks/bench_distill_memory.py " + " ".join(sys.argv[1:]),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "model": {
-            "kind": "LlamaForCausalLM fp32 teacher directory; its --to layernorm student directory",
+            "kind": "LlamaForCausalLM fp32 teacher directory; its --to layernorm student as a directory "
+            "(runs '1', 'N', variants) and as a .pt2 (runs 'pt2 ...', written as .dcp)",
             "hidden": args.hidden,
             "layers": args.layers,
             "parameters": parameters,
@@ -137,23 +166,27 @@ def main() -> None:
         },
         "lr": args.lr,
         "runs": {
-            n: {
+            name: {
                 "seconds": r["seconds"],
                 "peak_rss_bytes": r["peak_rss_bytes"],
-                "ratio_to_one_process": r["peak_rss_bytes"] / one,
+                "ratio_to_one_process": r["peak_rss_bytes"]
+                / runs["pt2 1" if name.startswith("pt2") else "1"]["peak_rss_bytes"],
             }
-            for n, r in runs.items()
+            for name, r in runs.items()
         },
         "peak_per_process_ratio": many / one,
+        "pt2_peak_per_process_ratio": program_ratio,
         "goal_ratio": 0.6,
         "trained_logits_max_abs_over_max": difference,
+        "pt2_trained_logits_max_abs_over_max": program_difference,
         "ru_maxrss_note": "wait4's maxrss: for torchrun, the largest single process of its tree",
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "distill_memory_cpu.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(
-        f"weights {weights / 1e9:.2f} GB; per process {many / one:.2f}x of one process; logits {difference:.2e}"
+        f"weights {weights / 1e9:.2f} GB; per process {many / one:.2f}x of one process (directory student), "
+        f"{program_ratio:.2f}x (.pt2 student); logits {difference:.2e}, {program_difference:.2e}"
     )
     print(f"wrote {path}")
 

@@ -205,7 +205,8 @@ def distill(
     Under torchrun every process calls this: each loads both models, reads the data and takes its rows of
     each batch (a large model-directory teacher, or any with ``shard_teacher``, read straight into FSDP2
     shards); process 0 alone reports progress and writes (``main`` in the result). Options are checked
-    before any model is loaded.
+    before any model is loaded. On glibc it fixes malloc's mmap threshold for the process at 1 MiB, so
+    that the memory of freed tensors is given back (:mod:`normswap.util.freed_memory`).
     """
     from normswap.api.save import SavedOutput
     from normswap.calibrate.distill import check_mixed_precision, check_options
@@ -225,6 +226,9 @@ def distill(
     plan = CheckpointPlan(checkpoint_dir, checkpoint_every, resume) if checkpoint_dir is not None else None
     if plan is not None:
         plan.check()  # before minutes of loading: another run's checkpoints, no rhythm
+    from normswap.util.freed_memory import give_back_freed_tensors
+
+    give_back_freed_tensors()  # a step's freed tensors leave the process (normswap.util.freed_memory)
     with _processes() as parallel:
         if parallel is None and shard_teacher is not None:
             raise BadInputError("--shard-teacher applies under torchrun (several processes)")
@@ -357,7 +361,9 @@ def _unfilled(spec: str, trust_pickle: bool) -> _Unfilled | None:
         )
     if not path.is_file() or detect_format(path) is not ModelFormat.EXPORTED_PROGRAM:
         return None
-    read = load_program_on_meta(path, trust_pickle=trust_pickle)
+    # unflattened: its blocks are called as modules, so FSDP2 gathers one block at a time (the flat graph
+    # would be one unit, gathered whole for every forward and backward)
+    read = load_program_on_meta(path, trust_pickle=trust_pickle, unflattened=True)
     if read is None:
         return None
     model, args, kwargs, weights = read

@@ -158,7 +158,7 @@ class DataParallel:
         """
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from normswap.verify.blockwise import find_blocks
+        from normswap.verify.blockwise import block_list, find_blocks
 
         try:
             path, count = find_blocks(model)
@@ -177,7 +177,7 @@ class DataParallel:
             policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=full)}
         large = _large_outside(model, path) if count else []
         if count:
-            for block in model.get_submodule(path):
+            for block in block_list(model.get_submodule(path)):
                 fully_shard(block, mesh=self.mesh, ignored_params=set(scalars), **policy)
             # the embeddings and the head, each its own unit: gathered for their own forward and backward
             # only, not held whole with the root for the whole step (they are a quarter of a 1B model)
@@ -218,8 +218,10 @@ def _large_outside(model: nn.Module, blocks: str) -> list[tuple[str, nn.Module]]
     """The modules outside the list of blocks at ``blocks`` that hold at least half a block's parameters
     themselves (token embeddings, an LM head), and share none with another module (a tied head and
     embedding stay with the root: one parameter cannot be in two FSDP units)."""
+    from normswap.verify.blockwise import block_list
+
     listed = model.get_submodule(blocks)
-    per_block = sum(p.numel() for p in listed.parameters()) / max(1, len(listed))
+    per_block = sum(p.numel() for p in listed.parameters()) / max(1, len(block_list(listed)))
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):

@@ -33,7 +33,7 @@ def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def recomputed_blocks(model: nn.Module) -> Iterator[str]:
     """Within the context, every block of ``model``'s largest list of blocks recomputes its activations in
     the backward; yields what was done, for the report. BadInputError for a model with no such list."""
-    from normswap.verify.blockwise import find_blocks
+    from normswap.verify.blockwise import block_list, find_blocks
 
     try:
         path, count = find_blocks(model)
@@ -41,7 +41,7 @@ def recomputed_blocks(model: nn.Module) -> Iterator[str]:
         raise BadInputError(
             f"--activation-checkpointing: the converted model has no list of blocks ({exc})"
         ) from None
-    blocks = list(model.get_submodule(path))
+    blocks = block_list(model.get_submodule(path))
     own = [block.__dict__.get("forward") for block in blocks]  # a forward set on the instance, if any
     for block in blocks:
         block.forward = functools.partial(_recomputed, block.forward)

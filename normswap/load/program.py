@@ -223,12 +223,16 @@ def load_program(path: Path, *, trust_pickle: bool) -> tuple[nn.Module, tuple | 
 
 
 def load_program_on_meta(
-    path: Path, *, trust_pickle: bool
+    path: Path, *, trust_pickle: bool, unflattened: bool = False
 ) -> tuple[nn.Module, tuple | None, dict | None, StoredWeights] | None:
     """Like :func:`load_program`, but the weights are not read: the module holds them on the meta device,
     and the result says where each lies in the archive (by the module's state-dict names), for a process
     to read its part (:mod:`normswap.load.program_weights`). None for an archive of another layout than
-    torch writes today: load it whole."""
+    torch writes today: load it whole.
+
+    ``unflattened``: the module is ``torch.export.unflatten``'s, whose submodules are called as the
+    original model's were (a list of blocks that FSDP2 can shard block by block), not the flat graph with
+    its norms lifted to modules that the rewrites take."""
     from normswap.load.archive import UnsafeArchiveError
     from normswap.load.program_weights import read_program_on_meta, weights_of_module
 
@@ -242,7 +246,15 @@ def load_program_on_meta(
         return None
     except Exception as exc:
         raise BadInputError(f"cannot load torch.export archive {path}: {describe(exc)}") from None
-    module, args, kwargs = _program_module(path, ep)
+    if unflattened:
+        examples = _example_inputs_of(ep) or _synthesize_example_inputs(ep)
+        args, kwargs = examples if examples is not None else (None, None)
+        try:
+            module: nn.Module = torch.export.unflatten(ep)
+        except Exception:  # a program unflatten cannot rebuild: the flat graph, blocks or not
+            module, args, kwargs = _program_module(path, ep)
+    else:
+        module, args, kwargs = _program_module(path, ep)
     located = weights_of_module(module, state, stored)
     return None if located is None else (module, args, kwargs, located)
 

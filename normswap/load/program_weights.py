@@ -118,15 +118,19 @@ def read_program_on_meta(
 def weights_of_module(
     module: torch.nn.Module, program_state: dict[str, Any], stored: StoredWeights
 ) -> StoredWeights | None:
-    """``stored`` keyed by ``module``'s own state-dict names (the module built from the program may hold
-    the program's tensors under other names), or None when a tensor of the module is not one of the
-    program's stored weights (then nothing can be read into it)."""
+    """``stored`` keyed by ``module``'s own state-dict names, or None when a tensor of the module is not
+    one of the program's stored weights (then nothing can be read into it). A tensor is the program's
+    own object (the flat graph module holds them, under names the norm lifting may change), or, in
+    ``torch.export.unflatten``'s module, which wraps them anew, one of the same name, shape and dtype."""
     by_identity = {id(tensor): name for name, tensor in program_state.items()}
     entries = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if not tensor.is_meta:
             continue  # a constant the archive stored and the loader read
         source = by_identity.get(id(tensor))
+        if source is None and name in program_state:
+            same = program_state[name]
+            source = name if (same.shape, same.dtype) == (tensor.shape, tensor.dtype) else None
         if source is None or source not in stored.entries:
             return None
         entries[name] = stored.entries[source]

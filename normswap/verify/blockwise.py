@@ -112,18 +112,30 @@ class BlockwiseReport:
         }
 
 
+def block_list(module: nn.Module) -> list[nn.Module]:
+    """The items of a ModuleList, or of what ``torch.export.unflatten`` rebuilds a ModuleList as (its own
+    module class, children named 0, 1, ... in order); empty for anything else (an nn.Sequential too: a
+    stage of layers, not a list of blocks)."""
+    if isinstance(module, nn.ModuleList):
+        return list(module)
+    named = list(module.named_children())
+    unflattened = type(module).__module__ == "torch.export.unflatten"
+    if unflattened and named and [name for name, _ in named] == [str(i) for i in range(len(named))]:
+        return [child for _, child in named]
+    return []
+
+
 def find_blocks(model: nn.Module) -> tuple[str, int]:
     """The path of the model's blocks (the largest ModuleList of one class, by parameter count) and their
     number; BadInputError when it has none."""
     best: tuple[int, str, int] | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if len({type(child) for child in module}) != 1:
+        children = block_list(module)
+        if not children or len({type(child) for child in children}) != 1:
             continue
         size = sum(p.numel() for p in module.parameters())
         if best is None or size > best[0]:
-            best = (size, name, len(module))
+            best = (size, name, len(children))
     if best is None:
         raise BadInputError("the model has no list of blocks (a ModuleList of one module class) to verify by")
     return best[1], best[2]

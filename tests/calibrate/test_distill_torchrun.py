@@ -147,8 +147,9 @@ def test_a_killed_worker_fails_the_command_and_nothing_is_half_written(llama_dyt
 
 def test_pt2_models_are_read_into_their_shards_and_compute_the_same(llama_dyt, tmp_path):
     """A .pt2 student and a .pt2 teacher are never loaded whole under torchrun: built on the meta device
-    from the archive's program, each process reads its rows of each weight member. convert's .pt2 output
-    is a graph with no list of blocks: one FSDP2 unit. Two processes reach the losses of one."""
+    from the archive's program, each process reads its rows of each weight member; the program is
+    unflattened, so its blocks are called as modules and FSDP2 shards it block by block (the flat graph
+    would be one unit, gathered whole). Two processes reach the losses of one."""
     original, _, data = llama_dyt
     student = tmp_path / "student.pt2"
     result = runner.invoke(app, ["convert", str(original), "--to", "dyt", "-o", str(student)])
@@ -180,7 +181,7 @@ def test_pt2_models_are_read_into_their_shards_and_compute_the_same(llama_dyt, t
     _finish(_torchrun(*run_two))
     one_report, two_report = json.loads(one.read_text()), json.loads(two.read_text())
     placement = two_report["placement"]
-    assert placement.startswith("student: the root only (no list of blocks)"), placement
+    assert placement.startswith("student: 2 blocks (model.layers) and the root"), placement
     assert f"read shard by shard from {student}" in placement
     assert f"read shard by shard from {teacher_pt2}" in placement
     for a, b in zip(one_report["losses"], two_report["losses"], strict=True):

@@ -17,6 +17,7 @@ weight a contiguous run of its member. Anything else returns None and the caller
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -47,6 +48,20 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
             return False
         step *= size
     return True
+
+
+def _check_stored_plainly(path: Path, records: set[str]) -> None:
+    """Each weight member is stored as is (not compressed): its bytes in the file are the tensor's. torch
+    never compresses them, but another writer of the format may, and a compressed member read by range
+    would be garbage, not an error."""
+    with zipfile.ZipFile(path) as archive:
+        plain = {
+            info.filename.split("/", 1)[-1]
+            for info in archive.infolist()
+            if info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
+        }
+    if not records <= plain:
+        raise NotReadable(f"compressed weight members: {sorted(records - plain)[:3]}")
 
 
 def read_program_on_meta(
@@ -108,6 +123,9 @@ def read_program_on_meta(
         )
         start = archive.get_record_offset(record) + offset * element
         entries[name] = TensorEntry(NAMES[dtype], shape, start, start + count * element)
+    _check_stored_plainly(
+        path, {os.path.join(names.WEIGHTS_DIR, p.path_name) for p in config.config.values()}
+    )
     constants = package._load_constants(reader, "model")
     serialized = _bytes_to_dataclass(schema.ExportedProgram, reader.read_bytes(programs[0]))
     samples = reader.read_bytes(names.SAMPLE_INPUTS_FILENAME_FORMAT.format("model"))

@@ -88,3 +88,17 @@ def test_a_program_on_meta_traces_on_fake_weights_and_gets_its_meta_tensors_back
     assert captured.method == "export" and captured.graph is not None
     after = model.state_dict(keep_vars=True)
     assert all(after[name] is tensor and tensor.is_meta for name, tensor in before.items())
+
+
+def test_compressed_weight_members_are_not_read_by_range(llama_pt2: Path, tmp_path: Path) -> None:
+    """torch stores each weight member as is; a writer that compresses them makes byte ranges meaningless:
+    such an archive is loaded whole instead of read as garbage."""
+    import zipfile
+
+    compressed = tmp_path / "compressed.pt2"
+    with zipfile.ZipFile(llama_pt2) as source, zipfile.ZipFile(compressed, "w") as target:
+        for info in source.infolist():
+            packed = zipfile.ZIP_DEFLATED if "/data/weights/weight_" in info.filename else zipfile.ZIP_STORED
+            target.writestr(info.filename, source.read(info), compress_type=packed)
+    assert load_program_on_meta(compressed, trust_pickle=False) is None
+    assert load_program_on_meta(llama_pt2, trust_pickle=False) is not None

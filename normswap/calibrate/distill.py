@@ -348,6 +348,9 @@ def distill(
             first, report.losses, resumed = load_checkpoint(checkpoints, target, optimizer, run, parallel)
             report.resumed_from_step = first
             report.notes.append(f"resumed from {resumed} after {first} of {steps} steps")
+        # Gradients are dropped as soon as the optimizer has used them, not before the next backward:
+        # the next step's forward (teacher and student) then runs without a copy of the gradients.
+        optimizer.zero_grad(set_to_none=True)
         # A caller inside torch.no_grad() would otherwise leave no graph to step on.
         with torch.enable_grad():
             for step in range(first, steps):
@@ -368,11 +371,11 @@ def distill(
                         f"the outputs the loss compares ({', '.join(report.loss_outputs)}) do not depend on "
                         "the parameters selected for training"
                     )
-                optimizer.zero_grad(set_to_none=True)
                 value.backward()
                 if parallel is not None:
                     parallel.average_replicated_gradients()
                 optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
                 if checkpoints is not None and checkpoints.due(step + 1, steps):
                     written = save_checkpoint(
                         checkpoints, step + 1, target, optimizer, run, report.losses, parallel

@@ -192,6 +192,14 @@ class DataParallel:
                 "mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=full, output_dtype=full)
             }
         fully_shard(model, mesh=self.mesh, ignored_params=set(scalars), **forward_only, **policy)
+        if self.device.type == "cpu":  # gloo: its all-gather and reduce-scatter stage a whole extra copy
+            from torch.distributed.fsdp import FSDPModule
+
+            from normswap.calibrate.gloo_comms import use_in_place_collectives
+
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    use_in_place_collectives(unit)
         what = f"{count} blocks ({path}) and the root" if count else "the root only (no list of blocks)"
         what += f", {', '.join(name for name, _ in large)} on their own" if large else ""
         what += f", {len(scalars)} scalar parameters whole on every process" if scalars else ""

@@ -1,18 +1,20 @@
 """Peak memory per process of `normswap distill` with models whose weights dominate memory: one process
-against torchrun, both models model directories.
+against torchrun, the student a model directory and a .pt2.
 
     python benchmarks/bench_distill_memory.py [--hidden 1536] [--layers 11] [--processes 2] [--lr 1e-5]
         [--variant "--activation-checkpointing" ...] [--out benchmarks/results]
 
 A Llama directory (fp32, random weights, 1.54 GB at the defaults) is the teacher and its LayerNorm
-conversion, also a directory, the student. `normswap distill` runs 2 steps (every parameter trained,
-AdamW) in one process, then under `torchrun --standalone --nproc-per-node N` with the teacher sharded:
-there the student is read straight into its FSDP2 shards and written shard by shard, the teacher read
-into its shards too. Peak RSS is ``wait4``'s figure for the command (for torchrun, its largest process).
-The two trained students are loaded afterwards and their logits compared on one batch (Adam turns a
+conversion the student, once as a directory and once as a .pt2. `normswap distill` runs 2 steps (every
+parameter trained, AdamW) in one process, then under `torchrun --standalone --nproc-per-node N` with the
+teacher sharded: there the student is read straight into its FSDP2 shards (the .pt2 from its archive's
+members, unflattened so that its blocks are units), the teacher too; the directory student is written
+shard by shard, the .pt2 student as a .dcp (a .pt2 output is one file, gathered to process 0 by design).
+Peak RSS is ``wait4``'s figure for the command (for torchrun, its largest process). The trained students
+of one and of N processes are loaded afterwards and their logits compared on one batch (Adam turns a
 gradient that differs in its last bits into an update that differs by up to ``lr``, so the difference
-grows with ``lr``). Each ``--variant`` (extra distill options) runs under torchrun too. Results:
-``benchmarks/results/distill_memory_cpu.json``.
+grows with ``lr``). Each ``--variant`` (extra distill options) runs under torchrun with the directory
+student. Results: ``benchmarks/results/distill_memory_cpu.json``.
 """
 
 from __future__ import annotations

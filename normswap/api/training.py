@@ -333,12 +333,13 @@ class _Unfilled:
     stored_bytes: int
 
 
-def _unfilled(spec: str, trust_pickle: bool) -> _Unfilled | None:
+def _unfilled(spec: str, weights: str | Path | None, trust_pickle: bool) -> _Unfilled | None:
     """MODEL built on the meta device, to be read straight into its shards under torchrun: a model
     directory (:func:`~normswap.calibrate.parallel_load.load_directory_sharded`) or a .pt2
-    (:func:`~normswap.calibrate.parallel_load.load_program_sharded`). None for what is loaded whole: a
-    factory or a .pt (their weights come from running code), a directory whose tensors transformers renames
-    as it loads (rows are read by stored name), a .pt2 of a layout other than torch writes today."""
+    (:func:`~normswap.calibrate.parallel_load.load_rows_sharded`), or a factory given --weights
+    (:func:`_unfilled_factory`). None for what is loaded whole: a .pt or a factory without --weights
+    (their weights come from running code), a directory whose tensors transformers renames as it loads
+    (rows are read by stored name), a .pt2 of a layout other than torch writes today."""
     from normswap.calibrate import parallel_load
     from normswap.load.checkpoint_dir import is_checkpoint_directory
     from normswap.load.model_file import LoadedModel, ModelFormat, detect_format
@@ -346,6 +347,8 @@ def _unfilled(spec: str, trust_pickle: bool) -> _Unfilled | None:
     from normswap.util.modes import set_inference_mode
 
     path = Path(spec)
+    if weights is not None:
+        return _unfilled_factory(spec, weights) if ":" in spec and not path.exists() else None
     if is_checkpoint_directory(spec):
         structure = load_for_inference(spec, None, trust_pickle, structure_only=True)
         checkpoint = structure.checkpoint
@@ -366,21 +369,66 @@ def _unfilled(spec: str, trust_pickle: bool) -> _Unfilled | None:
     read = load_program_on_meta(path, trust_pickle=trust_pickle, unflattened=True)
     if read is None:
         return None
-    model, args, kwargs, weights = read
+    model, args, kwargs, located = read
+    stored = {name: (located.path, entry) for name, entry in located.entries.items()}
     set_inference_mode(model)
-    # the archive's constants (computed buffers) were read; the model holds them on the meta device too,
-    # so that the checks before training run on one device, and they are put back once it is filled
+    computed = _real_buffers_to_meta(model)  # the archive's constants, read
+    return _Unfilled(
+        LoadedModel(model, args, kwargs, source=spec, format="pt2"),
+        lambda model, parallel, trained, mp: parallel_load.load_rows_sharded(
+            model, stored, computed, str(path), parallel, trained=trained, mixed_precision=mp
+        ),
+        sum(entry.nbytes for entry in located.entries.values()),
+    )
+
+
+def _real_buffers_to_meta(model: nn.Module) -> dict[str, Any]:
+    """The model's buffers that hold values (computed when it was built), cloned, and the model holding
+    them on the meta device instead, so that the checks before training run on one device; they are put
+    back once the model is filled."""
     computed = {name: buffer.detach().clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
     for name in computed:
         owner, _, attribute = name.rpartition(".")
         buffers = model.get_submodule(owner)._buffers
         buffers[attribute] = buffers[attribute].to("meta")  # type: ignore[union-attr]
+    return computed
+
+
+def _unfilled_factory(spec: str, weights: str | Path) -> _Unfilled | None:
+    """A factory's model with its parameters on the meta device (buffers built as the factory builds
+    them), filled later from the --weights file by rows; None for a weights file that can only be read
+    whole, or a factory that cannot build this way (then it is loaded whole, with load_weights' checks).
+    The file must cover the model's persistent tensors exactly, as load_weights requires."""
+    from normswap.calibrate import parallel_load
+    from normswap.load.factory import load_factory_without_weights
+    from normswap.load.model_file import LoadedModel, weights_by_rows
+    from normswap.util.modes import set_inference_mode
+
+    stored = weights_by_rows(weights)
+    if stored is None:
+        return None
+    try:
+        model, args, kwargs = load_factory_without_weights(spec)
+    except BadInputError:  # its code needs real parameters while it builds: loaded whole
+        return None
+    state = model.state_dict(keep_vars=True)
+    missing, unexpected = sorted(state.keys() - stored.keys()), sorted(stored.keys() - state.keys())
+    if missing or unexpected:
+        raise BadInputError(
+            f"weights file {weights} does not match the model: missing keys {missing[:5]}, unexpected keys "
+            f"{unexpected[:5]}"
+        )
+    # persistent buffers (running statistics) come from the file with the parameters
+    stored_buffers = {name for name, _ in model.named_buffers() if name in stored}
+    set_inference_mode(model)
+    computed = {k: v for k, v in _real_buffers_to_meta(model).items() if k not in stored_buffers}
+    size = sum(v[1].nbytes if isinstance(v, tuple) else v.nbytes for v in stored.values())
     return _Unfilled(
-        LoadedModel(model, args, kwargs, source=spec, format="pt2"),
-        lambda model, parallel, trained, mp: parallel_load.load_program_sharded(
-            model, weights, computed, parallel, trained=trained, mixed_precision=mp
+        LoadedModel(model, args, kwargs, source=spec, format="factory"),
+        lambda model, parallel, trained, mp: parallel_load.load_rows_sharded(
+            model, stored, computed, str(weights), parallel, trained=trained, mixed_precision=mp
         ),
-        sum(entry.nbytes for entry in weights.entries.values()),
+        size,
     )
 
 
@@ -391,7 +439,7 @@ def _load_student(
     built on the meta device (no weight read) and the distillation shards it and reads each process's rows
     from the files, so no process holds the student whole (:func:`_unfilled`); elsewhere it is loaded
     whole (one process, a factory, a .pt, see :func:`_unfilled`)."""
-    unfilled = None if parallel is None or weights is not None else _unfilled(converted, trust_pickle)
+    unfilled = None if parallel is None else _unfilled(converted, weights, trust_pickle)
     if unfilled is None:
         return load_for_inference(converted, weights, trust_pickle), None
     fill = unfilled.fill
@@ -421,7 +469,7 @@ def _load_teacher(
     from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
     from normswap.load.config_inputs import example_inputs as config_inputs
 
-    unfilled = None if parallel is None or weights is not None else _unfilled(original, trust_pickle)
+    unfilled = None if parallel is None else _unfilled(original, weights, trust_pickle)
     if shard_teacher is None and unfilled is not None:
         shard_teacher = unfilled.stored_bytes > TEACHER_SHARD_BYTES
     if unfilled is None or not shard_teacher:

@@ -14,7 +14,6 @@ whole, the files must cover the model exactly: a missing, unexpected or wrongly 
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +21,6 @@ from torch import nn
 
 from normswap.calibrate.parallel import DataParallel
 from normswap.errors import BadInputError
-from normswap.load.program_weights import StoredWeights
 
 
 def _computed_buffers(checkpoint: Any) -> dict[str, torch.Tensor]:
@@ -64,50 +62,60 @@ def _check_covered(model: nn.Module, checkpoint: Any, stored: set[str]) -> None:
         )
 
 
-def _fill(target: torch.Tensor, name: str, path: Path, entry: Any, device: torch.device) -> None:
-    """This process's part of one stored tensor (``entry``: its byte range in ``path``), read into
-    ``target`` (a DTensor's shard, or whole)."""
+def _rows(source: Any, start: int, stop: int | None) -> torch.Tensor:
+    """Rows ``start:stop`` of a stored tensor (all of it when ``stop`` is None): ``source`` is a (file,
+    byte range) pair, read from its range only, or a memory-mapped tensor, of which only the rows' pages
+    are read."""
+    from normswap.load.safetensors_io import read_rows, read_tensor
+
+    if isinstance(source, torch.Tensor):
+        return source if stop is None or not source.ndim else source[start:stop]
+    path, entry = source
+    return (
+        read_tensor(path, entry) if stop is None or not entry.shape else read_rows(path, entry, start, stop)
+    )
+
+
+def _fill(target: torch.Tensor, name: str, source: Any, where: str, device: torch.device) -> None:
+    """This process's part of one stored tensor (``source``, see :func:`_rows`), read into ``target`` (a
+    DTensor's shard, or whole)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from normswap.load.safetensors_io import read_rows, read_tensor
-
-    if tuple(target.shape) != entry.shape:
-        raise BadInputError(f"{path}: {name} has shape {list(entry.shape)}, the model {list(target.shape)}")
+    shape = tuple(source.shape) if isinstance(source, torch.Tensor) else source[1].shape
+    if tuple(target.shape) != shape:
+        raise BadInputError(f"{where}: {name} has shape {list(shape)}, the model {list(target.shape)}")
     with torch.no_grad():
         if isinstance(target, DTensor):
             local = target.to_local()
-            shape, offset = compute_local_shape_and_global_offset(
+            local_shape, offset = compute_local_shape_and_global_offset(
                 target.shape, target.device_mesh, target.placements
             )
             if local.numel():
-                rows = (
-                    read_rows(path, entry, offset[0], offset[0] + shape[0])
-                    if entry.shape
-                    else read_tensor(path, entry)
-                )
+                rows = _rows(source, offset[0], offset[0] + local_shape[0])
                 local.copy_(rows.reshape(local.shape).to(device))
         else:
-            target.copy_(read_tensor(path, entry).to(device))
+            target.copy_(_rows(source, 0, None).to(device))
 
 
 def _shard_and_fill(
     model: nn.Module,
-    stored: dict[str, tuple[Path, Any]],
+    stored: dict[str, Any],
     computed: dict[str, torch.Tensor],
     parallel: DataParallel,
     trained: bool,
     mixed_precision: bool,
 ) -> str:
     """Shard ``model`` (on the meta device), give it memory for its shards only, read each stored tensor's
-    rows of this process (``stored``: by state-dict name, the file and byte range) and put back the
-    tensors ``computed`` outside the files; returns what was sharded."""
+    rows of this process (``stored``: by state-dict name, see :func:`_rows`) and put back the tensors
+    ``computed`` outside the files; returns what was sharded."""
     placement = parallel.shard(model, trained=trained, mixed_precision=mixed_precision)
     model.to_empty(device=parallel.device)
     targets = model.state_dict(keep_vars=True)
-    for name, (path, entry) in stored.items():
+    for name, source in stored.items():
         if name in targets:
-            _fill(targets[name], name, path, entry, parallel.device)
+            where = str(source[0]) if isinstance(source, tuple) else "the weights file"
+            _fill(targets[name], name, source, where, parallel.device)
     with torch.no_grad():
         for name, value in computed.items():
             model.get_buffer(name).copy_(value.to(parallel.device))
@@ -137,17 +145,19 @@ def load_directory_sharded(
     return f"{placement}, read shard by shard from {checkpoint.path}"
 
 
-def load_program_sharded(
+def load_rows_sharded(
     model: nn.Module,
-    weights: StoredWeights,
+    stored: dict[str, Any],
     computed: dict[str, torch.Tensor],
+    source: str,
     parallel: DataParallel,
     trained: bool,
     mixed_precision: bool = False,
 ) -> str:
-    """Shard ``model`` (a .pt2's module on the meta device, :func:`~normswap.load.program.
-    load_program_on_meta`) and fill each process's shards from the archive's members, and its buffers that
-    the archive stored as constants from ``computed``; returns what was sharded, for the report."""
-    stored = {name: (weights.path, entry) for name, entry in weights.entries.items()}
+    """Shard ``model`` (its stored tensors on the meta device) and fill each process's shards from
+    ``stored`` (by state-dict name, see :func:`_rows`: a .pt2's members, :func:`~normswap.load.program.
+    load_program_on_meta`, or a factory's weights file, :func:`~normswap.load.model_file.weights_by_rows`)
+    and the buffers that hold values outside those files from ``computed``; returns what was sharded,
+    for the report."""
     placement = _shard_and_fill(model, stored, computed, parallel, trained, mixed_precision)
-    return f"{placement}, read shard by shard from {weights.path}"
+    return f"{placement}, read shard by shard from {source}"

@@ -4,12 +4,13 @@ kwargs)``)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +155,32 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple | None, dict | None]:
     except Exception as exc:
         raise BadInputError(f"factory '{spec}' raised {describe(exc)}") from None
     return unpack_model_and_inputs(result, f"factory '{spec}'")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """While in the block, every parameter a module registers is moved to the meta device as it is
+    registered (a few lines of ``accelerate.init_empty_weights``, which normswap does not depend on):
+    the model's weights take no memory, and its buffers (rotary frequencies, running statistics) are
+    built as the model builds them."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            kept = module._parameters[name]
+            assert kept is not None
+            module._parameters[name] = nn.Parameter(kept.to("meta"), requires_grad=kept.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def load_factory_without_weights(spec: str) -> tuple[nn.Module, tuple | None, dict | None]:
+    """Like :func:`load_factory`, but the model's parameters are on the meta device (its buffers and
+    example inputs are real): for a model whose weights come from a --weights file, read later by rows."""
+    with _parameters_on_meta():
+        return load_factory(spec)

@@ -411,3 +411,23 @@ def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) ->
     if weights is not None:
         load_weights(model, weights)
     return LoadedModel(model=model, example_args=args, example_kwargs=kwargs, source=spec, format="factory")
+
+
+def weights_by_rows(weights: str | Path) -> dict[str, Any] | None:
+    """A weights file's tensors by name, each readable by rows without reading the rest: a safetensors
+    file's (file, byte range) entries, or a torch.save zip archive's tensors memory-mapped (a slice reads
+    only its pages). None for a file that can only be read whole (torch's legacy, non-zip format); the
+    caller loads it the usual way (:func:`load_weights`, with its refusals)."""
+    from normswap.load.safetensors_io import read_header
+
+    path = Path(weights)
+    probe = _probe(path, "weights file")
+    if probe.format is ModelFormat.SAFETENSORS:
+        entries, _ = read_header(path)
+        return {name: (path, entry) for name, entry in entries.items()}
+    if probe.format is ModelFormat.PICKLED_OBJECT or not zipfile.is_zipfile(path):
+        return None
+    state = _unwrap_state_dict(_tensors_from_probe(path, probe, "weights file"), path)
+    if not all(isinstance(value, torch.Tensor) for value in state.values()):
+        return None
+    return dict(state)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError, describe
-from normswap.load.program_weights import NotReadable, StoredWeights
+from normswap.load.program_weights import NotReadable, ProgramWeights
 
 
 def _concrete_size(size: Any) -> int:
@@ -224,7 +224,7 @@ def load_program(path: Path, *, trust_pickle: bool) -> tuple[nn.Module, tuple | 
 
 def load_program_on_meta(
     path: Path, *, trust_pickle: bool, unflattened: bool = False
-) -> tuple[nn.Module, tuple | None, dict | None, StoredWeights] | None:
+) -> tuple[nn.Module, tuple | None, dict | None, ProgramWeights] | None:
     """Like :func:`load_program`, but the weights are not read: the module holds them on the meta device,
     and the result says where each lies in the archive (by the module's state-dict names), for a process
     to read its part (:mod:`normswap.load.program_weights`). None for an archive of another layout than

@@ -28,7 +28,7 @@ from normswap.load.safetensors_io import NAMES, TensorEntry
 
 
 @dataclass(frozen=True)
-class StoredWeights:
+class ProgramWeights:
     """Where each weight of a program lies: by the program's state-dict name, the (file, byte range)."""
 
     path: Path
@@ -66,7 +66,7 @@ def _check_stored_plainly(path: Path, records: set[str]) -> None:
 
 def read_program_on_meta(
     file: IO[bytes], path: Path
-) -> tuple[torch.export.ExportedProgram, StoredWeights, dict[str, Any]]:
+) -> tuple[torch.export.ExportedProgram, ProgramWeights, dict[str, Any]]:
     """The program of the open archive ``file`` with its weights on the meta device, where each weight
     lies in the file, and the meta tensors by name (the objects the program's module will hold). Raises :class:`NotReadable` for a layout other than torch's current one."""
     from torch._export.serde import schema
@@ -130,12 +130,12 @@ def read_program_on_meta(
     serialized = _bytes_to_dataclass(schema.ExportedProgram, reader.read_bytes(programs[0]))
     samples = reader.read_bytes(names.SAMPLE_INPUTS_FILENAME_FORMAT.format("model"))
     program = ExportedProgramDeserializer(None).deserialize(serialized, state, constants, samples)
-    return program, StoredWeights(path, entries), state
+    return program, ProgramWeights(path, entries), state
 
 
 def weights_of_module(
-    module: torch.nn.Module, program_state: dict[str, Any], stored: StoredWeights
-) -> StoredWeights | None:
+    module: torch.nn.Module, program_state: dict[str, Any], stored: ProgramWeights
+) -> ProgramWeights | None:
     """``stored`` keyed by ``module``'s own state-dict names, or None when a tensor of the module is not
     one of the program's stored weights (then nothing can be read into it). A tensor is the program's
     own object (the flat graph module holds them, under names the norm lifting may change), or, in
@@ -152,4 +152,4 @@ def weights_of_module(
         if source is None or source not in stored.entries:
             return None
         entries[name] = stored.entries[source]
-    return StoredWeights(stored.path, entries)
+    return ProgramWeights(stored.path, entries)

@@ -273,6 +273,66 @@ def test_a_directory_student_is_read_into_shards_and_written_shard_by_shard(tmp_
     assert not (tmp_path / "cast").exists()
 
 
+_FACTORY = """
+import transformers
+
+
+def build():
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+"""
+
+
+def test_factories_with_weights_files_are_read_into_their_shards(tmp_path):
+    """A factory given --weights / --converted-weights is built with its parameters on the meta device
+    (its rotary frequencies computed as it builds them), sharded, and each process reads its rows from the
+    weights file: safetensors by byte range, a torch.save archive memory-mapped. Two processes reach the
+    losses of one, and the trained student's logits."""
+    from safetensors.torch import save_file
+
+    from normswap.load import load_model
+
+    factory = tmp_path / "factory.py"
+    factory.write_text(_FACTORY)
+    spec = f"{factory}:build"
+    torch.manual_seed(0)
+    teacher = load_model(spec).model
+    teacher_weights = tmp_path / "teacher.safetensors"
+    save_file({k: v.contiguous() for k, v in teacher.state_dict().items()}, teacher_weights)
+    # the student: the same architecture moved away from the teacher (its weights, a torch.save archive)
+    student = {k: v + 0.05 * torch.randn_like(v) for k, v in teacher.state_dict().items()}
+    student_weights = tmp_path / "student.pt"
+    torch.save(student, student_weights)
+    data = tmp_path / "data.pt"
+    torch.save(torch.randint(0, 300, (10, 8), generator=torch.Generator().manual_seed(1)), data)
+    run = (
+        "distill", spec, spec, "--weights", str(teacher_weights), "--converted-weights", str(student_weights),
+        "--data", str(data), "--batch-size", "5", "--lr", "1e-3", "--steps", "3",
+    )  # fmt: skip
+    one = tmp_path / "one.json"
+    result = runner.invoke(app, [*run, "-o", str(tmp_path / "one.pt"), "--report", str(one)])
+    assert result.exit_code == 0, result.output
+    two = tmp_path / "two.json"
+    _finish(_torchrun(*run, "-o", str(tmp_path / "two.pt"), "--report", str(two), "--shard-teacher"))
+    one_report, two_report = json.loads(one.read_text()), json.loads(two.read_text())
+    placement = two_report["placement"]
+    assert f"read shard by shard from {student_weights}" in placement, placement
+    assert f"read shard by shard from {teacher_weights}" in placement, placement
+    assert placement.startswith("student: 2 blocks (model.layers) and the root"), placement
+    assert min(one_report["losses"]) > 1e-6
+    for a, b in zip(one_report["losses"], two_report["losses"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(a)
+    ids = torch.randint(0, 300, (3, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        first, second = (
+            torch.load(tmp_path / n, weights_only=False)(ids).logits for n in ("one.pt", "two.pt")
+        )
+    assert ((first - second).abs().max() / first.abs().max()).item() < 1e-5
+
+
 def test_mixed_precision_and_activation_checkpointing_under_torchrun(llama_dyt, tmp_path):
     """FSDP2's MixedPrecisionPolicy (bfloat16 compute, float32 reduction and weights) with per-block
     recomputation (which alone changes no number: tests/calibrate/test_distill.py): the run trains, says

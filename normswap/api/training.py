@@ -203,8 +203,9 @@ def distill(
     single-file output is written, as for convert.
 
     Under torchrun every process calls this: each loads both models, reads the data and takes its rows of
-    each batch (a large model-directory teacher, or any with ``shard_teacher``, read straight into FSDP2
-    shards); process 0 alone reports progress and writes (``main`` in the result). Options are checked
+    each batch; a student that is a model directory, a .pt2 or a factory with ``converted_weights``, and
+    such a teacher when it is large or ``shard_teacher``, are read straight into FSDP2 shards (no process
+    holds them whole); process 0 alone reports progress and writes (``main`` in the result). Options are checked
     before any model is loaded. On glibc it fixes malloc's mmap threshold for the process at 1 MiB, so
     that the memory of freed tensors is given back (:mod:`normswap.util.freed_memory`).
     """
@@ -236,7 +237,9 @@ def distill(
         main = parallel is None or parallel.is_main
         say, count = (on_step, on_progress) if main else (None, None)
         teacher, teacher_placement = _load_teacher(original, weights, trust_pickle, parallel, shard_teacher)
-        student, student_fill = _load_student(converted, converted_weights, trust_pickle, parallel)
+        student, student_fill, written_as = _load_student(
+            converted, converted_weights, trust_pickle, parallel
+        )
         if student_fill is not None and dtype is not None and is_directory_output(output):
             raise BadInputError(
                 f"--dtype: {output} is written shard by shard in {converted}'s dtypes; convert the written "
@@ -251,7 +254,7 @@ def distill(
             if student_fill is None:
                 check_inputs_fit(student.model, args, kwargs, what="CONVERTED")
         if main and not sharded_output:
-            check_output_before_work(student.model, output, args, kwargs, say, dtype)
+            check_output_before_work(written_as, output, args, kwargs, say, dtype)
         batches, held_out = read_data(data, holdout, args, kwargs, batch_size, normalize, model=teacher.model)
         if count is not None:
             count(0, steps, "distilling")
@@ -331,6 +334,9 @@ class _Unfilled:
     loaded: LoadedModel
     fill: Callable[[nn.Module, Any, bool, bool], str]  # (model, parallel, trained, mixed precision)
     stored_bytes: int
+    # the module a single-file output is written from, when it is not ``loaded.model`` (a .pt2 trains
+    # unflattened and is written as the flat program it is loaded as): the checks before the work use it
+    written_as: nn.Module | None = None
 
 
 def _unfilled(spec: str, weights: str | Path | None, trust_pickle: bool) -> _Unfilled | None:
@@ -370,6 +376,7 @@ def _unfilled(spec: str, weights: str | Path | None, trust_pickle: bool) -> _Unf
     if read is None:
         return None
     model, args, kwargs, located = read
+    flat = load_program_on_meta(path, trust_pickle=trust_pickle)
     stored = {name: (located.path, entry) for name, entry in located.entries.items()}
     set_inference_mode(model)
     computed = _real_buffers_to_meta(model)  # the archive's constants, read
@@ -378,7 +385,9 @@ def _unfilled(spec: str, weights: str | Path | None, trust_pickle: bool) -> _Unf
         lambda model, parallel, trained, mp: parallel_load.load_rows_sharded(
             model, stored, computed, str(path), parallel, trained=trained, mixed_precision=mp
         ),
-        sum(entry.nbytes for entry in located.entries.values()),
+        # a member that tied weights share is counted once
+        sum({(e.start, e.end): e.nbytes for e in located.entries.values()}.values()),
+        written_as=None if flat is None else flat[0],
     )
 
 
@@ -418,8 +427,11 @@ def _unfilled_factory(spec: str, weights: str | Path) -> _Unfilled | None:
             f"weights file {weights} does not match the model: missing keys {missing[:5]}, unexpected keys "
             f"{unexpected[:5]}"
         )
-    # persistent buffers (running statistics) come from the file with the parameters
+    # persistent buffers (running statistics) come from the file with the parameters; a buffer the
+    # factory computed from a parameter is on the meta device and in no file: nothing could fill it
     stored_buffers = {name for name, _ in model.named_buffers() if name in stored}
+    if any(b.is_meta and name not in stored_buffers for name, b in model.named_buffers()):
+        return None
     set_inference_mode(model)
     computed = {k: v for k, v in _real_buffers_to_meta(model).items() if k not in stored_buffers}
     size = sum(v[1].nbytes if isinstance(v, tuple) else v.nbytes for v in stored.values())
@@ -434,16 +446,22 @@ def _unfilled_factory(spec: str, weights: str | Path) -> _Unfilled | None:
 
 def _load_student(
     converted: str, weights: str | Path | None, trust_pickle: bool, parallel: Any
-) -> tuple[LoadedModel, Callable[[nn.Module, bool], str] | None]:
-    """CONVERTED, and under torchrun for a model directory or a .pt2 the way to fill it later: then it is
-    built on the meta device (no weight read) and the distillation shards it and reads each process's rows
-    from the files, so no process holds the student whole (:func:`_unfilled`); elsewhere it is loaded
-    whole (one process, a factory, a .pt, see :func:`_unfilled`)."""
+) -> tuple[LoadedModel, Callable[[nn.Module, bool], str] | None, nn.Module]:
+    """CONVERTED, under torchrun for a model directory, a .pt2 or a factory with --converted-weights the
+    way to fill it later (else None), and the module a single-file output is checked as. A student filled
+    later is built on the meta device (no weight read) and the distillation shards it and reads each
+    process's rows from the files, so no process holds the student whole (:func:`_unfilled`); elsewhere it
+    is loaded whole (one process, a .pt, a factory without weights, see :func:`_unfilled`)."""
     unfilled = None if parallel is None else _unfilled(converted, weights, trust_pickle)
     if unfilled is None:
-        return load_for_inference(converted, weights, trust_pickle), None
+        loaded = load_for_inference(converted, weights, trust_pickle)
+        return loaded, None, loaded.model
     fill = unfilled.fill
-    return unfilled.loaded, lambda model, mixed_precision: fill(model, parallel, True, mixed_precision)
+    return (
+        unfilled.loaded,
+        lambda model, mixed_precision: fill(model, parallel, True, mixed_precision),
+        unfilled.written_as or unfilled.loaded.model,
+    )
 
 
 @contextlib.contextmanager
@@ -463,17 +481,21 @@ def _processes() -> Iterator[DataParallel | None]:
 def _load_teacher(
     original: str, weights: str | Path | None, trust_pickle: bool, parallel: Any, shard_teacher: bool | None
 ) -> tuple[LoadedModel, str | None]:
-    """ORIGINAL, and how it was placed when that was done while loading: under torchrun a model directory
-    or a .pt2 to be sharded (asked, or larger than TEACHER_SHARD_BYTES) is read straight into its shards,
-    so no process holds it whole."""
+    """ORIGINAL, and how it was placed when that was done while loading: under torchrun a model directory,
+    a .pt2 or a factory with --weights to be sharded (asked, or larger than TEACHER_SHARD_BYTES) is read
+    straight into its shards, so no process holds it whole."""
     from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
     from normswap.load.config_inputs import example_inputs as config_inputs
 
-    unfilled = None if parallel is None else _unfilled(original, weights, trust_pickle)
+    if weights is not None and shard_teacher is None:  # decided before the factory runs, not after
+        shard_teacher = Path(weights).is_file() and Path(weights).stat().st_size > TEACHER_SHARD_BYTES
+    wanted = parallel is not None and shard_teacher is not False
+    unfilled = _unfilled(original, weights, trust_pickle) if wanted else None
     if shard_teacher is None and unfilled is not None:
         shard_teacher = unfilled.stored_bytes > TEACHER_SHARD_BYTES
     if unfilled is None or not shard_teacher:
-        # sharded after a whole load when asked (a factory, a .pt, a directory transformers renames)
+        # sharded after a whole load when asked (a .pt, a factory without weights, a directory
+        # transformers renames)
         return load_for_inference(original, weights, trust_pickle), None
     loaded = unfilled.loaded
     placement = unfilled.fill(loaded.model, parallel, False, False)

@@ -1,15 +1,18 @@
-"""A model directory or a .pt2 loaded straight into FSDP2 shards: no process ever holds the whole model.
+"""A model read straight into FSDP2 shards: no process ever holds the whole model.
 
-Why: under torchrun every process would otherwise load the teacher whole and shard it afterwards, so
-each process's peak memory is the whole model however many processes share it. Here the model is built
-from its config on the meta device (no memory), sharded there (``fully_shard`` per block, then the
-root), given memory for its shards only (``to_empty``), and each process reads from the safetensors
-files exactly the rows of each weight that its shard holds (FSDP2 shards dim 0, ``torch.chunk``-wise).
+Why: under torchrun every process would otherwise load the model whole and shard it afterwards, so each
+process's peak memory is the whole model however many processes share it. Here the model is built
+without its weights (on the meta device: a model directory from its config, a .pt2 from its program, a
+factory with its parameters moved to meta as they are registered), sharded there (``fully_shard`` per
+block, then the root), given memory for its shards only (``to_empty``), and each process reads exactly
+the rows of each weight that its shard holds (FSDP2 shards dim 0, ``torch.chunk``-wise): from a
+safetensors file's or a .pt2 member's byte range, or from a memory-mapped ``torch.save`` archive.
 
-Buffers that the model computes when it is built and does not store (rotary frequencies) come from a
-second build of the model on the CPU whose weights are allocated but never initialized nor read, so
-their memory is never touched; everything stored comes from the files. As when a directory is loaded
-whole, the files must cover the model exactly: a missing, unexpected or wrongly shaped tensor is refused.
+Buffers that the model computes when it is built and does not store (rotary frequencies) are kept from a
+real build: for a model directory a second build on the CPU whose weights are allocated but never
+initialized nor read, so their memory is never touched; a .pt2 stores them as constants, a factory builds
+them. As when a model is loaded whole, the files must cover the model exactly: a missing, unexpected or
+wrongly shaped tensor is refused.
 """
 
 from __future__ import annotations
@@ -98,30 +101,6 @@ def _fill(target: torch.Tensor, name: str, source: Any, where: str, device: torc
             target.copy_(_rows(source, 0, None).to(device))
 
 
-def _shard_and_fill(
-    model: nn.Module,
-    stored: dict[str, Any],
-    computed: dict[str, torch.Tensor],
-    parallel: DataParallel,
-    trained: bool,
-    mixed_precision: bool,
-) -> str:
-    """Shard ``model`` (on the meta device), give it memory for its shards only, read each stored tensor's
-    rows of this process (``stored``: by state-dict name, see :func:`_rows`) and put back the tensors
-    ``computed`` outside the files; returns what was sharded."""
-    placement = parallel.shard(model, trained=trained, mixed_precision=mixed_precision)
-    model.to_empty(device=parallel.device)
-    targets = model.state_dict(keep_vars=True)
-    for name, source in stored.items():
-        if name in targets:
-            where = str(source[0]) if isinstance(source, tuple) else "the weights file"
-            _fill(targets[name], name, source, where, parallel.device)
-    with torch.no_grad():
-        for name, value in computed.items():
-            model.get_buffer(name).copy_(value.to(parallel.device))
-    return placement
-
-
 def load_directory_sharded(
     model: nn.Module, checkpoint: Any, parallel: DataParallel, trained: bool, mixed_precision: bool = False
 ) -> str:
@@ -141,8 +120,9 @@ def load_directory_sharded(
         for name, entry in entries.items():
             if checkpoint.weight_map.get(name) == shard:
                 stored[name] = (checkpoint.path / shard, entry)
-    placement = _shard_and_fill(model, stored, computed, parallel, trained, mixed_precision)
-    return f"{placement}, read shard by shard from {checkpoint.path}"
+    return load_rows_sharded(
+        model, stored, computed, str(checkpoint.path), parallel, trained, mixed_precision
+    )
 
 
 def load_rows_sharded(
@@ -159,5 +139,13 @@ def load_rows_sharded(
     load_program_on_meta`, or a factory's weights file, :func:`~normswap.load.model_file.weights_by_rows`)
     and the buffers that hold values outside those files from ``computed``; returns what was sharded,
     for the report."""
-    placement = _shard_and_fill(model, stored, computed, parallel, trained, mixed_precision)
+    placement = parallel.shard(model, trained=trained, mixed_precision=mixed_precision)
+    model.to_empty(device=parallel.device)  # memory for its shards only
+    targets = model.state_dict(keep_vars=True)
+    for name, stored_tensor in stored.items():
+        if name in targets:
+            _fill(targets[name], name, stored_tensor, source, parallel.device)
+    with torch.no_grad():
+        for name, value in computed.items():
+            model.get_buffer(name).copy_(value.to(parallel.device))
     return f"{placement}, read shard by shard from {source}"

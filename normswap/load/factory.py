@@ -167,10 +167,10 @@ def _parameters_on_meta() -> Iterator[None]:
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None:
-            kept = module._parameters[name]
-            assert kept is not None
-            module._parameters[name] = nn.Parameter(kept.to("meta"), requires_grad=kept.requires_grad)
+        # a parameter already on meta is kept as it is: assigning one module's parameter to another (a
+        # tied head) must leave them one parameter
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:

@@ -11,7 +11,8 @@ deserialized here exactly as torch's loader does it (:func:`torch.export.load`, 
 small constants (computed buffers, lifted tensor constants) are read for real.
 
 Only the layout torch writes today is read this way: one program named "model", no pickled weight, every
-weight a contiguous run of its member. Anything else returns None and the caller loads the archive whole.
+weight a contiguous run of a member stored once and uncompressed. Anything else, including an archive
+this reader fails on (an older layout torch still reads), is loaded whole by the caller.
 """
 
 from __future__ import annotations
@@ -51,17 +52,21 @@ def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def _check_stored_plainly(path: Path, records: set[str]) -> None:
-    """Each weight member is stored as is (not compressed): its bytes in the file are the tensor's. torch
-    never compresses them, but another writer of the format may, and a compressed member read by range
-    would be garbage, not an error."""
+    """Each weight member is stored once and as is (not compressed): its bytes in the file are the
+    tensor's. torch never compresses them, but another writer of the format may, and a compressed member
+    read by range would be garbage, not an error; a name stored twice could be resolved by torch's reader
+    to another entry than the one checked here (:mod:`normswap.load.archive` says why)."""
+    seen: dict[str, int] = {}
+    compressed = set()
     with zipfile.ZipFile(path) as archive:
-        plain = {
-            info.filename.split("/", 1)[-1]
-            for info in archive.infolist()
-            if info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
-        }
-    if not records <= plain:
-        raise NotReadable(f"compressed weight members: {sorted(records - plain)[:3]}")
+        for info in archive.infolist():
+            name = info.filename.split("/", 1)[-1]
+            seen[name] = seen.get(name, 0) + 1
+            if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+                compressed.add(name)
+    unreadable = sorted(r for r in records if seen.get(r) != 1 or r in compressed)
+    if unreadable:
+        raise NotReadable(f"weight members stored twice, compressed or missing: {unreadable[:3]}")
 
 
 def read_program_on_meta(

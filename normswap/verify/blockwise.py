@@ -112,16 +112,23 @@ class BlockwiseReport:
         }
 
 
+def _layout(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(p.shape)) for name, p in module.named_parameters()]
+
+
 def block_list(module: nn.Module) -> list[nn.Module]:
     """The items of a ModuleList, or of what ``torch.export.unflatten`` rebuilds a ModuleList as (its own
-    module class, children named 0, 1, ... in order); empty for anything else (an nn.Sequential too: a
-    stage of layers, not a list of blocks)."""
+    module class, children named 0, 1, ... in order, which all have one class there): those count as one
+    list of blocks when the children hold the same parameters (names and shapes), as blocks of one class
+    do. Empty for anything else (an nn.Sequential: a stage of layers, not a list of blocks)."""
     if isinstance(module, nn.ModuleList):
         return list(module)
     named = list(module.named_children())
     unflattened = type(module).__module__ == "torch.export.unflatten"
     if unflattened and named and [name for name, _ in named] == [str(i) for i in range(len(named))]:
-        return [child for _, child in named]
+        children = [child for _, child in named]
+        if _layout(children[0]) and all(_layout(c) == _layout(children[0]) for c in children):
+            return children
     return []
 
 

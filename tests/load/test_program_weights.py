@@ -102,3 +102,65 @@ def test_compressed_weight_members_are_not_read_by_range(llama_pt2: Path, tmp_pa
             target.writestr(info.filename, source.read(info), compress_type=packed)
     assert load_program_on_meta(compressed, trust_pickle=False) is None
     assert load_program_on_meta(llama_pt2, trust_pickle=False) is not None
+
+
+def test_a_weight_member_stored_twice_is_not_read_by_range(llama_pt2: Path, tmp_path: Path) -> None:
+    """torch's reader resolves a name stored twice to one entry; a range checked on the other would read
+    something else: an archive with a plain copy ahead of a compressed weight member is loaded whole."""
+    import zipfile
+
+    doubled = tmp_path / "doubled.pt2"
+    with zipfile.ZipFile(llama_pt2) as source, zipfile.ZipFile(doubled, "w") as target:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith("/data/weights/weight_0"):
+                target.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
+                target.writestr(info.filename, data, compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                target.writestr(info.filename, data, compress_type=zipfile.ZIP_STORED)
+    assert load_program_on_meta(doubled, trust_pickle=False) is None
+
+
+def test_the_older_layout_torch_still_reads_is_left_to_the_whole_load(tmp_path: Path) -> None:
+    """torch.export.load still reads the pre-2.8 zip layout (members at the zip's root); this reader does
+    not, so it says so (None) and the whole load reads it."""
+    import io
+    import zipfile
+
+    from torch._export.serde.schema import SCHEMA_VERSION
+    from torch._export.serde.serialize import serialize
+
+    program = torch.export.export(_Transposed().eval(), (torch.randn(2, 4),))
+    artifact = serialize(program)
+    inputs = io.BytesIO()
+    torch.save(((torch.randn(2, 4),), {}), inputs)
+    old = tmp_path / "old.pt2"
+    with zipfile.ZipFile(old, "w") as archive:
+        archive.writestr("version", ".".join(map(str, SCHEMA_VERSION)))
+        archive.writestr("serialized_exported_program.json", artifact.exported_program)
+        archive.writestr("serialized_state_dict.pt", artifact.state_dict)
+        archive.writestr("serialized_constants.pt", artifact.constants)
+        archive.writestr("serialized_example_inputs.pt", inputs.getvalue())
+    assert load_program_on_meta(old, trust_pickle=False) is None
+    assert load_model(str(old)).model(torch.ones(2, 4)).shape == (2, 6)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.stage = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.stage(x)
+
+
+def test_an_unflattened_list_of_blocks_is_found_and_a_stage_of_layers_is_not() -> None:
+    from normswap.verify.blockwise import block_list, find_blocks
+
+    unflattened = torch.export.unflatten(torch.export.export(_Stack(), (torch.randn(2, 4),)))
+    assert find_blocks(unflattened) == ("blocks", 3)
+    assert len(block_list(unflattened.get_submodule("blocks"))) == 3
+    assert block_list(unflattened.get_submodule("stage")) == []  # children of unequal shapes

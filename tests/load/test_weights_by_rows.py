@@ -81,3 +81,49 @@ def test_a_weights_file_that_does_not_cover_the_model_is_refused_with_the_names(
     save_file({"proj.weight": torch.randn(4, 6), "extra": torch.zeros(1)}, path)
     with pytest.raises(BadInputError, match=r"missing keys \['norm\.bias'.*unexpected keys \['extra'\]"):
         _unfilled(spec, path, trust_pickle=False)
+
+
+_TIED_AND_DERIVED = """
+import torch
+from torch import nn
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied, as transformers' tie_weights does
+
+
+def tied():
+    return Tied()
+
+
+class Derived(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones_like(self.proj.weight[0]), persistent=False)
+
+
+def derived():
+    return Derived()
+"""
+
+
+def test_tied_parameters_stay_one_and_a_buffer_made_from_a_parameter_is_left_to_the_whole_load(
+    tmp_path: Path,
+) -> None:
+    from normswap.api.training import _unfilled
+
+    path = tmp_path / "shapes.py"
+    path.write_text(_TIED_AND_DERIVED)
+    model, _, _ = load_factory_without_weights(f"{path}:tied")
+    assert model.head.weight is model.embed.weight and model.head.weight.is_meta
+    # the mask is computed from a parameter, so on the meta device, and stored nowhere: nothing could fill
+    # it after the model is given memory, so the factory is loaded whole instead
+    weights = tmp_path / "derived.safetensors"
+    save_file({"proj.weight": torch.randn(4, 4), "proj.bias": torch.randn(4)}, weights)
+    assert load_factory_without_weights(f"{path}:derived")[0].mask.is_meta
+    assert _unfilled(f"{path}:derived", weights, trust_pickle=False) is None

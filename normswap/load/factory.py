@@ -160,23 +160,24 @@ def load_factory(spec: str) -> tuple[nn.Module, tuple | None, dict | None]:
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
     """While in the block, every parameter a module registers is moved to the meta device as it is
-    registered (a few lines of ``accelerate.init_empty_weights``, which normswap does not depend on):
-    the model's weights take no memory, and its buffers (rotary frequencies, running statistics) are
-    built as the model builds them."""
-    register = nn.Module.register_parameter
+    registered, through torch's own hook for that (``register_module_parameter_registration_hook``; what
+    ``accelerate.init_empty_weights`` does, which normswap does not depend on): the model's weights take
+    no memory, and its buffers (rotary frequencies, running statistics) are built as the model builds
+    them. The hook is removed on the way out, also on error."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         # a parameter already on meta is kept as it is: assigning one module's parameter to another (a
         # tied head) must leave them one parameter
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        if param is None or param.is_meta:
+            return None
+        return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    handle = register_module_parameter_registration_hook(on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        handle.remove()
 
 
 def load_factory_without_weights(spec: str) -> tuple[nn.Module, tuple | None, dict | None]:

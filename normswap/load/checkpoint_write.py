@@ -124,33 +124,33 @@ def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 def _neutral_affine(
     stock: nn.Module, converted: nn.Module, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor] | None:
-    """Tensors that make ``stock`` (the class the config builds, on meta) compute what ``converted`` (the
-    same norm left without affine by a fold) computes: weight 1, or 0 for a ``(1 + w)`` norm, bias 0, in
+    """The tensors that make ``stock`` (the class the config builds, on meta) compute what ``converted``
+    (the same norm left without affine by a fold) computes: the values the fold recorded on it
+    (:func:`~normswap.modules.norms.folded_affine`: weight 1, or 0 for a ``(1 + w)`` norm, bias 0), in
     ``dtype`` (the converted model's: a model written with --dtype is not the dtype its config names).
-    Confirmed by running both on random inputs and asking for equal outputs; None when no such tensors do."""
+    Confirmed by running both on random inputs and asking for equal outputs; None when nothing was
+    recorded or the stock class does not compute the same with them."""
     import copy
 
-    if _own_tensors(converted) or list(converted.children()) or list(stock.children()):
+    from normswap.modules.norms import folded_affine
+
+    recorded = folded_affine(converted)
+    if recorded is None or _own_tensors(converted) or list(converted.children()) or list(stock.children()):
         return None
-    shapes = {name: tuple(t.shape) for name, t in _own_tensors(stock).items()}
-    if not shapes or not set(shapes) <= {"weight", "bias"} or len(set(shapes.values())) != 1:
+    stock_tensors = _own_tensors(stock)
+    if set(recorded) != set(stock_tensors) or any(
+        tuple(recorded[n].shape) != tuple(stock_tensors[n].shape) for n in recorded
+    ):
         return None
-    shape = next(iter(shapes.values()))
-    dtype = dtype or next((t.dtype for t in _own_tensors(stock).values()), torch.float32)
+    dtype = dtype or next((t.dtype for t in stock_tensors.values()), torch.float32)
+    tensors = {name: value.to(device="cpu", dtype=dtype) for name, value in recorded.items()}
     probe = copy.deepcopy(stock).to_empty(device="cpu").to(dtype)
-    generator = torch.Generator().manual_seed(0)
-    x = (torch.randn(4, 3, *shape, generator=generator) * 3 + 1).to(dtype)
+    shape = next(iter(tensors.values())).shape
+    x = (torch.randn(4, 3, *shape, generator=torch.Generator().manual_seed(0)) * 3 + 1).to(dtype)
     with torch.no_grad():
-        want = converted(x)
-        for weight_value in (1.0, 0.0):
-            tensors = {
-                n: torch.full(shape, weight_value if n == "weight" else 0.0, dtype=dtype) for n in shapes
-            }
-            for name, value in tensors.items():
-                getattr(probe, name).copy_(value)
-            if torch.equal(probe(x), want):
-                return tensors
-    return None
+        for name, value in tensors.items():
+            getattr(probe, name).copy_(value)
+        return tensors if torch.equal(probe(x), converted(x)) else None
 
 
 @dataclass

@@ -116,3 +116,21 @@ class LayerNorm(_AffineNorm):
         return layer_norm_reference(
             x, len(self.normalized_shape), self.weight, self.bias, self.eps, self.casting, self.weight_offset
         )
+
+
+# A norm whose affine was folded into its readers is weightless in memory; a model directory keeps the
+# stock class (what the config builds), with the stored values under which it computes the same: weight 1
+# (0 for a (1 + w) norm), bias 0. The fold's one edit computes them (passes/affine/arithmetic.fold_edit);
+# they travel on the weightless module to the directory writer, which stores them.
+_FOLDED_AFFINE = "normswap_folded_affine"
+
+
+def mark_folded_affine(module: nn.Module, stored: dict[str, torch.Tensor]) -> None:
+    """Record on ``module`` (a weightless norm a fold made) the values its stock class stores instead."""
+    setattr(module, _FOLDED_AFFINE, {name: value.detach().clone() for name, value in stored.items()})
+
+
+def folded_affine(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The values :func:`mark_folded_affine` recorded on ``module``, or None."""
+    found = getattr(module, _FOLDED_AFFINE, None)
+    return dict(found) if isinstance(found, dict) else None

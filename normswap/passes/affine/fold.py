@@ -62,6 +62,7 @@ from normswap.graph.ops import (
 from normswap.graph.patterns import NormMatch, find_norm_patterns
 from normswap.modules.norms import LayerNorm as RefLayerNorm
 from normswap.modules.norms import RMSNorm as RefRMSNorm
+from normswap.modules.norms import mark_folded_affine
 from normswap.passes.affine.arithmetic import fold_edit
 from normswap.passes.core.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
 from normswap.passes.core.edits import apply_in_memory
@@ -374,6 +375,8 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
         assert not isinstance(edit, str), edit  # every tensor is the model's own, and biases may be made
         bias_added = [name.rpartition(".")[0] for name in apply_in_memory(ctx.model, edit)]
         new = _weightless_norm(site, norm)
+        # the edit left the norm's own tensors at their neutral values: what a directory stores for them
+        mark_folded_affine(new, {n: getattr(norm, n) for n in (weight_name, bias_name) if n})
         replace_submodule(ctx.model, site.path, new)
         into = [r.path for r in readers]
         removed = [n for n in (weight_name, bias_name) if n]

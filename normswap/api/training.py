@@ -327,132 +327,17 @@ def distill(
         return run
 
 
-@dataclasses.dataclass
-class _Unfilled:
-    """A model built without its weights (on the meta device) and how each process reads its rows later."""
-
-    loaded: LoadedModel
-    fill: Callable[[nn.Module, Any, bool, bool], str]  # (model, parallel, trained, mixed precision)
-    stored_bytes: int
-    # the module a single-file output is written from, when it is not ``loaded.model`` (a .pt2 trains
-    # unflattened and is written as the flat program it is loaded as): the checks before the work use it
-    written_as: nn.Module | None = None
-
-
-def _unfilled(spec: str, weights: str | Path | None, trust_pickle: bool) -> _Unfilled | None:
-    """MODEL built on the meta device, to be read straight into its shards under torchrun: a model
-    directory (:func:`~normswap.calibrate.parallel_load.load_directory_sharded`) or a .pt2
-    (:func:`~normswap.calibrate.parallel_load.load_rows_sharded`), or a factory given --weights
-    (:func:`_unfilled_factory`). None for what is loaded whole: a .pt or a factory without --weights
-    (their weights come from running code), a directory whose tensors transformers renames as it loads
-    (rows are read by stored name), a .pt2 of a layout other than torch writes today."""
-    from normswap.calibrate import parallel_load
-    from normswap.load.checkpoint_dir import is_checkpoint_directory
-    from normswap.load.model_file import LoadedModel, ModelFormat, detect_format
-    from normswap.load.program import load_program_on_meta
-    from normswap.util.modes import set_inference_mode
-
-    path = Path(spec)
-    if weights is not None:
-        return _unfilled_factory(spec, weights) if ":" in spec and not path.exists() else None
-    if is_checkpoint_directory(spec):
-        structure = load_for_inference(spec, None, trust_pickle, structure_only=True)
-        checkpoint = structure.checkpoint
-        assert checkpoint is not None  # a model directory's structure carries its description
-        if not checkpoint.stored_as_loaded:
-            return None
-        return _Unfilled(
-            structure,
-            lambda model, parallel, trained, mp: parallel_load.load_directory_sharded(
-                model, checkpoint, parallel, trained=trained, mixed_precision=mp
-            ),
-            checkpoint.total_bytes,
-        )
-    if not path.is_file() or detect_format(path) is not ModelFormat.EXPORTED_PROGRAM:
-        return None
-    # unflattened: its blocks are called as modules, so FSDP2 gathers one block at a time (the flat graph
-    # would be one unit, gathered whole for every forward and backward)
-    read = load_program_on_meta(path, trust_pickle=trust_pickle, unflattened=True)
-    if read is None:
-        return None
-    model, args, kwargs, located = read
-    flat = load_program_on_meta(path, trust_pickle=trust_pickle)
-    stored = {name: (located.path, entry) for name, entry in located.entries.items()}
-    set_inference_mode(model)
-    computed = _real_buffers_to_meta(model)  # the archive's constants, read
-    return _Unfilled(
-        LoadedModel(model, args, kwargs, source=spec, format="pt2"),
-        lambda model, parallel, trained, mp: parallel_load.load_rows_sharded(
-            model, stored, computed, str(path), parallel, trained=trained, mixed_precision=mp
-        ),
-        # a member that tied weights share is counted once
-        sum({(e.start, e.end): e.nbytes for e in located.entries.values()}.values()),
-        written_as=None if flat is None else flat[0],
-    )
-
-
-def _real_buffers_to_meta(model: nn.Module) -> dict[str, Any]:
-    """The model's buffers that hold values (computed when it was built), cloned, and the model holding
-    them on the meta device instead, so that the checks before training run on one device; they are put
-    back once the model is filled."""
-    computed = {name: buffer.detach().clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
-    for name in computed:
-        owner, _, attribute = name.rpartition(".")
-        buffers = model.get_submodule(owner)._buffers
-        buffers[attribute] = buffers[attribute].to("meta")  # type: ignore[union-attr]
-    return computed
-
-
-def _unfilled_factory(spec: str, weights: str | Path) -> _Unfilled | None:
-    """A factory's model with its parameters on the meta device (buffers built as the factory builds
-    them), filled later from the --weights file by rows; None for a weights file that can only be read
-    whole, or a factory that cannot build this way (then it is loaded whole, with load_weights' checks).
-    The file must cover the model's persistent tensors exactly, as load_weights requires."""
-    from normswap.calibrate import parallel_load
-    from normswap.load.factory import load_factory_without_weights
-    from normswap.load.model_file import LoadedModel, weights_by_rows
-    from normswap.util.modes import set_inference_mode
-
-    stored = weights_by_rows(weights)
-    if stored is None:
-        return None
-    try:
-        model, args, kwargs = load_factory_without_weights(spec)
-    except BadInputError:  # its code needs real parameters while it builds: loaded whole
-        return None
-    state = model.state_dict(keep_vars=True)
-    missing, unexpected = sorted(state.keys() - stored.keys()), sorted(stored.keys() - state.keys())
-    if missing or unexpected:
-        raise BadInputError(
-            f"weights file {weights} does not match the model: missing keys {missing[:5]}, unexpected keys "
-            f"{unexpected[:5]}"
-        )
-    # persistent buffers (running statistics) come from the file with the parameters; a buffer the
-    # factory computed from a parameter is on the meta device and in no file: nothing could fill it
-    stored_buffers = {name for name, _ in model.named_buffers() if name in stored}
-    if any(b.is_meta and name not in stored_buffers for name, b in model.named_buffers()):
-        return None
-    set_inference_mode(model)
-    computed = {k: v for k, v in _real_buffers_to_meta(model).items() if k not in stored_buffers}
-    size = sum(v[1].nbytes if isinstance(v, tuple) else v.nbytes for v in stored.values())
-    return _Unfilled(
-        LoadedModel(model, args, kwargs, source=spec, format="factory"),
-        lambda model, parallel, trained, mp: parallel_load.load_rows_sharded(
-            model, stored, computed, str(weights), parallel, trained=trained, mixed_precision=mp
-        ),
-        size,
-    )
-
-
 def _load_student(
     converted: str, weights: str | Path | None, trust_pickle: bool, parallel: Any
 ) -> tuple[LoadedModel, Callable[[nn.Module, bool], str] | None, nn.Module]:
     """CONVERTED, under torchrun for a model directory, a .pt2 or a factory with --converted-weights the
     way to fill it later (else None), and the module a single-file output is checked as. A student filled
     later is built on the meta device (no weight read) and the distillation shards it and reads each
-    process's rows from the files, so no process holds the student whole (:func:`_unfilled`); elsewhere it
-    is loaded whole (one process, a .pt, a factory without weights, see :func:`_unfilled`)."""
-    unfilled = None if parallel is None else _unfilled(converted, weights, trust_pickle)
+    process's rows from the files, so no process holds the student whole; elsewhere it is loaded whole
+    (one process, a .pt, a factory without weights: :func:`~normswap.api.shard_reading.unfilled_model`)."""
+    from normswap.api.shard_reading import unfilled_model
+
+    unfilled = None if parallel is None else unfilled_model(converted, weights, trust_pickle)
     if unfilled is None:
         loaded = load_for_inference(converted, weights, trust_pickle)
         return loaded, None, loaded.model
@@ -484,13 +369,14 @@ def _load_teacher(
     """ORIGINAL, and how it was placed when that was done while loading: under torchrun a model directory,
     a .pt2 or a factory with --weights to be sharded (asked, or larger than TEACHER_SHARD_BYTES) is read
     straight into its shards, so no process holds it whole."""
+    from normswap.api.shard_reading import unfilled_model
     from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
     from normswap.load.config_inputs import example_inputs as config_inputs
 
     if weights is not None and shard_teacher is None:  # decided before the factory runs, not after
         shard_teacher = Path(weights).is_file() and Path(weights).stat().st_size > TEACHER_SHARD_BYTES
     wanted = parallel is not None and shard_teacher is not False
-    unfilled = _unfilled(original, weights, trust_pickle) if wanted else None
+    unfilled = unfilled_model(original, weights, trust_pickle) if wanted else None
     if shard_teacher is None and unfilled is not None:
         shard_teacher = unfilled.stored_bytes > TEACHER_SHARD_BYTES
     if unfilled is None or not shard_teacher:

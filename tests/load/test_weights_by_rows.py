@@ -75,12 +75,12 @@ def test_a_legacy_torch_file_is_left_to_the_whole_load(tmp_path: Path) -> None:
 def test_a_weights_file_that_does_not_cover_the_model_is_refused_with_the_names(
     spec: str, tmp_path: Path
 ) -> None:
-    from normswap.api.training import _unfilled
+    from normswap.api.shard_reading import unfilled_model
 
     path = tmp_path / "partial.safetensors"
     save_file({"proj.weight": torch.randn(4, 6), "extra": torch.zeros(1)}, path)
     with pytest.raises(BadInputError, match=r"missing keys \['norm\.bias'.*unexpected keys \['extra'\]"):
-        _unfilled(spec, path, trust_pickle=False)
+        unfilled_model(spec, path, trust_pickle=False)
 
 
 _TIED_AND_DERIVED = """
@@ -115,7 +115,7 @@ def derived():
 def test_tied_parameters_stay_one_and_a_buffer_made_from_a_parameter_is_left_to_the_whole_load(
     tmp_path: Path,
 ) -> None:
-    from normswap.api.training import _unfilled
+    from normswap.api.shard_reading import unfilled_model
 
     path = tmp_path / "shapes.py"
     path.write_text(_TIED_AND_DERIVED)
@@ -126,4 +126,4 @@ def test_tied_parameters_stay_one_and_a_buffer_made_from_a_parameter_is_left_to_
     weights = tmp_path / "derived.safetensors"
     save_file({"proj.weight": torch.randn(4, 4), "proj.bias": torch.randn(4)}, weights)
     assert load_factory_without_weights(f"{path}:derived")[0].mask.is_meta
-    assert _unfilled(f"{path}:derived", weights, trust_pickle=False) is None
+    assert unfilled_model(f"{path}:derived", weights, trust_pickle=False) is None

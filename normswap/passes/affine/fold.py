@@ -284,13 +284,6 @@ def _affine(
     return names[0], names[1]
 
 
-def _tensor(module: nn.Module, name: str) -> torch.Tensor:
-    try:
-        return module.get_parameter(name)
-    except AttributeError:
-        return module.get_buffer(name)
-
-
 def _only_the_norm(ctx: PassContext, call: ModuleCall) -> bool:
     """True when a norm subclass's forward computes nothing but the norm (e.g. timm's LayerNorm)."""
     assert ctx.view is not None

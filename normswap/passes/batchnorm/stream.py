@@ -157,10 +157,6 @@ def plan_batchnorm_folds(
     return plan
 
 
-def _out_features(layer: nn.Module) -> int:
-    return int(layer.weight.shape[0])
-
-
 def layer_probe(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """A random input of a Conv or Linear layer's width, spatially large enough for its kernel with a
     border, for a layer's check before and after a rewrite."""

@@ -214,7 +214,7 @@ def _add_graph_sites(
         semantics = _semantics_from_match(match, view, modules[""], owner)
         if (
             owner
-            and module is not None
+            and _runs(module)
             and calls
             and owner not in sites
             and all(_module_is_exactly(view, c, set(match.nodes)) for c in calls[:1])
@@ -259,6 +259,14 @@ def _add_graph_sites(
         sites[path] = site
 
 
+def _runs(module: nn.Module | None) -> bool:
+    """Whether ``module`` is what computes its part of the graph. A bare ``nn.Module`` is not: in a flat
+    program (``ExportedProgram.module()``) it only holds tensors that the root's graph reads, and its own
+    forward raises. Replacing it would change nothing the model computes, so a norm it holds is a norm
+    inside the root's forward, not a module to swap."""
+    return module is not None and type(module) is not nn.Module
+
+
 def _whole_forward_site(
     view: GraphView, n: fx.Node, owner: str, site: NormSite, modules: dict[str, nn.Module]
 ) -> NormSite | None:
@@ -267,7 +275,12 @@ def _whole_forward_site(
     such a module can be swapped like a torch.nn norm. None otherwise."""
     module = modules.get(owner)
     calls = view.calls.get(owner, [])
-    if op_name(n) not in ("layer_norm", "rms_norm") or module is None or list(module.children()) or not calls:
+    if (
+        op_name(n) not in ("layer_norm", "rms_norm")
+        or not _runs(module)
+        or list(module.children())
+        or not calls
+    ):
         return None
     # besides the call: reads of stored tensors' attributes (fx records ``self.weight.shape``)
     extra = {

@@ -77,3 +77,35 @@ def test_a_pt2_saved_from_batch_one_examples_takes_other_batch_sizes(tmp_path):
                 loaded(input_ids=x, use_cache=False).logits,
             )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_users_llama_pt2_claims_no_swap_it_cannot_make(tmp_path):
+    """An HF Llama exported with plain torch.export: its RMSNorm is written out as ops in the root's graph,
+    and ``ep.module()`` keeps each norm's weight on a bare holder module that nothing calls. Replacing that
+    holder would change nothing the model computes: the norms are found inside the forward, and every
+    module rewrite skips them with that reason instead of reporting swaps it did not make."""
+    import transformers
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    from normswap.discover import find_norms
+    from normswap.load import load_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    path = tmp_path / "llama.pt2"
+    torch.export.save(torch.export.export(model, (), {"input_ids": ids}, strict=False), path)
+
+    loaded = load_model(str(path))
+    sites = find_norms(loaded.model, loaded.example_args, loaded.example_kwargs).sites
+    assert len(sites) == 3 and all(s.source == "pattern" and not s.is_module for s in sites)
+    for number, option in enumerate((["--to", "layernorm"], ["--fold-norm-affine"])):
+        output = tmp_path / f"out{number}.pt2"
+        result = CliRunner().invoke(app, ["convert", str(path), *option, "-o", str(output)])
+        assert "0 changed, 3 skipped" in result.output, result.output
+        assert "inside a forward" in result.output

@@ -367,13 +367,13 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
         edit = fold_edit(plan, tensors, create_biases=True)
         assert not isinstance(edit, str), edit  # every tensor is the model's own, and biases may be made
         bias_added = [name.rpartition(".")[0] for name in apply_in_memory(ctx.model, edit)]
+        into = [r.path for r in readers]
+        moved = [what for what, n in (("gain", weight_name), ("bias", bias_name)) if n]
         new = _weightless_norm(site, norm)
         # the edit left the norm's own tensors at their neutral values: what a directory stores for them
         mark_folded_affine(new, {n: getattr(norm, n) for n in (weight_name, bias_name) if n})
         replace_submodule(ctx.model, site.path, new)
-        into = [r.path for r in readers]
         removed = [n for n in (weight_name, bias_name) if n]
-        moved = [what for what, n in (("gain", weight_name), ("bias", bias_name)) if n]
         return Change(
             self.name,
             site.path,

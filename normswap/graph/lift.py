@@ -302,4 +302,7 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
                 gm.graph.erase_node(node)
         gm.graph.lint()
         gm.recompile()
+    from normswap.graph.lift_patterns import lift_norm_patterns
+
+    lift_norm_patterns(gm)  # norms written out as ops (an HF RMSNorm), each into a module of its own
     return gm

@@ -79,33 +79,91 @@ def test_a_pt2_saved_from_batch_one_examples_takes_other_batch_sizes(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_users_llama_pt2_claims_no_swap_it_cannot_make(tmp_path):
-    """An HF Llama exported with plain torch.export: its RMSNorm is written out as ops in the root's graph,
-    and ``ep.module()`` keeps each norm's weight on a bare holder module that nothing calls. Replacing that
-    holder would change nothing the model computes: the norms are found inside the forward, and every
-    module rewrite skips them with that reason instead of reporting swaps it did not make."""
+def _users_llama_pt2(tmp_path):
+    """An HF Llama exported with plain torch.export (not by normswap): its RMSNorms are ops in the root's
+    graph, their weights on bare holder modules that nothing calls."""
     import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 64, (2, 8))
+    path = tmp_path / "llama.pt2"
+    program = torch.export.export(model, (), {"input_ids": ids}, strict=False)
+    torch.export.save(program, path)
+    return path, program, ids
+
+
+def test_a_users_llama_pt2_has_its_norms_lifted_into_modules_and_every_rewrite_reaches_them(tmp_path):
+    """Each hand-written RMSNorm is cut out of the root's graph into a module of its own that runs the
+    same nodes: the loaded model computes what torch's program computes, bit for bit, and module rewrites
+    (a swap, the exact affine fold, the fused kernels) change every norm."""
     from normswap_cli.app import app
     from typer.testing import CliRunner
 
     from normswap.discover import find_norms
     from normswap.load import load_model
 
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, tie_word_embeddings=False, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, 64, (2, 8))
-    path = tmp_path / "llama.pt2"
-    torch.export.save(torch.export.export(model, (), {"input_ids": ids}, strict=False), path)
-
+    path, program, ids = _users_llama_pt2(tmp_path)
     loaded = load_model(str(path))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(input_ids=ids).logits, program.module()(input_ids=ids).logits)
     sites = find_norms(loaded.model, loaded.example_args, loaded.example_kwargs).sites
-    assert len(sites) == 3 and all(s.source == "pattern" and not s.is_module for s in sites)
-    for number, option in enumerate((["--to", "layernorm"], ["--fold-norm-affine"])):
+    assert len(sites) == 5 and all(s.source == "structural" and s.is_module for s in sites)
+    assert {type(loaded.model.get_submodule(s.path)).__name__ for s in sites} == {"LiftedNorm"}
+    for number, option in enumerate((["--to", "layernorm"], ["--fold-norm-affine"], ["--to", "fused"])):
         output = tmp_path / f"out{number}.pt2"
         result = CliRunner().invoke(app, ["convert", str(path), *option, "-o", str(output)])
-        assert "0 changed, 3 skipped" in result.output, result.output
-        assert "inside a forward" in result.output
+        assert result.exit_code == 0 and "5 changed, 0 skipped" in result.output, result.output
+
+
+class _SharedRms(torch.nn.Module):
+    """A hand-written RMSNorm that also returns its reciprocal RMS: not a norm alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x * r * self.weight, r
+
+
+class _ReadsTheRms(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = _SharedRms()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y, r = self.norm(x)
+        return self.proj(y) + r
+
+
+def test_a_norm_that_cannot_be_cut_out_is_not_swapped_as_a_module(tmp_path):
+    """Left in the root's graph (its reciprocal RMS is read outside it), the norm's holder is a bare module
+    that nothing calls; replacing it would change nothing the model computes, so module rewrites skip the
+    norm with that reason instead of reporting a swap that changed nothing."""
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    from normswap.discover import find_norms
+    from normswap.load import load_model
+
+    path = tmp_path / "shared.pt2"
+    torch.export.save(torch.export.export(_ReadsTheRms().eval(), (torch.randn(2, 8),)), path)
+    loaded = load_model(str(path))
+    assert type(loaded.model.get_submodule("norm")) is torch.nn.Module  # not lifted
+    sites = find_norms(loaded.model, loaded.example_args, loaded.example_kwargs).sites
+    assert len(sites) == 1 and sites[0].source == "pattern" and not sites[0].is_module
+    result = CliRunner().invoke(
+        app, ["convert", str(path), "--to", "layernorm", "-o", str(tmp_path / "o.pt2")]
+    )
+    assert "0 changed, 1 skipped" in result.output and "inside a forward" in result.output, result.output

@@ -40,6 +40,11 @@ _CHILD = textwrap.dedent(
                     m.bias.uniform_(-0.5, 0.5)
         return model, {"input_ids": torch.randint(0, vocab, (1, 8))}
 
+    # freed tensors leave the process (as distill sets it): glibc would otherwise keep a varying share of
+    # the run's freed outputs in its heap, which is allocator slack, not a copy the engine held
+    from normswap.util.freed_memory import give_back_freed_tensors
+
+    give_back_freed_tensors()
     config = ConvertConfig(to=sys.argv[1], exact=True)
     # everything the conversion imports or caches, loaded on a small model first
     small, inputs = gpt2(256, 1)

@@ -35,11 +35,15 @@ def _holder_path(gm: fx.GraphModule, attrs: list[fx.Node]) -> str | None:
     return prefix
 
 
-def _cut(gm: fx.GraphModule, match: object) -> bool:
+def _cut(gm: fx.GraphModule, match: object, moved: dict[fx.Node, fx.Node]) -> bool:
     """Move one matched norm into a GraphModule at its holder's path; False (nothing changed) when it
-    cannot be cut out whole."""
+    cannot be cut out whole. ``moved``: the outputs of norms cut out before, and the calls now in their
+    place (a norm that reads another's output reads the call)."""
     nodes: set[fx.Node] = set(match.nodes)  # type: ignore[attr-defined]
-    source, output = match.input, match.output  # type: ignore[attr-defined]
+    output = match.output  # type: ignore[attr-defined]
+    source = moved.get(match.input, match.input)  # type: ignore[attr-defined]  # a norm cut out before
+    if not nodes | {source} <= set(gm.graph.nodes):
+        return False  # overlaps a norm already cut out
     # a cast of the input that the graph also reads elsewhere (export shares HF's no-op .to(float32) with
     # the residual add) stays in the root: the module takes the cast value, the same ops run
     while True:
@@ -90,6 +94,7 @@ def _cut(gm: fx.GraphModule, match: object) -> bool:
         call = gm.graph.call_module(prefix, (source,))
     call.meta = dict(output.meta)
     output.replace_all_uses_with(call)
+    moved[output] = call
     for n in reversed(list(gm.graph.nodes)):
         if n in inside:
             gm.graph.erase_node(n)
@@ -105,7 +110,8 @@ def lift_norm_patterns(gm: fx.GraphModule) -> int:
 
     view = GraphView(CapturedGraph(graph=gm.graph, method="fx"))
     matches = [m for m in find_norm_patterns(view, gm) if m.kind in ("rms", "layer")]
-    lifted = sum(_cut(gm, match) for match in matches)
+    moved: dict[fx.Node, fx.Node] = {}  # a cut norm's output -> the call that replaced it
+    lifted = sum(_cut(gm, match, moved) for match in matches)
     if lifted:
         gm.graph.lint()
         gm.recompile()

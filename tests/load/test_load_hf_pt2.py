@@ -167,3 +167,34 @@ def test_a_norm_that_cannot_be_cut_out_is_not_swapped_as_a_module(tmp_path):
         app, ["convert", str(path), "--to", "layernorm", "-o", str(tmp_path / "o.pt2")]
     )
     assert "0 changed, 1 skipped" in result.output and "inside a forward" in result.output, result.output
+
+
+class _Rms(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _TwoInARow(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.proj = _Rms(), _Rms(), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(self.b(self.a(x)))
+
+
+def test_a_norm_reading_another_norm_is_lifted_too(tmp_path):
+    """The second norm reads the first one's output, which the first cut replaced by a call."""
+    from normswap.load import load_model
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    program = torch.export.export(_TwoInARow().eval(), (x,))
+    torch.export.save(program, tmp_path / "two.pt2")
+    model = load_model(str(tmp_path / "two.pt2")).model
+    assert type(model.a).__name__ == type(model.b).__name__ == "LiftedNorm"
+    assert torch.equal(model(x), program.module()(x))

@@ -30,13 +30,16 @@ class UnfilledModel:
     written_as: nn.Module | None = None
 
 
-def unfilled_model(spec: str, weights: str | Path | None, trust_pickle: bool) -> UnfilledModel | None:
+def unfilled_model(
+    spec: str, weights: str | Path | None, trust_pickle: bool, written: bool = False
+) -> UnfilledModel | None:
     """MODEL built on the meta device, to be read straight into its shards under torchrun: a model
     directory (:func:`~normswap.calibrate.parallel_load.load_directory_sharded`) or a .pt2
     (:func:`~normswap.calibrate.parallel_load.load_rows_sharded`), or a factory given --weights
     (:func:`unfilled_factory`). None for what is loaded whole: a .pt or a factory without --weights
     (their weights come from running code), a directory whose tensors transformers renames as it loads
-    (rows are read by stored name), a .pt2 of a layout other than torch writes today."""
+    (rows are read by stored name), a .pt2 of a layout other than torch writes today. ``written``: the
+    model is the one an output is written from (``written_as`` is then filled where it differs)."""
     from normswap.calibrate import parallel_load
     from normswap.load.checkpoint_dir import is_checkpoint_directory
     from normswap.load.model_file import LoadedModel, ModelFormat, detect_format
@@ -67,7 +70,11 @@ def unfilled_model(spec: str, weights: str | Path | None, trust_pickle: bool) ->
     if read is None:
         return None
     model, args, kwargs, located = read
-    flat = load_program_on_meta(path, trust_pickle=trust_pickle)
+    # the flat program a single-file output is written from, read apart: lifting its norms edits what an
+    # unflattened module of the same ExportedProgram shares with it (tried: the unflattened teacher then
+    # refused a batch of 5 for a program exported at any batch; a deep copy of the program fails on its
+    # fake tensors). The second read costs a deserialization, no weight bytes.
+    flat = load_program_on_meta(path, trust_pickle=trust_pickle) if written else None
     stored = {name: (located.path, entry) for name, entry in located.entries.items()}
     set_inference_mode(model)
     computed = real_buffers_to_meta(model)  # the archive's constants, read

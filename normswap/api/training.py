@@ -337,7 +337,7 @@ def _load_student(
     (one process, a .pt, a factory without weights: :func:`~normswap.api.shard_reading.unfilled_model`)."""
     from normswap.api.shard_reading import unfilled_model
 
-    unfilled = None if parallel is None else unfilled_model(converted, weights, trust_pickle)
+    unfilled = None if parallel is None else unfilled_model(converted, weights, trust_pickle, written=True)
     if unfilled is None:
         loaded = load_for_inference(converted, weights, trust_pickle)
         return loaded, None, loaded.model

@@ -16,14 +16,25 @@ from collections.abc import Callable
 import torch
 from torch import fx, nn
 
+from normswap.graph.analysis import module_path
 from normswap.graph.ops import arg, op_name
 
 _CONV = {"conv1d": nn.Conv1d, "conv2d": nn.Conv2d, "conv3d": nn.Conv3d}
 _BN_BY_RANK = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 
+# ops whose input is not their first argument (aten.embedding(weight, indices, ...))
+_INPUT_POSITION = {"embedding": 1}
+
+
+def _input_of(node: fx.Node) -> object:
+    return node.args[_INPUT_POSITION.get(op_name(node) or "", 0)]
+
+
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.args if isinstance(a, fx.Node)][1:]
+    """The op's tensor operands other than its input: the parameters a module would hold."""
+    source = _input_of(node)
+    return [a for a in node.args if isinstance(a, fx.Node) and a is not source]
 
 
 def _owner_of(gm: fx.GraphModule, node: fx.Node) -> str | None:
@@ -98,6 +109,28 @@ def _linear(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | No
         return None
     m = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
     _set_tensors(m, holder, {"weight": w, "bias": b})
+    return m
+
+
+def _embedding(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    w = _get(gm, arg(n, 0, "weight"))
+    padding_idx, scale_grad, sparse = (
+        arg(n, 2, "padding_idx", -1),
+        arg(n, 3, "scale_grad_by_freq", False),
+        arg(n, 4, "sparse", False),
+    )
+    if (
+        w is None
+        or w.ndim != 2
+        or not all(isinstance(v, (int, bool)) for v in (padding_idx, scale_grad, sparse))
+    ):
+        return None
+    # aten says "no padding row" with -1; nn.Embedding with None (its -1 is the last row)
+    padding = None if padding_idx == -1 else padding_idx
+    m = nn.Embedding(
+        w.shape[0], w.shape[1], padding, scale_grad_by_freq=scale_grad, sparse=sparse, device="meta"
+    )
+    _set_tensors(m, holder, {"weight": w})
     return m
 
 
@@ -245,6 +278,7 @@ _BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | 
     "conv2d": _conv,
     "conv3d": _conv,
     "linear": _linear,
+    "embedding": _embedding,
     "batch_norm": _batch_norm,
     "layer_norm": _layer_norm,
     "group_norm": _group_norm,
@@ -254,11 +288,68 @@ _BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | 
 }
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are one tensor's values in one memory (a tied weight the program holds twice)."""
+    if a.is_meta or b.is_meta or a.device != b.device:
+        return False  # a meta tensor has no memory to compare: its ties are not known here
+    return (a.dtype, a.shape, a.stride(), a.storage_offset()) == (
+        b.dtype,
+        b.shape,
+        b.stride(),
+        b.storage_offset(),
+    ) and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _read_tied_weights_by_owner(gm: fx.GraphModule) -> bool:
+    """Each module's ops read a tied weight under that module's own name, which is made one tensor again.
+
+    A program holds a tied weight once and reads it under one name in every module (an exported GPT-2's
+    token embedding reads ``lm_head.weight``), while ``ExportedProgram.module()`` gives each name its own
+    Parameter over the one memory. Passes see a module's weight by its name and ties by identity: the
+    untie that recentring a GPT-2 needs gives the embedding its own centred weight and must not move the
+    head's. So each use in a module that holds the same memory under its own name reads that name, and
+    the two names hold one Parameter, as in the model that was exported. Whether anything changed.
+    """
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or len(node.users) < 2:
+            continue
+        tensor = _get(gm, node)
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        owner, _, leaf = str(node.target).rpartition(".")
+        for user in list(node.users):
+            path = module_path(user)
+            if path == owner or not path:
+                continue
+            try:
+                holder = gm.get_submodule(path)
+            except AttributeError:
+                continue
+            held = [*holder.named_parameters(recurse=False), *holder.named_buffers(recurse=False)]
+            same = sorted((name != leaf, name) for name, t in held if _same_memory(t, tensor))
+            if not same:
+                continue
+            name = same[0][1]
+            if isinstance(tensor, nn.Parameter) and name in holder._parameters:
+                holder._parameters[name] = tensor
+            elif name in holder._buffers:
+                holder._buffers[name] = tensor
+            else:
+                continue
+            with gm.graph.inserting_before(user):
+                own = gm.graph.get_attr(f"{path}.{name}")
+            own.meta = dict(node.meta)
+            user.replace_input_with(node, own)
+            changed = True
+    return changed
+
+
 def lift_exported_module(gm: nn.Module) -> nn.Module:
     """Replace op calls on parameters by calls of equivalent torch.nn modules, in place; returns ``gm``."""
     if not isinstance(gm, fx.GraphModule):
         return gm
-    lifted = 0
+    lifted = int(_read_tied_weights_by_owner(gm))
     for node in list(gm.graph.nodes):
         builder = _BUILDERS.get(op_name(node) or "") if node.op == "call_function" else None
         if builder is None:
@@ -273,7 +364,7 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
         module = builder(gm, node, holder)
         if module is None or any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
             continue
-        source, channel = node.args[0], _channel_wrap(node, replaced)
+        source, channel = _input_of(node), _channel_wrap(node, replaced)
         if channel is not None:
             # x.movedim(d, -1) -> fused op -> movedim back: one channel-norm module, as the model had
             source, replaced, module = channel[0], channel[1], _channel_module(module, channel[2])

@@ -198,3 +198,53 @@ def test_a_norm_reading_another_norm_is_lifted_too(tmp_path):
     model = load_model(str(tmp_path / "two.pt2")).model
     assert type(model.a).__name__ == type(model.b).__name__ == "LiftedNorm"
     assert torch.equal(model(x), program.module()(x))
+
+
+def test_a_users_tied_gpt2_pt2_keeps_its_tie_and_recentres_exactly(tmp_path):
+    """torch.export holds GPT-2's tied embedding and head once and reads it as ``lm_head.weight`` in the
+    embedding too; its module gives each name its own Parameter over the one memory and calls no module.
+    Loaded, the embedding and the head are torch's modules again over one Parameter, so the exact
+    LayerNorm -> RMSNorm does what it does to the model directory: the embedding centres the rows it looks
+    up and the matrix stays one (before: refused, "cannot be untied there", exit 1)."""
+    import transformers
+
+    import normswap
+    from normswap.load import load_model
+    from normswap.modules.centered import CenteredEmbedding
+
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0,
+        use_cache=False,
+    )  # fmt: skip
+    model = model_zoo.randomize_norms(transformers.GPT2LMHeadModel(config)).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 64, (2, 8))
+    path = tmp_path / "tied.pt2"
+    torch.export.save(torch.export.export(model, (ids,), strict=False), path)
+
+    loaded = load_model(str(path)).model
+    wte, head = loaded.get_submodule("transformer.wte"), loaded.get_submodule("lm_head")
+    assert (type(wte), type(head)) == (torch.nn.Embedding, torch.nn.Linear)
+    assert wte.weight is head.weight
+    with torch.no_grad():
+        want = model(ids).logits
+        assert torch.equal(loaded(ids).logits, want)
+
+    written = tmp_path / "out.pt2"
+    result = normswap.convert(path, normswap.ConvertConfig(to="rmsnorm", exact=True))
+    assert result.ok
+    recenter = next(r for r in result.report.passes if r.pass_name == "recenter_layernorm")
+    assert len(recenter.changes) == 3 and not recenter.skips
+    converted = result.model
+    wte, head = converted.get_submodule("transformer.wte"), converted.get_submodule("lm_head")
+    assert isinstance(wte, CenteredEmbedding) and wte.weight is head.weight
+    assert torch.equal(head.weight, model.lm_head.weight)  # the matrix keeps its values, one copy
+    assert result.size is not None and result.size[0].values == result.size[1].values
+    with torch.no_grad():
+        got = converted(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    normswap.save(result, written)
+    reread = load_model(str(written)).model  # the written program holds the matrix once, tied again
+    assert reread.get_submodule("transformer.wte").weight is reread.get_submodule("lm_head").weight
+    with torch.no_grad():
+        torch.testing.assert_close(reread(ids).logits, got, rtol=0, atol=1e-6 * float(want.abs().max()))

@@ -2,10 +2,16 @@
 
 `BadInputError` means the user gave something we cannot use (exit 2); `CheckFailedError` means a
 rewrite or an export did not pass its numerical check and nothing was written (exit 1). :func:`describe`
-and :func:`first_line` put an exception into a one-line message.
+and :func:`first_line` put an exception into a one-line message; :func:`write_error` and
+:func:`failed_write` say a write that failed in the user's environment (a full disk) the one way every
+output says it.
 """
 
 from __future__ import annotations
+
+import errno
+import os
+import re
 
 
 class NormswapError(Exception):
@@ -51,3 +57,36 @@ def describe(exc: BaseException) -> str:
     """``exc`` in one line for a message: its type and the first line of its text."""
     detail = first_line(exc)
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
+# safetensors (Rust) reports a failed read or write as its own error, the OS's code in its text: "I/O
+# error: File too large (os error 27)", or "Os { code: 28, kind: StorageFull, ... }"
+_OS_ERROR_CODE = re.compile(r"(?:code: |os error )(\d+)")
+
+
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The failure of the user's environment that ``exc`` is, if any: an OSError, or a library writer's
+    own error around one (safetensors')."""
+    if isinstance(exc, OSError):
+        return exc
+    found = _OS_ERROR_CODE.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
+
+
+def failed_write(path: os.PathLike[str] | str, exc: BaseException) -> BadInputError | None:
+    """:func:`write_error` for ``exc`` if it is a write that failed in the user's environment
+    (:func:`os_error_in`)."""
+    failed = os_error_in(exc)
+    return None if failed is None else write_error(path, failed)
+
+
+def write_error(path: os.PathLike[str] | str, exc: OSError) -> BadInputError:
+    """One line for a write that failed in the user's environment: a full disk, a quota, permissions."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return BadInputError(
+            f"no space left on device writing {path}: free some space or choose another folder"
+        )
+    return BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}")

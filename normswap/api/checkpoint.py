@@ -16,7 +16,6 @@ input directory are copied (not other weight formats or folders).
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from torch import nn
 
 from normswap.api.checkpoint_checks import check_rewritten_layers, verify_blocks
 from normswap.api.config import ConvertConfig
-from normswap.errors import BadInputError, CheckFailedError, describe
+from normswap.errors import BadInputError, CheckFailedError
 from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
@@ -41,7 +40,7 @@ from normswap.load.checkpoint_write import copy_side_files, finish_from_source, 
 from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_tensor, shard_writers
-from normswap.load.save import publish_directory, reserve_temp_dir
+from normswap.load.save import directory_output
 from normswap.passes.core.base import PassReport
 from normswap.passes.core.edits import EditPlan, TensorEdit
 from normswap.passes.streaming import plan_edits
@@ -290,38 +289,32 @@ def write_checkpoint(
     assert output is not None
     # the output rule (normswap.load.paths): an existing output only with overwrite, never a symlink
     check_output("-o", output, overwrite=config.overwrite, directory=True)
-    temp = reserve_temp_dir(output)
     try:
-        say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
-        shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
-        stock_refused = finish_from_source(
-            checkpoint, temp, shards, config_changes=plan.config_changes, recorded=plan.recorded
-        )
-        written = read_checkpoint_directory(temp)
-        shards = list(written.shards)
-        verification: list[BlockwiseReport] = []
-        fold_checks: list[TensorComparison] = []
-        if not plan.edits:
-            say("nothing to rewrite: every tensor copied as bytes")  # the input's bytes: nothing to verify
-        elif plan.checks:
-            say(f"verifying {len(plan.checks)} rewritten layers against the originals")
-            fold_checks = check_rewritten_layers(checkpoint, written, plan)
-        else:
-            say("verifying block by block against the original")
-            assert plan.report is not None
-            changed = [change.site for change in plan.report.changes]
-            verification = verify_blocks(checkpoint, written, planned.model, config.to, say, changed)
-        copied_files, not_copied = copy_side_files(checkpoint, temp)
-        publish_directory(temp, output, overwrite=config.overwrite)
-    except OSError as exc:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None
+        with directory_output(output, overwrite=config.overwrite) as temp:
+            say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
+            shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
+            stock_refused = finish_from_source(
+                checkpoint, temp, shards, config_changes=plan.config_changes, recorded=plan.recorded
+            )
+            written = read_checkpoint_directory(temp)
+            shards = list(written.shards)
+            verification: list[BlockwiseReport] = []
+            fold_checks: list[TensorComparison] = []
+            if not plan.edits:
+                say(
+                    "nothing to rewrite: every tensor copied as bytes"
+                )  # the input's bytes: nothing to verify
+            elif plan.checks:
+                say(f"verifying {len(plan.checks)} rewritten layers against the originals")
+                fold_checks = check_rewritten_layers(checkpoint, written, plan)
+            else:
+                say("verifying block by block against the original")
+                assert plan.report is not None
+                changed = [change.site for change in plan.report.changes]
+                verification = verify_blocks(checkpoint, written, planned.model, config.to, say, changed)
+            copied_files, not_copied = copy_side_files(checkpoint, temp)
     except WeightNormValueError as exc:  # a layer's values, found when its group was read
-        shutil.rmtree(temp, ignore_errors=True)
         raise CheckFailedError(f"--add-weight-norm: {exc}; nothing written") from None
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
     return StreamedConversion(
         path=output,
         report=planned.report,

@@ -15,7 +15,6 @@ temporary sibling and renamed once complete; an existing path is never written o
 
 from __future__ import annotations
 
-import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from torch import nn
 
 from normswap.api.checkpoint import _available_memory, _copy_all, _gb
 from normswap.api.config import ConvertConfig
-from normswap.errors import BadInputError, CheckFailedError, describe
+from normswap.errors import BadInputError, CheckFailedError
 from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
@@ -39,7 +38,7 @@ from normswap.load.checkpoint_write import copy_side_files, finish_from_source, 
 from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import NAMES, shard_writers
-from normswap.load.save import publish_directory, reserve_temp_dir
+from normswap.load.save import directory_output
 from normswap.passes.core.base import Change, PassReport, Skip, build_context
 
 if TYPE_CHECKING:
@@ -322,54 +321,47 @@ def convert_checkpoint_sequential(
     if budget is None:
         available = _available_memory() or 4 * _ACTIVATION_CAP
         budget = min(_ACTIVATION_CAP, int(_ACTIVATION_SHARE * available))
-    temp = reserve_temp_dir(output)
     store = ActivationStore(budget, destination=output)
     try:
-        with shard_writers(temp, layout, {shard: headers[shard][1] for shard in layout}) as writers:
-            jobs = [
-                (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
-                for shard, rows in layout.items()
-                for name, _, _ in rows
-                if name not in written_names
-            ]
+        with directory_output(output, overwrite=config.overwrite) as temp:
+            with shard_writers(temp, layout, {shard: headers[shard][1] for shard in layout}) as writers:
+                jobs = [
+                    (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
+                    for shard, rows in layout.items()
+                    for name, _, _ in rows
+                    if name not in written_names
+                ]
 
-            def write(prefix: str, module: nn.Module) -> None:
-                for name, tensor in module.state_dict().items():
-                    writers[where[f"{prefix}.{name}"]].write(f"{prefix}.{name}", tensor)
+                def write(prefix: str, module: nn.Module) -> None:
+                    for name, tensor in module.state_dict().items():
+                        writers[where[f"{prefix}.{name}"]].write(f"{prefix}.{name}", tensor)
 
-            def write_block(index: int, block: nn.Module) -> None:
-                for local in inside:
-                    write(f"{blocks}.{index}.{local}", block.get_submodule(local))
+                def write_block(index: int, block: nn.Module) -> None:
+                    for local in inside:
+                        write(f"{blocks}.{index}.{local}", block.get_submodule(local))
 
-            stop = threading.Event()
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="normswap-copy") as pool:
-                copying = pool.submit(_copy_all, jobs, stop)
-                try:
-                    calibration, outside_news = calibrate_blocks(
-                        shell, count, inside, outside, build, batches, ModelInputs(args, kwargs), store,
-                        write_block, say,
-                    )  # fmt: skip
-                    for path, module in outside_news.items():
-                        write(path, module)
-                    say("waiting for the byte copies of the untouched tensors")
-                    copying.result()
-                except BaseException:
-                    stop.set()
-                    raise
-        shards = sorted(layout)
-        stock_refused = finish_from_source(checkpoint, temp, shards, config_changes={}, recorded=recorded)
-        say("checking the written directory")
-        written = read_checkpoint_directory(temp)
-        _check_written(written)
-        shards = list(written.shards)
-        copied_files, not_copied = copy_side_files(checkpoint, temp)
-        publish_directory(temp, output, overwrite=config.overwrite)
-    except OSError as exc:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise BadInputError(f"cannot write {output}: {exc.strerror or describe(exc)}") from None
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+                stop = threading.Event()
+                with ThreadPoolExecutor(max_workers=1, thread_name_prefix="normswap-copy") as pool:
+                    copying = pool.submit(_copy_all, jobs, stop)
+                    try:
+                        calibration, outside_news = calibrate_blocks(
+                            shell, count, inside, outside, build, batches, ModelInputs(args, kwargs), store,
+                            write_block, say,
+                        )  # fmt: skip
+                        for path, module in outside_news.items():
+                            write(path, module)
+                        say("waiting for the byte copies of the untouched tensors")
+                        copying.result()
+                    except BaseException:
+                        stop.set()
+                        raise
+            shards = sorted(layout)
+            stock_refused = finish_from_source(checkpoint, temp, shards, config_changes={}, recorded=recorded)
+            say("checking the written directory")
+            written = read_checkpoint_directory(temp)
+            _check_written(written)
+            shards = list(written.shards)
+            copied_files, not_copied = copy_side_files(checkpoint, temp)
     finally:
         store.close()
     return SequentialConversion(

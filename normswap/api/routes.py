@@ -24,7 +24,7 @@ from typing import Any
 
 from normswap.api.config import ConvertConfig
 from normswap.api.convert import ConversionResult, Verdict, convert_model, judge
-from normswap.api.sources import load_for_inference, never_written, required_inputs
+from normswap.api.sources import check_run_paths, load_for_inference, never_written, required_inputs
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.passes.core.pipeline import PipelineReport
 
@@ -51,6 +51,14 @@ def convert_source(
     """:func:`normswap.convert` for a model file, factory or directory: choose the route, run it."""
     say = on_step or (lambda _what: None)
     config.validate()  # option mistakes are said before the model is read
+    if config.output is not None:  # the rule every command checks first, for a library call too
+        reads = {
+            "MODEL": source,
+            "--weights": weights,
+            "--inputs": inputs,
+            "--calibrate": config.calibration_data,
+        }
+        check_run_paths(reads, {"-o": config.output_path}, config.overwrite)
     custom = (
         example_args is not None or example_kwargs is not None or inputs is not None or bool(input_shapes)
     )

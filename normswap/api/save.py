@@ -301,13 +301,10 @@ def _write_directory(
 ) -> SavedOutput:
     from normswap.load.checkpoint_dir import load_checkpoint_directory, read_checkpoint_directory
     from normswap.load.checkpoint_write import write_checkpoint_directory
-    from normswap.load.paths import same_path
+    from normswap.load.paths import check_paths
     from normswap.verify.compare import compare_models
 
-    if refuse_path is not None and same_path(path, refuse_path):
-        raise BadInputError(
-            f"refusing to overwrite the input model {refuse_path}: choose another output path"
-        )
+    check_paths({"the input model": refuse_path}, {"-o": path})  # never it, nor a folder that holds it
     if args is None and kwargs is None:
         raise BadInputError(
             f"writing {path} loads it back and compares it with the model: give example inputs"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Hashable
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.errors import BadInputError
+from normswap.errors import BadInputError, os_error_in
 from normswap.load.save import remove_stale_temps, reserve_temp_dir
 
 # the spill folder of a run without an output path (a library call): named as if for this path
@@ -42,13 +41,11 @@ def spill_destination(destination: Path | None) -> Path:
 
 
 def _spill_error(folder: Path, exc: Exception) -> BadInputError:
-    # safetensors reports an I/O error as text ("I/O error: No space left on device (os error 28)")
-    found = re.search(r"(?:code: |os error )(\d+)", str(exc))
-    code = getattr(exc, "errno", None) or (int(found.group(1)) if found else None)
-    if code in (errno.ENOSPC, errno.EDQUOT):
+    failed = os_error_in(exc)
+    if failed is not None and failed.errno in (errno.ENOSPC, errno.EDQUOT):
         reason = "no space left on device"
-    elif code is not None:
-        reason = os.strerror(code)
+    elif failed is not None:
+        reason = failed.strerror or os.strerror(failed.errno or 0)
     else:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return BadInputError(

@@ -239,7 +239,8 @@ def write_shared_folder(
 ) -> None:
     """Every process writes into one hidden temp folder beside ``path``; process 0 adds ``run.json`` (when
     given) and renames it to ``path`` once all have written. On failure the temp folder is removed."""
-    from normswap.load.save import publish_directory, reserve_temp_dir
+    from normswap.errors import failed_write
+    from normswap.load.save import place, reserve_temp_dir
 
     reserved: tuple[str | None, str | None] = (None, None)
     if _main(parallel):
@@ -259,12 +260,15 @@ def write_shared_folder(
             if describe_run is not None:
                 (temp_path / RUN_FILE).write_text(json.dumps(describe_run, indent=2) + "\n")
             label = "checkpoint" if describe_run is not None else "-o"
-            publish_directory(temp_path, path, label=label, overwrite=overwrite)
+            place(temp_path, path, overwrite=overwrite, label=label)
         if parallel is not None:
             parallel.barrier()
-    except BaseException:
+    except BaseException as exc:
         if _main(parallel):
             shutil.rmtree(temp_path, ignore_errors=True)
+        said = failed_write(path, exc)  # a full disk, permissions: one line, as every output says it
+        if said is not None:
+            raise said from None
         raise
 
 

@@ -282,7 +282,7 @@ def write_checkpoint_directory(
     difference, or raises, and then nothing is kept. An existing ``path`` is refused unless
     ``overwrite``; with it the new directory replaces the old one atomically."""
     from normswap.load.paths import check_output
-    from normswap.load.save import publish_directory, reserve_temp_dir, write_error
+    from normswap.load.save import directory_output
 
     path = Path(path)
     check_output("-o", path, overwrite=overwrite, directory=True)
@@ -295,26 +295,19 @@ def write_checkpoint_directory(
     saved_tie = getattr(config, "tie_word_embeddings", None)
     if tie is not None and saved_tie is not None and bool(saved_tie) != tie:
         config_changes["tie_word_embeddings"] = tie
-    temp = reserve_temp_dir(path)
     try:
-        if config_changes:
-            config.tie_word_embeddings = tie
-        state = {**model.state_dict(), **plan.neutral}
-        with quiet_transformers():
-            model.save_pretrained(
-                temp, state_dict=state, max_shard_size=_shard_bytes(source), safe_serialization=True
-            )
-        stock_refused = finish_directory(temp, plan.recorded, lambda: stock_model)
-        reload_error = verify(temp) if verify is not None else None
-        copied, not_copied = copy_side_files(source, temp)
-        shards = sorted(p.name for p in temp.glob("*.safetensors"))
-        publish_directory(temp, path, overwrite=overwrite)
-    except OSError as exc:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise write_error(path, exc) from None
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
+        with directory_output(path, overwrite=overwrite) as temp:
+            if config_changes:
+                config.tie_word_embeddings = tie
+            state = {**model.state_dict(), **plan.neutral}
+            with quiet_transformers():
+                model.save_pretrained(
+                    temp, state_dict=state, max_shard_size=_shard_bytes(source), safe_serialization=True
+                )
+            stock_refused = finish_directory(temp, plan.recorded, lambda: stock_model)
+            reload_error = verify(temp) if verify is not None else None
+            copied, not_copied = copy_side_files(source, temp)
+            shards = sorted(p.name for p in temp.glob("*.safetensors"))
     finally:
         if config_changes:
             config.tie_word_embeddings = saved_tie

@@ -80,12 +80,19 @@ def _show(label: str, given: Path, other_label: str, other: Path) -> str:
     return f"{label} {given} is the same file as {other_label} {other}: choose another path"
 
 
-def check_paths(reads: Mapping[str, PathLike | None], writes: Mapping[str, PathLike | None]) -> None:
+def check_paths(
+    reads: Mapping[str, PathLike | None],
+    writes: Mapping[str, PathLike | None],
+    working: Collection[str] = (),
+) -> None:
     """Refuse (``BadInputError``) a write path that is a read path or another write path.
 
     ``reads`` and ``writes`` map an option's name (``MODEL``, ``--inputs``, ``-o``, ``--report``) to the
     path it was given, or None when it was not. A write may not be a file inside a folder that is read
-    either when that file exists (an image of a ``--data`` folder). Call it before loading anything.
+    either when that file exists (an image of a ``--data`` folder), nor a folder that holds a read path
+    or the working directory (an output folder replaces what was there; ``working`` names the labels of
+    folders a command writes into across runs, which it never replaces). Call it before loading
+    anything.
     """
     given_reads = [(label, Path(p)) for label, p in reads.items() if p is not None]
     seen: list[tuple[str, Path]] = []
@@ -100,6 +107,16 @@ def check_paths(reads: Mapping[str, PathLike | None], writes: Mapping[str, PathL
                 raise BadInputError(
                     f"{label} {path} is a file inside {read_label} {read}: choose another path"
                 )
+            if label not in working and _inside(read, path):  # replacing it would delete what it holds
+                raise BadInputError(
+                    f"{label} {path} holds {read_label} {read}: writing it would replace the input; "
+                    "choose another path"
+                )
+        if label not in working and _inside(Path.cwd(), path):
+            raise BadInputError(
+                f"{label} {path} is the working directory or holds it: writing it would replace the "
+                "folder the command runs in; choose another path"
+            )
         for other_label, other in seen:
             if same_path(path, other):
                 raise BadInputError(_show(label, path, other_label, other))
@@ -163,7 +180,7 @@ def check_outputs(
     names the labels in ``writes`` whose output is a folder; ``working`` holds folders a command reads
     and writes across runs (``--checkpoint-dir``), which must not meet an input or an output but are
     no output themselves."""
-    check_paths(reads, {**writes, **(working or {})})
+    check_paths(reads, {**writes, **(working or {})}, working=tuple(working or {}))
     for label, value in writes.items():
         if value is not None:
             check_output(label, value, overwrite=overwrite, directory=label in directories)

@@ -19,15 +19,16 @@ import secrets
 import shutil
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError, describe
-from normswap.load.paths import ONNX_DATA_SUFFIX, check_output, same_path
+from normswap.errors import BadInputError, describe, failed_write, write_error
+from normswap.load.paths import ONNX_DATA_SUFFIX, check_output, check_paths
 from normswap.load.pt2_file import captured_pt2_problem, pt2_refusal, write_pt2
 from normswap.util.dtypes import floating_dtype, onnx_check_problem
 
@@ -72,9 +73,9 @@ def _pid_is_gone(pid: int) -> bool:
     return False
 
 
-def _remove_stale_temps(path: Path, directory: bool = False) -> None:
-    """Remove temp files (or folders, for a model directory) that an earlier, killed run on this host
-    left for this same destination."""
+def remove_stale_temps(path: Path, directory: bool = False) -> None:
+    """Remove what killed earlier runs on this host left for ``path``: temp files, or folders when
+    ``directory`` (every temp and spill folder normswap makes is named by :func:`_temp_path`)."""
     if os.name != "posix":  # os.kill(pid, 0) probes a process only on POSIX
         return
     stem, host = _temp_stem(path), _host()
@@ -110,12 +111,6 @@ def _remove_stale_temps(path: Path, directory: bool = False) -> None:
                 candidate.unlink()
         except OSError:  # gone already, or a read-only directory: nothing to clean
             pass
-
-
-def remove_stale_temps(path: Path, directory: bool = False) -> None:
-    """Remove what killed earlier runs on this host left for ``path``: temp files, or folders when
-    ``directory`` (every temp and spill folder normswap makes is named by :func:`_temp_path`)."""
-    _remove_stale_temps(path, directory)
 
 
 def _reserve_temp_path(path: Path) -> Path:
@@ -200,20 +195,13 @@ def place(temp: Path, path: Path, *, overwrite: bool = False, label: str = "-o")
     _remove(aside)
 
 
-def publish_directory(temp: Path, path: Path, label: str = "-o", *, overwrite: bool = False) -> None:
-    """Give the complete directory built in ``temp`` (from :func:`reserve_temp_dir`) its name ``path``
-    (:func:`place`: replaced atomically with ``overwrite``, refused without it if it appeared meanwhile).
-    ``label`` names the path in that refusal."""
-    place(temp, path, overwrite=overwrite, label=label)
-
-
 def reserve_temp_dir(path: Path) -> Path:
     """A new hidden folder beside ``path`` (``.NAME.normswap-tmp-HOST-PID-TOKEN``) to build a model
     directory in before it is renamed to ``path``; folders a killed earlier run on this host left for the
     same destination are removed first."""
     if not path.parent.is_dir():
         raise BadInputError(f"output directory does not exist: {path.parent}")
-    _remove_stale_temps(path, directory=True)
+    remove_stale_temps(path, directory=True)
     temp = _temp_path(path, _host(), os.getpid(), secrets.token_hex(4))
     try:
         temp.mkdir()
@@ -224,13 +212,22 @@ def reserve_temp_dir(path: Path) -> Path:
     return temp
 
 
-def write_error(path: Path, exc: OSError) -> BadInputError:
-    """One line for a write that failed in the user's environment: a full disk, a quota, permissions."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return BadInputError(
-            f"no space left on device writing {path}: free some space or choose another folder"
-        )
-    return BadInputError(f"cannot write {path}: {exc.strerror or describe(exc)}")
+@contextmanager
+def directory_output(path: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """A model directory written whole or not at all: yields a new folder beside ``path``
+    (:func:`reserve_temp_dir`) to build it in, which becomes ``path`` when the block ends (:func:`place`:
+    replaced atomically with ``overwrite``, refused if it appeared meanwhile without). On any error the
+    folder is removed, and an OSError (a full disk, permissions) is the one line of :func:`write_error`."""
+    temp = reserve_temp_dir(path)
+    try:
+        yield temp
+        place(temp, path, overwrite=overwrite)
+    except BaseException as exc:
+        shutil.rmtree(temp, ignore_errors=True)
+        said = failed_write(path, exc)
+        if said is not None:
+            raise said from None
+        raise
 
 
 def atomic_write(path: Path, write: Callable[[Path], object], *, overwrite: bool = True) -> None:
@@ -246,7 +243,7 @@ def atomic_write(path: Path, write: Callable[[Path], object], *, overwrite: bool
         raise BadInputError(f"output directory does not exist: {parent}")
     if path.is_dir():
         raise BadInputError(f"output path is a directory: {path}")
-    _remove_stale_temps(path)
+    remove_stale_temps(path)
     try:
         temp = _reserve_temp_path(path)
     except PermissionError:
@@ -275,7 +272,7 @@ def atomic_write_onnx(path: Path, write: Callable[[Path], None], *, overwrite: b
     the new .onnx has none. On any error the temp folder is removed."""
     path = Path(path)
     data = path.with_name(path.name + ONNX_DATA_SUFFIX)
-    _remove_stale_temps(path)
+    remove_stale_temps(path)
     folder = reserve_temp_dir(path)
     temp = folder / path.name
     temp_data = folder / data.name
@@ -460,10 +457,7 @@ def save_model(
         raise BadInputError(
             f"{path}: an ONNX file is written by normswap.save, which checks it in onnxruntime first"
         )
-    if refuse_path is not None and same_path(path, refuse_path):
-        raise BadInputError(
-            f"refusing to overwrite the input model {refuse_path}: choose another output path"
-        )
+    check_paths({"the input model": refuse_path}, {"-o": path})  # never it, nor a folder that holds it
     check_output("-o", path, overwrite=overwrite)
 
     def write(temp: Path) -> None:

@@ -367,3 +367,20 @@ def test_torchrun_resume_of_a_hostile_checkpoint_runs_nothing_on_any_process(tmp
     refusal = f"error: --resume: {folder / '.metadata'} is refused: it declares"
     assert done.stdout.count(refusal) == 2, done.stdout  # each process, one line
     assert not marker.exists() and (folder / "run.json").is_file() and not (tmp_path / "b.pt2").exists()
+
+
+def test_a_checkpoint_written_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+    """Distillation's folders (checkpoints, a .dcp output) fail a write as every output does."""
+    from normswap.calibrate.distill_checkpoint import write_shared_folder
+
+    def write(folder: Path) -> None:
+        (folder / "part").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    path = tmp_path / "step-00000002"
+    with pytest.raises(BadInputError) as info:
+        write_shared_folder(path, None, write, {"step": 2})
+    assert (
+        str(info.value) == f"no space left on device writing {path}: free some space or choose another folder"
+    )
+    assert list(tmp_path.iterdir()) == []

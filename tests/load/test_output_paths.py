@@ -367,3 +367,77 @@ def test_a_model_name_with_a_version_in_it_is_a_directory(tmp_path: Path):
     assert (out / "config.json").is_file()
     typo = runner.invoke(app, ["convert", str(source), "--fold-norm-affine", "-o", str(tmp_path / "m.onxx")])
     assert typo.exit_code == 2 and "unknown output format" in " ".join(typo.output.split())
+
+
+# --- an output folder that holds an input: replacing it would delete the input ------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert", "{model}", "--trust-pickle", "--fold-bn", "-o", "{holder}", "--overwrite"],
+        ["export", "{model}", "--trust-pickle", "-o", "{holder}", "--overwrite"],
+        ["recalibrate", "{model}", "--trust-pickle", "--data", "{data}", "-o", "{holder}", "--overwrite"],
+        ["distill", "{model}", "{model}", "--trust-pickle", "--data", "{data}", "--steps", "1", "-o", "{holder}",
+         "--overwrite"],
+        ["validate", "{model}", "{model}", "--trust-pickle", "--report", "{holder}", "--overwrite"],
+        ["inspect", "{model}", "--trust-pickle", "--json", "{holder}", "--overwrite"],
+    ],
+    ids=["convert", "export", "recalibrate", "distill", "validate", "inspect"],
+)  # fmt: skip
+def test_no_command_writes_a_folder_that_holds_its_input(files, tmp_path, argv):
+    holder = tmp_path / "project"
+    holder.mkdir()
+    model = holder / "model.pt"
+    shutil.copy(files["model"], model)
+    argv = [a.format(model=model, holder=holder, data=files["data"]) for a in argv]
+    label = argv[argv.index(str(holder)) - 1]
+    read = "ORIGINAL" if argv[0] in ("distill", "validate") else "MODEL"
+    _refused(argv, model, f"{label} {holder} holds {read} {model}: writing it would replace the input; "
+             "choose another path")  # fmt: skip
+
+
+def test_no_command_writes_the_folder_it_runs_in(files, tmp_path, monkeypatch):
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the model is not in it
+    result = runner.invoke(app, ["convert", str(files["model"]), "--trust-pickle", "--fold-bn", "-o", ".",
+                                 "--overwrite"])  # fmt: skip
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: -o . is the working directory or holds it: writing it would replace the folder the command "
+        "runs in; choose another path"
+    )
+    assert files["model"].exists()
+
+
+def test_a_checkpoint_folder_may_hold_the_inputs_it_is_never_replaced(tmp_path):
+    reads = {"MODEL": tmp_path / "model.pt"}
+    check_paths(reads, {"--checkpoint-dir": tmp_path}, working=("--checkpoint-dir",))
+    with pytest.raises(BadInputError, match=r"^-o .* holds MODEL .*model\.pt: writing it would replace"):
+        check_paths(reads, {"-o": tmp_path})
+
+
+@pytest.mark.parametrize("route", ["streamed", "in memory"])
+def test_a_library_call_never_writes_a_folder_that_holds_its_input(tmp_path, route):
+    """``normswap.convert`` with an output, and ``normswap.save`` after an in-memory conversion, keep the
+    rule the commands check first (a folder output replaced with overwrite=True used to take the input
+    model directory inside it with it)."""
+    import hf_dirs
+
+    import normswap
+
+    holder = tmp_path / "project"
+    holder.mkdir()
+    source = hf_dirs.make_directory(holder, "gpt2")
+    before = sorted(p.name for p in source.iterdir())
+    read = "MODEL" if route == "streamed" else "the input model"  # the API's check, then the writer's
+    reason = rf"^-o {holder} holds {read} {source}: writing it would replace the input; choose another path$"
+    with pytest.raises(BadInputError, match=reason):
+        if route == "streamed":
+            normswap.convert(
+                source, normswap.ConvertConfig(fold_norm_affine=True, output=holder, overwrite=True)
+            )
+        else:
+            result = normswap.convert(source, normswap.ConvertConfig(fold_norm_affine=True))
+            normswap.save(result, holder, overwrite=True)
+    assert sorted(p.name for p in source.iterdir()) == before

@@ -216,9 +216,9 @@ def test_a_folder_is_replaced_whole(tmp_path, monkeypatch, exchange):
     with pytest.raises(
         BadInputError, match=r"appeared while it was written: pass --overwrite to replace it$"
     ):
-        save_module.publish_directory(temp, out)
+        save_module.place(temp, out)
     assert [p.name for p in out.iterdir()] == ["old.safetensors"]
-    save_module.publish_directory(temp, out, overwrite=True)
+    save_module.place(temp, out, overwrite=True)
     assert [p.name for p in out.iterdir()] == ["new.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
@@ -310,3 +310,52 @@ def test_a_program_torch_cannot_serialize_is_refused_before_the_work(tmp_path, m
     result = runner.invoke(app, ["convert", "round_item.py:build", "--to", "fused", "-o", str(out)])
     assert result.exit_code == 2, result.output
     assert "the model cannot be written to a .pt2" in result.stderr
+
+
+def test_a_directory_output_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(BadInputError) as info, save_module.directory_output(out) as temp:
+        (temp / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+    assert (
+        str(info.value) == f"no space left on device writing {out}: free some space or choose another folder"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+_DIRECTORY_FULL_DISK = textwrap.dedent(
+    """
+    import resource, signal, sys
+    from pathlib import Path
+    import hf_dirs
+    from normswap.errors import BadInputError
+
+    source, out, route = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))  # the shards are ~180 KB each
+    try:
+        if route == "streamed":
+            hf_dirs.stream(source, out, to="rmsnorm", exact=True)
+        else:
+            hf_dirs.convert_in_memory(source, {"to": "rmsnorm", "exact": True}, out)
+    except BadInputError as exc:
+        print(exc)
+    """
+)
+
+
+@pytest.mark.parametrize("route", ["streamed", "in memory"])
+def test_each_directory_route_on_a_full_disk_says_one_line_and_leaves_nothing(tmp_path, route):
+    """The stream and the in-memory directory writer share one rule for a failed write (they used to word
+    it each their own way)."""
+    import hf_dirs
+
+    source = hf_dirs.make_directory(tmp_path, "gpt2")
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-c", _DIRECTORY_FULL_DISK, str(source), str(out), route],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == f"cannot write {out}: File too large"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name]

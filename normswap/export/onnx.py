@@ -22,12 +22,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, CheckFailedError, shorten
-from normswap.export.onnx_names import name_axes, output_names
+from normswap.export.onnx_names import name_axes, output_names, varied_dims
 from normswap.export.onnx_opset import EXPORTER_OPSET, convert_down
 from normswap.export.onnx_ort import fuse_for_onnxruntime
 from normswap.graph.capture import capture_friendly, export_program
 from normswap.load.onnx_file import data_file, save_program
-from normswap.load.paths import check_output, same_path
+from normswap.load.paths import check_output, check_paths
 from normswap.load.save import atomic_write_onnx
 from normswap.util.modes import modes_restored
 from normswap.util.shapes import format_shapes, input_shapes
@@ -235,10 +235,7 @@ def export_onnx(
     path = Path(path)
     if path.suffix.lower() != ".onnx":
         raise BadInputError(f"-o {path}: an ONNX export is written to a .onnx file")
-    if refuse_path is not None and same_path(path, refuse_path):
-        raise BadInputError(
-            f"refusing to overwrite the input model {refuse_path}: choose another output path"
-        )
+    check_paths({"the input model": refuse_path}, {"-o": path})  # never it, nor a folder that holds it
     check_output("-o", path, overwrite=overwrite)
     check_target(target)
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
@@ -276,7 +273,11 @@ def export_onnx(
                 result.note = f"converted down from opset {EXPORTER_OPSET}; {repaired} Split nodes given their sizes as inputs"
         if target == "onnxruntime":  # after any conversion: onnx's converter knows no contrib op
             result.onnxruntime_fusion = asdict(fuse_for_onnxruntime(temp, external_data_bytes))
-        result.dynamic_axes = name_axes(temp, _tensor_leaves((args, kwargs)))
+        # a dim the file leaves free is declared so only where a verified shape varies it
+        varied = varied_dims(
+            _tensor_leaves((args, kwargs)), [_tensor_leaves((v.args, v.kwargs)) for v in variants]
+        )
+        result.dynamic_axes = name_axes(temp, _tensor_leaves((args, kwargs)), varied)
         result.opset, result.op_counts = _read_back(temp)
         if opset is not None and result.opset != opset:
             # torch.onnx falls back to the opset it built when converting down fails, with only a warning

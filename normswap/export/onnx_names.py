@@ -79,13 +79,34 @@ def _dims(value_info: Any) -> list[str | int]:
     return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
 
 
-def name_axes(path: Path, input_leaves: list[torch.Tensor]) -> dict[str, dict[int, str]]:
+def varied_dims(example: list[torch.Tensor], variants: list[list[torch.Tensor]]) -> set[tuple[int, int]]:
+    """(input, dim) of each dim whose size one of ``variants`` (the input tensors of each shape a
+    conversion was verified on) changes from the ``example``'s."""
+    varied = set()
+    for leaves in variants:
+        for i, (leaf, base) in enumerate(zip(leaves, example, strict=False)):
+            if leaf.ndim == base.ndim:
+                varied |= {(i, d) for d in range(leaf.ndim) if leaf.shape[d] != base.shape[d]}
+    return varied
+
+
+def name_axes(
+    path: Path, input_leaves: list[torch.Tensor], varied: set[tuple[int, int]] | None = None
+) -> dict[str, dict[int, str]]:
     """Rename the free dims of the ONNX file at ``path`` (:func:`axis_names`), in place; the file keeps
-    its external data file untouched. Returns {input name: {dim: axis name}}: the axes a runtime may
-    size freely."""
+    its external data file untouched. With ``varied`` (:func:`varied_dims`), an input dim the file leaves
+    free but no verified shape varies is declared at the example's size: the exporter's free symbol says
+    nothing of the graph (a program exported from one fixed at its example's shapes keeps its reshapes'
+    sizes, and onnxruntime then fails inside the graph), and a file declares free only what was checked.
+    Returns {input name: {dim: axis name}}: the axes a runtime may size freely."""
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
+    if varied is not None:
+        for i, (leaf, info) in enumerate(zip(input_leaves, proto.graph.input, strict=False)):
+            for d, dim in enumerate(info.type.tensor_type.shape.dim):
+                if dim.dim_param and (i, d) not in varied and d < leaf.ndim:
+                    dim.dim_value = int(leaf.shape[d])  # clears dim_param (one of a oneof)
     names = axis_names(input_leaves, [_dims(i) for i in proto.graph.input])
     if names:
         symbol = re.compile(
@@ -96,6 +117,7 @@ def name_axes(path: Path, input_leaves: list[torch.Tensor]) -> dict[str, dict[in
             for dim in info.type.tensor_type.shape.dim:
                 if dim.dim_param:
                     dim.dim_param = symbol.sub(lambda m: names[m.group(1)], dim.dim_param)
+    if names or varied is not None:
         onnx.save(proto, str(path))
     return {
         i.name: {d: str(s) for d, s in enumerate(_dims(i)) if isinstance(s, str) and s}
@@ -104,4 +126,4 @@ def name_axes(path: Path, input_leaves: list[torch.Tensor]) -> dict[str, dict[in
     }
 
 
-__all__ = ["axis_names", "name_axes", "output_names"]
+__all__ = ["axis_names", "name_axes", "output_names", "varied_dims"]

@@ -24,7 +24,7 @@ _BN_BY_RANK = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.Ba
 
 
 # ops whose input is not their first argument (aten.embedding(weight, indices, ...))
-_INPUT_POSITION = {"embedding": 1}
+_INPUT_POSITION = {"embedding": 1, "addmm": 1}
 
 
 def _input_of(node: fx.Node) -> object:
@@ -132,6 +132,49 @@ def _embedding(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module |
     )
     _set_tensors(m, holder, {"weight": w})
     return m
+
+
+_HF_CONV1D = "transformers.pytorch_utils.Conv1D"
+
+
+def _hf_conv1d(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+    """``addmm(b, x.view(-1, nx), w)`` that a Hugging Face ``Conv1D`` ran (GPT-2's projections, weight
+    ``(nx, nf)``) -> that class again, holding the same tensors: it runs exactly these ops, and passes know
+    it as a layer (a fold into its weight) where a bare ``addmm`` is only an op."""
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack or list(stack.values())[-1][1] != _HF_CONV1D or n.kwargs:  # beta/alpha: not Conv1D's
+        return None
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    w, b = _get(gm, arg(n, 2, "mat2")), _get(gm, arg(n, 0, "self"))
+    if w is None or b is None or w.ndim != 2 or tuple(b.shape) != (w.shape[1],):
+        return None
+    with torch.device("meta"):
+        m = Conv1D(w.shape[1], w.shape[0])
+    _set_tensors(m, holder, {"weight": w, "bias": b})
+    return m
+
+
+def _conv1d_io(node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(x, the output view) when ``addmm`` reads ``x.view(-1, nx)`` alone and its one reader views it as
+    ``x.shape[:-1] + (nf,)``: what ``Conv1D.forward`` computes from ``x``."""
+    flat, readers = node.args[1], list(node.users)
+    if not isinstance(flat, fx.Node) or op_name(flat) != "view" or len(flat.users) != 1 or len(readers) != 1:
+        return None
+    x, out = flat.args[0], readers[0]
+    if not isinstance(x, fx.Node) or op_name(out) != "view":
+        return None
+    vals = [v.meta.get("val") for v in (x, flat, node, out)]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+    x_val, flat_val, mm_val, out_val = vals
+    if flat_val.ndim != 2 or flat_val.shape[1] != x_val.shape[-1]:
+        return None
+    if tuple(out_val.shape) != (*x_val.shape[:-1], mm_val.shape[-1]):
+        return None
+    return x, out
 
 
 def _batch_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
@@ -279,6 +322,7 @@ _BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | 
     "conv3d": _conv,
     "linear": _linear,
     "embedding": _embedding,
+    "addmm": _hf_conv1d,
     "batch_norm": _batch_norm,
     "layer_norm": _layer_norm,
     "group_norm": _group_norm,
@@ -365,23 +409,29 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
         if module is None or any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
             continue
         source, channel = _input_of(node), _channel_wrap(node, replaced)
+        wrapped = None  # a view or move of the input that the module makes itself, erased with the op
         if channel is not None:
             # x.movedim(d, -1) -> fused op -> movedim back: one channel-norm module, as the model had
             source, replaced, module = channel[0], channel[1], _channel_module(module, channel[2])
+            wrapped = node.args[0]
+        elif op_name(node) == "addmm":
+            io = _conv1d_io(node)
+            if io is None:
+                continue
+            wrapped, (source, replaced) = node.args[1], io
         gm.set_submodule(prefix, module)
         attrs = _tensor_args(node)
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(prefix, (source,))
         call.meta = dict(replaced.meta)
         replaced.replace_all_uses_with(call)
-        if channel is not None:
+        if wrapped is not None:
             gm.graph.erase_node(replaced)
         for item in list(node.users):  # the (now unread) getitems of a tuple-returning op
             gm.graph.erase_node(item)
-        moved = node.args[0]
         gm.graph.erase_node(node)
-        if channel is not None and isinstance(moved, fx.Node) and not moved.users:
-            gm.graph.erase_node(moved)
+        if isinstance(wrapped, fx.Node) and not wrapped.users:
+            gm.graph.erase_node(wrapped)
         for a in attrs:
             if not a.users:
                 gm.graph.erase_node(a)

@@ -51,10 +51,25 @@ def example_inputs(
     decoder = _decoder_ids(model, config, text, batch, max(2, length // 2))
     if decoder is not None:
         made["decoder_input_ids"] = decoder
-    return (), {
+    kwargs: dict[str, Any] = {
         key: value.to(device, dtype) if value.is_floating_point() else value.to(device)
         for key, value in made.items()
     }
+    if _caches_by_default(model, config):
+        # A decoder's config turns its key/value cache on: its forward then returns a DynamicCache, which
+        # no graph capture can carry, and the graph rewrites (--to crmsnorm, --defer-rms, --fuse-add) would
+        # have nothing to rewrite. A one-pass example needs no cache, and every file normswap writes is
+        # exported without it anyway; inputs a user gives keep what they say.
+        kwargs["use_cache"] = False
+    return (), kwargs
+
+
+def _caches_by_default(model: nn.Module, config: dict[str, Any]) -> bool:
+    try:
+        takes = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return takes and bool(config.get("use_cache", False))
 
 
 def _sub_config(config: dict[str, Any], key: str) -> dict[str, Any]:

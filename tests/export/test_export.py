@@ -192,3 +192,48 @@ def test_a_program_whose_image_sizes_stay_fixed_takes_the_example_with_a_unit_he
     torch.testing.assert_close(program.module()(x), model(x))
     torch.testing.assert_close(program.module()(torch.randn(3, 3, 1, 8)).shape, torch.Size([3, 4, 1, 6]))
     assert any("free image sizes took over" in n for n in notes), notes
+
+
+def test_a_file_declares_free_only_the_dims_a_verified_shape_varied(tmp_path):
+    """A user's GPT-2 .pt2 exported at fixed shapes (plain torch.export) runs on its example only, and an
+    HF ViT takes other batches but not other image sizes: the ONNX file used to declare batch and sequence
+    (and the ViT's height for both image dims) free, and onnxruntime failed inside the graph on any other
+    shape. Each free dim of the file is now one a verified shape varies; the others are declared at the
+    example's size, so a runtime refuses another size at the input, by name."""
+    import numpy as np
+    import onnxruntime
+    import transformers
+
+    from normswap.api import export_onnx as export_file
+
+    model, args, kwargs = model_zoo.gpt2(layers=1)
+    ids = args[0][:2]  # batch 2: no size-1 dim for export to grow
+    pt2 = tmp_path / "gpt2.pt2"
+    torch.export.save(torch.export.export(model, (ids,), kwargs, strict=False), pt2)
+    saved = export_file(str(pt2), tmp_path / "gpt2.onnx")
+    assert saved.onnx.dynamic_axes == {}
+    session = onnxruntime.InferenceSession(str(tmp_path / "gpt2.onnx"))
+    assert [d.dim_value for d in _declared(tmp_path / "gpt2.onnx")[0]] == list(ids.shape)
+    with pytest.raises(Exception, match=r"(?i)invalid dimensions|got: 7 expected: \d+"):
+        session.run(None, {session.get_inputs()[0].name: np.zeros((ids.shape[0], 7), dtype=np.int64)})
+
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.ViTModel(config).eval().save_pretrained(tmp_path / "vit")
+    saved = export_file(str(tmp_path / "vit"), tmp_path / "vit.onnx")
+    assert saved.onnx.dynamic_axes == {"pixel_values": {0: "batch"}}
+    dims = _declared(tmp_path / "vit.onnx")[0]
+    assert dims[0].dim_param == "batch" and [d.dim_value for d in dims[1:]] == [3, 32, 32]
+    session = onnxruntime.InferenceSession(str(tmp_path / "vit.onnx"))
+    session.run(None, {"pixel_values": np.zeros((3, 3, 32, 32), dtype=np.float32)})  # a free batch runs
+
+
+def _declared(path: Path) -> list:
+    import onnx
+
+    return [
+        list(i.type.tensor_type.shape.dim) for i in onnx.load(str(path), load_external_data=False).graph.input
+    ]

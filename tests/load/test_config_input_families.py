@@ -123,3 +123,42 @@ def test_a_config_that_says_too_little_takes_the_users_inputs_by_keyword(tmp_pat
     )
     assert code == 0, text
     assert report["verdict"] == "ok" and sum(len(p["changes"]) for p in report["passes"]) > 0
+
+
+@pytest.mark.parametrize(
+    ("family", "options", "rewrite", "changed"),
+    [("gpt2", {"to": "crmsnorm"}, "compress_stream", 5), ("llama", {"defer_rms": True}, "defer_rms", 4),
+     ("llama", {"to": "fused", "fuse_add": True}, "fuse_add_norm", 4)],
+    ids=["gpt2-crmsnorm", "llama-defer-rms", "llama-fuse-add"],
+)  # fmt: skip
+def test_a_stock_decoder_directory_reaches_the_graph_rewrites(
+    tmp_path: Path, family, options, rewrite, changed
+):
+    """transformers' configs turn the key/value cache on (use_cache=True): a directory saved with the
+    defaults returned a DynamicCache on its example, which no capture carries, and the graph rewrites
+    changed nothing (exit 0, "0 changed") while its .pt2 was rewritten. The example a directory gets from
+    its config runs without the cache, as every file normswap writes is exported."""
+    import normswap
+
+    small = {"vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0}
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, **small)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=32, **small,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    assert config.use_cache  # the library's default, kept as a user's saved model has it
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.uniform_(0.5, 1.5)
+    model.eval().save_pretrained(tmp_path / family)
+    result = normswap.convert(tmp_path / family, normswap.ConvertConfig(exact=True, **options))
+    assert result.ok and result.example_kwargs.get("use_cache") is False
+    report = next(r for r in result.report.passes if r.pass_name == rewrite)
+    assert len(report.changes) == changed, [s.reason for s in report.skips]
+    assert result.report.overall is not None and result.report.overall.worst_rel <= 1e-5

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import model_zoo
+import pytest
 import torch
 
 from normswap.passes import FuseNorm
@@ -248,3 +249,42 @@ def test_a_users_tied_gpt2_pt2_keeps_its_tie_and_recentres_exactly(tmp_path):
     assert reread.get_submodule("transformer.wte").weight is reread.get_submodule("lm_head").weight
     with torch.no_grad():
         torch.testing.assert_close(reread(ids).logits, got, rtol=0, atol=1e-6 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_users_gpt2_pt2_folds_as_many_norms_as_the_model_it_was_exported_from(tmp_path, tied):
+    """GPT-2's projections are Hugging Face ``Conv1D``s, which a program computes as ``view -> addmm ->
+    view`` on a module that nothing calls: the exact affine fold saw "c_attn, which is not a Linear" and
+    folded 0 of 5 norms (1 untied) where the model itself folds 4 (5). Loaded, each is a ``Conv1D``
+    again over the same tensors, bit for bit, and the fold reaches as many norms as in the model."""
+    import transformers
+
+    import normswap
+    from normswap.load import load_model
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0,
+        use_cache=False, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = model_zoo.randomize_norms(transformers.GPT2LMHeadModel(config)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    path = tmp_path / "gpt2.pt2"
+    program = torch.export.export(model, (ids,), strict=False)
+    torch.export.save(program, path)
+
+    loaded = load_model(str(path)).model
+    projections = [n for n, m in loaded.named_modules() if type(m).__name__ == "Conv1D"]
+    assert len(projections) == 8  # c_attn, c_proj, c_fc, mlp.c_proj in each of the 2 blocks
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, program.module()(ids).logits)
+
+    config = normswap.ConvertConfig(fold_norm_affine=True, exact=True)
+    from_file = normswap.convert(path, config)
+    from_model = normswap.convert(model, config, (ids,))
+    assert from_file.ok and from_model.ok
+    changed = [len(r.changes) for r in (from_file.report.passes[0], from_model.report.passes[0])]
+    assert changed[0] == changed[1] == (4 if tied else 5)
+    with torch.no_grad():
+        want = model(ids).logits
+        got = from_file.model(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))

@@ -173,13 +173,15 @@ def test_a_misread_eps_is_refused_by_running_the_norm():
     model, args = entry.model(), entry.inputs()
     view = GraphView(capture_graph(model, args))
     (match,) = patterns.find_norm_patterns(view, model)
-    values = patterns._TensorValues(view, model)
-    assert patterns._confirm(view, values, match, match.nodes, centered=False, clamped=False)
+    values = patterns.TensorValues(view, model)
+    assert patterns.confirm_norm(view, values, match, match.nodes, centered=False, clamped=False)
     for eps in (2 * entry.eps, entry.eps / 2, 0.0):
         misread = dataclasses.replace(match, eps=eps)
-        assert patterns._confirm(view, values, misread, match.nodes, centered=False, clamped=False) is False
+        assert (
+            patterns.confirm_norm(view, values, misread, match.nodes, centered=False, clamped=False) is False
+        )
     # read as a LayerNorm it is refused too: the input's mean is not removed
-    assert patterns._confirm(view, values, match, match.nodes, centered=True, clamped=False) is False
+    assert patterns.confirm_norm(view, values, match, match.nodes, centered=True, clamped=False) is False
 
 
 # Casting modes are only visible in half precision: there the casts round.

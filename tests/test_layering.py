@@ -181,3 +181,20 @@ def test_the_checker_sees_lazy_and_string_imports() -> None:
     known = {"normswap.graph.capture", "normswap.graph.lift", "normswap.load.paths"}
     found = {name for _, name in _imported(ast.parse(code), "normswap.load.x", False, known)}
     assert {"normswap.graph.capture", "normswap.graph.lift", "normswap.load.paths"} <= found
+
+
+def test_no_private_name_is_imported_from_another_file() -> None:
+    """A name with a leading underscore is its file's own: another file that needs it gets a public name
+    (issue 25). A package's private modules (``normswap.kernels._tiling``) may be imported by their
+    package, as modules."""
+    known = _known_modules()
+    crossing = []
+    for path in _source_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("normswap"):
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and f"{node.module}.{alias.name}" not in known:
+                    crossing.append(f"{path.relative_to(ROOT)}: {node.module}.{alias.name}")
+    assert not crossing, "make these public or keep them in their file:\n" + "\n".join(crossing)

@@ -122,7 +122,7 @@ def _layout(
     return layout
 
 
-def _copy_all(jobs: list[tuple[ShardWriter, str, Path, TensorEntry]], stop: threading.Event) -> int:
+def copy_all(jobs: list[tuple[ShardWriter, str, Path, TensorEntry]], stop: threading.Event) -> int:
     """Byte copies of tensors that no edit computes (kernel copies: no trip through this process)."""
     for done, (writer, name, source, entry) in enumerate(jobs):
         if stop.is_set():
@@ -173,7 +173,7 @@ def _stream(
         stop = threading.Event()
         largest = 0
         with ThreadPoolExecutor(max_workers=3, thread_name_prefix="normswap-io") as pool:
-            copying = pool.submit(_copy_all, jobs, stop)
+            copying = pool.submit(copy_all, jobs, stop)
             writing: deque[tuple[Future[None], int]] = deque()
             in_flight = 0  # bytes of the groups read and not yet written
 
@@ -332,7 +332,7 @@ def write_checkpoint(
     )
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     try:
         with open("/proc/meminfo") as handle:
             for line in handle:
@@ -343,7 +343,7 @@ def _available_memory() -> int | None:
     return None
 
 
-def _gb(n: float) -> str:
+def format_gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
@@ -386,13 +386,13 @@ def in_memory_instead(source: str | Path, checkpoint: CheckpointDirectory, why: 
     """The note of a directory converted in memory because it cannot stream (``why``); BadInputError when
     the model would not fit in memory (weights about three times: the model, the converted copy,
     temporaries)."""
-    need, available = 3 * checkpoint.total_bytes, _available_memory()
+    need, available = 3 * checkpoint.total_bytes, available_memory()
     if available is not None and need > available:
         raise BadInputError(
-            f"{source}: {why}, and converting in memory needs about {_gb(need)} ({_gb(available)} available); "
+            f"{source}: {why}, and converting in memory needs about {format_gb(need)} ({format_gb(available)} available); "
             f"streamed rewrites: {streamed_options()}"
         )
-    return f"{why}: converting in memory ({_gb(checkpoint.total_bytes)} of weights)"
+    return f"{why}: converting in memory ({format_gb(checkpoint.total_bytes)} of weights)"
 
 
 def unverifiable(planned: PlannedStream) -> str | None:

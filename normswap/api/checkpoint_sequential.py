@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from normswap.api.checkpoint import _available_memory, _copy_all, _gb
+from normswap.api.checkpoint import available_memory, copy_all, format_gb
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.load.checkpoint_dir import (
@@ -117,11 +117,11 @@ def sequential_route(
     if problem is not None:
         return None
     checkpoint = read_checkpoint_directory(source)
-    need, available = 3 * checkpoint.total_bytes, _available_memory()
+    need, available = 3 * checkpoint.total_bytes, available_memory()
     if available is None or need <= available:
         return None
     return (
-        f"converting in memory needs about {_gb(need)} ({_gb(available)} available): calibrating block by "
+        f"converting in memory needs about {format_gb(need)} ({format_gb(available)} available): calibrating block by "
         "block (--sequential)"
     )
 
@@ -319,7 +319,7 @@ def convert_checkpoint_sequential(
     written_names = {f"{owner}.{n}" for owner, rows in new_tensors.items() for n, _, _ in rows}
     budget = activation_memory
     if budget is None:
-        available = _available_memory() or 4 * _ACTIVATION_CAP
+        available = available_memory() or 4 * _ACTIVATION_CAP
         budget = min(_ACTIVATION_CAP, int(_ACTIVATION_SHARE * available))
     store = ActivationStore(budget, destination=output)
     try:
@@ -342,7 +342,7 @@ def convert_checkpoint_sequential(
 
                 stop = threading.Event()
                 with ThreadPoolExecutor(max_workers=1, thread_name_prefix="normswap-copy") as pool:
-                    copying = pool.submit(_copy_all, jobs, stop)
+                    copying = pool.submit(copy_all, jobs, stop)
                     try:
                         calibration, outside_news = calibrate_blocks(
                             shell, count, inside, outside, build, batches, ModelInputs(args, kwargs), store,

@@ -18,6 +18,7 @@ in-memory one leaves that to :func:`normswap.save`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,12 +53,9 @@ def convert_source(
     say = on_step or (lambda _what: None)
     config.validate()  # option mistakes are said before the model is read
     if config.output is not None:  # the rule every command checks first, for a library call too
-        reads = {
-            "MODEL": source,
-            "--weights": weights,
-            "--inputs": inputs,
-            "--calibrate": config.calibration_data,
-        }
+        data = config.calibration_data  # a path, or batches given as objects (nothing read from a path)
+        data = data if isinstance(data, str | os.PathLike) else None
+        reads = {"MODEL": source, "--weights": weights, "--inputs": inputs, "--calibrate": data}
         check_run_paths(reads, {"-o": config.output_path}, config.overwrite)
     custom = (
         example_args is not None or example_kwargs is not None or inputs is not None or bool(input_shapes)
@@ -93,6 +91,8 @@ def convert_source(
     loaded = load_for_inference(str(source), weights, trust_pickle)
     if example_args is None and example_kwargs is None:
         example_args, example_kwargs = required_inputs(loaded, inputs, input_shapes)
+        if inputs is None and not input_shapes:
+            notes += loaded.notes  # the inputs normswap made
     result = convert_model(loaded.model, config, example_args, example_kwargs, on_step=say)
     result.notes[:0] = notes
     result.source_path = never_written(str(source))

@@ -283,8 +283,9 @@ def distill(
             activation_checkpointing=activation_checkpointing,
         )
         sources = {"original": original, "converted": converted, "data": data}
+        made = teacher.notes if inputs is None and not input_shapes else []  # the teacher's inputs ran
         run = TrainingRun(
-            report, sources, output, batches.description, batches.notes + report.notes, main=main
+            report, sources, output, batches.description, made + batches.notes + report.notes, main=main
         )
         if not report.ok:
             run.refusal = (
@@ -372,6 +373,7 @@ def _load_teacher(
     from normswap.api.shard_reading import unfilled_model
     from normswap.calibrate.parallel import TEACHER_SHARD_BYTES
     from normswap.load.config_inputs import example_inputs as config_inputs
+    from normswap.load.config_inputs import made_inputs_notes
 
     if weights is not None and shard_teacher is None:  # decided before the factory runs, not after
         shard_teacher = Path(weights).is_file() and Path(weights).stat().st_size > TEACHER_SHARD_BYTES
@@ -388,4 +390,7 @@ def _load_teacher(
     if loaded.checkpoint is None:
         return loaded, placement
     args, kwargs = config_inputs(loaded.model, loaded.checkpoint.config, device=parallel.device)
-    return dataclasses.replace(loaded, example_args=args, example_kwargs=kwargs), placement
+    made = dataclasses.replace(
+        loaded, example_args=args, example_kwargs=kwargs, notes=made_inputs_notes(kwargs)
+    )
+    return made, placement

@@ -83,7 +83,7 @@ def _run(model: nn.Module, batch: ModelInputs) -> Any:
 
 
 @contextlib.contextmanager
-def _recording(model: nn.Module, paths: list[str], what: str) -> Iterator[dict[str, list[torch.Tensor]]]:
+def recording(model: nn.Module, paths: list[str], what: str) -> Iterator[dict[str, list[torch.Tensor]]]:
     """Record the first input (``what="input"``) or the output of the modules at ``paths``, per call."""
     seen: dict[str, list[torch.Tensor]] = {p: [] for p in paths}
     handles = []
@@ -239,7 +239,7 @@ def _normalized(module: nn.Module, inputs: list[torch.Tensor], dim: int) -> torc
         return torch.cat([_per_feature(module(x), dim) for x in inputs], dim=1)
 
 
-def _fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> SiteFit | str:
+def fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> SiteFit | str:
     dim = _feature_dim(module)
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     if not isinstance(weight, torch.Tensor):
@@ -310,14 +310,14 @@ def fit_sites_in_order(
     with modes_restored(original, converted, inference=True):
         reference = [copy.deepcopy(_run(original, b)) for b in data]
         report.model_sqnr_before_db = _model_sqnr(reference, converted, data)
-        with _recording(original, sites, "output") as outputs:
+        with recording(original, sites, "output") as outputs:
             for batch in data:
                 _run(original, batch)
         saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # each fitted site's tensors before
         for site in _execution_order(converted, sites, data[0]):
             if on_site is not None:
                 on_site(site)
-            with _recording(converted, [site], "input") as inputs:
+            with recording(converted, [site], "input") as inputs:
                 for batch in data:
                     _run(converted, batch)
             module = converted.get_submodule(site)
@@ -395,4 +395,4 @@ def calibrate_swapped_norms(
     are model inputs (tensors, tuples or dicts). Both models are run in eval mode; their modes are
     restored. ``on_site`` is called with each site path as it is fitted (for a progress bar).
     """
-    return fit_sites_in_order(original, converted, sites, batches, _fit_site, on_site)
+    return fit_sites_in_order(original, converted, sites, batches, fit_site, on_site)

@@ -213,7 +213,7 @@ class _Stats:
                 bn.num_batches_tracked.copy_(self.count)
 
 
-class _Modes:
+class ModelModes:
     """Every module's training flag, saved to be put back exactly (``.train()`` would recurse)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -230,14 +230,14 @@ class _Modes:
             module.training = flag
 
 
-def _device_and_dtype(model: nn.Module) -> tuple[torch.device | None, torch.dtype | None]:
+def device_and_dtype(model: nn.Module) -> tuple[torch.device | None, torch.dtype | None]:
     tensors = list(model.parameters()) + list(model.buffers())
     device = tensors[0].device if tensors else None
     float_dtypes = {t.dtype for t in tensors if t.is_floating_point()}
     return device, (float_dtypes.pop() if len(float_dtypes) == 1 else None)
 
 
-def _to_model(inputs: ModelInputs, device: torch.device | None, dtype: torch.dtype | None) -> ModelInputs:
+def to_model(inputs: ModelInputs, device: torch.device | None, dtype: torch.dtype | None) -> ModelInputs:
     def move(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
@@ -248,7 +248,7 @@ def _to_model(inputs: ModelInputs, device: torch.device | None, dtype: torch.dty
     return ModelInputs(tuple(move(a) for a in inputs.args), {k: move(v) for k, v in inputs.kwargs.items()})
 
 
-def _run(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
+def run_batch(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
     try:
         return model(*inputs.args, **inputs.kwargs)
     except Exception as exc:
@@ -359,8 +359,8 @@ def recalibrate_batchnorm(
     report = RecalibrationReport(skips=list(skips))
     before = {path: _Stats.of(bn) for path, bn in layers}
     momenta = [(bn, bn.momentum) for _, bn in layers]
-    modes = _Modes(target)
-    device, dtype = _device_and_dtype(target)
+    modes = ModelModes(target)
+    device, dtype = device_and_dtype(target)
     total = _expected_batches(batches, max_batches, holdout is not None)
     held_out: ModelInputs | None = None
     report.holdout_source = "separate held-out batch" if holdout is not None else ""
@@ -382,7 +382,7 @@ def recalibrate_batchnorm(
                         else f"the batch after the first {report.batches} of the data"
                     )
                     break
-                _run(target, _to_model(inputs, device, dtype), f"calibration batch {report.batches}")
+                run_batch(target, to_model(inputs, device, dtype), f"calibration batch {report.batches}")
                 report.batches += 1
                 report.batch_sizes.append(inputs.num_samples)
                 if on_batch is not None:
@@ -435,7 +435,7 @@ def recalibrate_batchnorm(
         report.holdout_samples = held_out.num_samples
         try:
             report.holdout = _compare_on_holdout(
-                target, layers, before, after, _to_model(held_out, device, dtype)
+                target, layers, before, after, to_model(held_out, device, dtype)
             )
         except BaseException:
             for path, bn in layers:
@@ -452,15 +452,15 @@ def _compare_on_holdout(
     inputs: ModelInputs,
 ) -> ModelComparison:
     """Eval-mode outputs with the new statistics against those with the old, on the same batch."""
-    modes = _Modes(model)
+    modes = ModelModes(model)
     try:
         modes.all_eval()
         with torch.no_grad():
-            new = _run(model, copy.deepcopy(inputs), "held-out batch")
+            new = run_batch(model, copy.deepcopy(inputs), "held-out batch")
             for path, bn in layers:
                 before[path].load_into(bn)
             try:
-                old = _run(model, copy.deepcopy(inputs), "held-out batch")
+                old = run_batch(model, copy.deepcopy(inputs), "held-out batch")
             finally:
                 for path, bn in layers:
                     after.get(path, before[path]).load_into(bn)

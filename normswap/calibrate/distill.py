@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.calibrate.batchnorm import _device_and_dtype, _Modes, _run, _to_model
+from normswap.calibrate.batchnorm import ModelModes, device_and_dtype, run_batch, to_model
 from normswap.calibrate.data import ModelInputs, as_model_inputs
 from normswap.calibrate.distill_checkpoint import (
     CheckpointPlan,
@@ -89,9 +89,9 @@ StepCallback = Callable[[int, int, float], None]
 def _is_normswap_norm(module: nn.Module) -> bool:
     # DyT, FeatureAffine (a removed norm's affine), FeatureLayerNorm/InstanceNorm: what normswap puts in
     # for a norm, and which discovery does not classify as norms (DyT computes no statistics).
-    from normswap.modules.layout import _PerFeature
+    from normswap.modules.layout import PerFeature
 
-    return isinstance(module, _PerFeature)
+    return isinstance(module, PerFeature)
 
 
 def norm_modules(model: nn.Module, example: ModelInputs | None = None) -> list[tuple[str, nn.Module]]:
@@ -261,7 +261,7 @@ def distill(
             example = ModelInputs(tuple(example_args or ()), dict(example_kwargs or {}))
         else:
             example = train_batches[0]
-        norms = norm_modules(target, _to_model(example, *_device_and_dtype(target)))
+        norms = norm_modules(target, to_model(example, *device_and_dtype(target)))
         params = _floating_parameters(m for _, m in norms)
         report.trained_modules = [path for path, m in norms if _floating_parameters([m])]
         if not params:
@@ -293,7 +293,7 @@ def distill(
             parallel.local_rows(batch, f"training batch {index}")  # refuses batches too small to split
 
     grad_flags = {name: p.requires_grad for name, p in target.named_parameters()}
-    student_modes, teacher_modes = _Modes(target), _Modes(teacher)
+    student_modes, teacher_modes = ModelModes(target), ModelModes(teacher)
     start = time.perf_counter()
     settings = contextlib.ExitStack()
     try:
@@ -413,16 +413,16 @@ class _Loop:
     ) -> None:
         self.teacher, self.student, self.loss, self.temperature = teacher, student, loss, temperature
         self.parallel = parallel
-        self.t_device, self.t_dtype = _device_and_dtype(teacher)
-        self.s_device, self.s_dtype = _device_and_dtype(student)
+        self.t_device, self.t_dtype = device_and_dtype(teacher)
+        self.s_device, self.s_dtype = device_and_dtype(student)
         self.loss_outputs: list[str] = []
 
     def teacher_outputs(self, batch: ModelInputs, what: str) -> Any:
         with torch.no_grad():
-            return _run(self.teacher, _to_model(copy.deepcopy(batch), self.t_device, self.t_dtype), what)
+            return run_batch(self.teacher, to_model(copy.deepcopy(batch), self.t_device, self.t_dtype), what)
 
     def student_outputs(self, batch: ModelInputs, what: str) -> Any:
-        return _run(self.student, _to_model(batch, self.s_device, self.s_dtype), what)
+        return run_batch(self.student, to_model(batch, self.s_device, self.s_dtype), what)
 
     def targets_of(self, output: Any) -> list[tuple[str, torch.Tensor]]:
         found = loss_targets(output)

@@ -12,7 +12,7 @@ calibration batch is carried from block to block in three streams of hidden stat
 For block ``i``: the original block runs on ``o`` (its norms' outputs are the targets); its norms are
 swapped in place (each new norm built from the original's weights and its input on the example inputs);
 the uncalibrated block runs on ``u``; each swapped norm, in execution order, is fitted on its inputs
-when the block runs on ``c`` (:func:`normswap.calibrate.affine_fit._fit_site`: the closed-form
+when the block runs on ``c`` (:func:`normswap.calibrate.affine_fit.fit_site`: the closed-form
 per-feature affine, BatchNorm statistics, S-curve scalars); the fitted block runs on ``c``; the block
 is handed to ``on_block`` (which writes it) and its original norms are put back.
 
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from normswap.calibrate.activations import ActivationStore
-from normswap.calibrate.affine_fit import SiteFit, _fit_site, _recording, call_order
+from normswap.calibrate.affine_fit import SiteFit, call_order, fit_site, recording
 from normswap.calibrate.data import ModelInputs
 from normswap.verify.blockwise import (
     BlockShell,
@@ -131,10 +131,10 @@ class _Calibration:
     ) -> None:
         """Fit ``module`` (at ``path`` of the shell's model; ``name`` in the model) on its inputs while
         ``run(b)`` runs calibration batch ``b``."""
-        with _recording(self.shell.model, [path], "input") as seen:
+        with recording(self.shell.model, [path], "input") as seen:
             for b in range(self.n):
                 run(b)
-        fit = _fit_site(module, seen[path], targets)
+        fit = fit_site(module, seen[path], targets)
         if isinstance(fit, str):
             fit = SiteFit(name, type(module).__name__, math.nan, math.nan, note=fit)
         fit.site = name
@@ -147,8 +147,8 @@ class _Calibration:
         model = shell.model
         shell.take_block(0)
         with (
-            _recording(model, outside, "output") as targets,
-            _recording(model, outside, "input") as inputs,
+            recording(model, outside, "output") as targets,
+            recording(model, outside, "input") as inputs,
             call_order(model, outside) as order,
         ):
             for b, batch in enumerate(self.inputs):
@@ -176,9 +176,9 @@ class _Calibration:
         shell, store, n = self.shell, self.store, self.n
         block = shell.take_block(index)
         prefix = f"{shell.blocks}.0."  # the shell's block, seen from its model
-        with _recording(block, inside, "input") as inputs:  # the example inputs: each new norm's sample
+        with recording(block, inside, "input") as inputs:  # the example inputs: each new norm's sample
             store.put(("o", n), _run_block(block, self.runs[n], store.get(("o", n))))
-        with _recording(block, inside, "output") as targets, call_order(block, inside) as order:
+        with recording(block, inside, "output") as targets, call_order(block, inside) as order:
             for b in range(n):
                 store.put(("o", b), _run_block(block, self.runs[b], store.get(("o", b))))
         order += [p for p in inside if p not in order]
@@ -216,9 +216,9 @@ class _Calibration:
             batch = self.inputs[b]
             return head_output(shell, batch.args, batch.kwargs, store.get((stream, b)))
 
-        with _recording(model, post, "input") as inputs:
+        with recording(model, post, "input") as inputs:
             store.put(("logits", n), output(n, "o"))
-        with _recording(model, post, "output") as targets, call_order(model, post) as order:
+        with recording(model, post, "output") as targets, call_order(model, post) as order:
             for b in range(n):
                 store.put(("logits", b), output(b, "o"))
         order += [p for p in post if p not in order]

@@ -274,10 +274,9 @@ def export_onnx(
         if target == "onnxruntime":  # after any conversion: onnx's converter knows no contrib op
             result.onnxruntime_fusion = asdict(fuse_for_onnxruntime(temp, external_data_bytes))
         # a dim the file leaves free is declared so only where a verified shape varies it
-        varied = varied_dims(
-            _tensor_leaves((args, kwargs)), [_tensor_leaves((v.args, v.kwargs)) for v in variants]
-        )
-        result.dynamic_axes = name_axes(temp, _tensor_leaves((args, kwargs)), varied)
+        example = _tensor_leaves((args, kwargs))
+        varied = varied_dims(example, [_tensor_leaves((v.args, v.kwargs)) for v in variants])
+        result.dynamic_axes = name_axes(temp, example, varied)
         result.opset, result.op_counts = _read_back(temp)
         if opset is not None and result.opset != opset:
             # torch.onnx falls back to the opset it built when converting down fails, with only a warning
@@ -288,6 +287,10 @@ def export_onnx(
         result.shapes = _checked(model, temp, variants, result, example_output)
         if exact and not static_shapes:
             refuse_untaken(path, result.shapes, result.fallbacks)
+        taken = [v for v in variants if v.describe() in result.shapes.accepted]
+        ran = varied_dims(example, [_tensor_leaves((v.args, v.kwargs)) for v in taken])
+        if ran != varied:  # a dim only shapes the file rejected vary: declared at the example's size too
+            result.dynamic_axes = name_axes(temp, example, ran)
 
     # exporting must not change the model; the names, the export and the check see the same settings
     with modes_restored(model, inference=True), capture_friendly(model, args, kwargs):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from normswap.graph.analysis import GraphView
-from normswap.graph.norm_confirm import _evaluate, _TensorValues
+from normswap.graph.norm_confirm import TensorValues, evaluate_nodes
 from normswap.graph.ops import arg, op_name, real_users, tensor_meta
 
 _PRODUCTS = frozenset({"linear", "matmul", "mm", "addmm", "bmm", "cosine_similarity", "convolution", "conv1d", "conv2d", "conv3d"})  # fmt: skip
@@ -176,7 +176,7 @@ def _fit(cos: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return s, t, residual
 
 
-def _confirm(view: GraphView, values: _TensorValues, product: fx.Node, x: fx.Node, out: fx.Node, weight: fx.Node, bias: fx.Node | None) -> CosineMatch | None:  # fmt: skip
+def _confirm(view: GraphView, values: TensorValues, product: fx.Node, x: fx.Node, out: fx.Node, weight: fx.Node, bias: fx.Node | None) -> CosineMatch | None:  # fmt: skip
     cone = _cone(view, x, out)
     if not cone or not any(op_name(n) in _REDUCTIONS for n in cone):
         return None
@@ -193,7 +193,7 @@ def _confirm(view: GraphView, values: _TensorValues, product: fx.Node, x: fx.Nod
     tensors = {n: values(n) for n in cone for n in n.all_input_nodes if view.is_param(n)}
     if any(v is None for v in tensors.values()):
         return None
-    outs = [_evaluate(cone, x, d, tensors) for d in draws]
+    outs = [evaluate_nodes(cone, x, d, tensors) for d in draws]
     if any(o is None for o in outs):
         return None
     b = values(bias) if bias is not None else None
@@ -215,7 +215,7 @@ def _confirm(view: GraphView, values: _TensorValues, product: fx.Node, x: fx.Nod
 
 def find_cosine_layers(view: GraphView, root: nn.Module | None = None) -> list[CosineMatch]:
     """Every confirmed cosine layer in ``view``'s graph (see the module doc), in graph order."""
-    values = _TensorValues(view, root)
+    values = TensorValues(view, root)
     matches: list[CosineMatch] = []
     taken: set[fx.Node] = set()
     for product in view.nodes:
@@ -252,7 +252,7 @@ def find_cosine_layers(view: GraphView, root: nn.Module | None = None) -> list[C
     return matches
 
 
-def _best(view: GraphView, values: _TensorValues, product: fx.Node, operand: fx.Node, weight: fx.Node, bias: fx.Node | None) -> CosineMatch | None:  # fmt: skip
+def _best(view: GraphView, values: TensorValues, product: fx.Node, operand: fx.Node, weight: fx.Node, bias: fx.Node | None) -> CosineMatch | None:  # fmt: skip
     """The latest output after ``product`` that confirms, over the candidate inputs."""
     outputs = [product]
     while len(outputs) < 8:

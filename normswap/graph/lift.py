@@ -334,8 +334,8 @@ _BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` are one tensor's values in one memory (a tied weight the program holds twice)."""
-    if a.is_meta or b.is_meta or a.device != b.device:
-        return False  # a meta tensor has no memory to compare: its ties are not known here
+    if a.is_meta or b.is_meta or a.device != b.device or a.numel() == 0:
+        return False  # a meta tensor has no memory to compare (nor an empty one): ties not known here
     return (a.dtype, a.shape, a.stride(), a.storage_offset()) == (
         b.dtype,
         b.shape,
@@ -377,7 +377,7 @@ def _read_tied_weights_by_owner(gm: fx.GraphModule) -> bool:
             name = same[0][1]
             if isinstance(tensor, nn.Parameter) and name in holder._parameters:
                 holder._parameters[name] = tensor
-            elif name in holder._buffers:
+            elif not isinstance(tensor, nn.Parameter) and name in holder._buffers:
                 holder._buffers[name] = tensor
             else:
                 continue

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch import fx
 
 from normswap.graph.analysis import GraphView
-from normswap.graph.norm_match import _is_view_index, _number, _shape, _square_base
+from normswap.graph.norm_match import constant_number, is_view_index, node_shape, square_base
 from normswap.graph.ops import (
     CAST_OPS,
     arg,
@@ -30,7 +30,9 @@ Poly = dict  # Mono -> coefficient
 
 _MAX_TERMS = 32
 _MAX_DEPTH = 64
-_REL = 1e-9  # relative tolerance of a coefficient that must be 1, and of the numerical confirmation
+RELATIVE_TOLERANCE = (
+    1e-9  # relative tolerance of a coefficient that must be 1, and of the numerical confirmation
+)
 _IDENTITY_OPS = CAST_OPS | {"detach", "expand", "expand_as", "broadcast_to"}
 _SHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "getitem", "slice"})
 
@@ -39,7 +41,7 @@ def _const(value: float) -> Poly:
     return {Mono(): float(value)} if value else {}
 
 
-def _atom(atom: tuple, exponent: float = 1.0) -> Poly:
+def norm_atom(atom: tuple, exponent: float = 1.0) -> Poly:
     return {Mono({(atom, exponent)}): 1.0}
 
 
@@ -131,7 +133,7 @@ def _order_key(obj: object) -> str:
 
 def _clamped(p: Poly | None, floor: object) -> Poly | None:
     """``max(p, floor)`` for a positive multiple of statistics ``p``: ``k * max(q, floor / k)``."""
-    floor = _number(floor)
+    floor = constant_number(floor)
     if p is None or floor is None or floor <= 0 or len(p) != 1:
         return None
     ((mono, c),) = p.items()
@@ -141,18 +143,18 @@ def _clamped(p: Poly | None, floor: object) -> Poly | None:
 
 
 @dataclass
-class _Hypothesis:
+class NormHypothesis:
     """A value ``x`` whose statistics a reduction computes (over the reduction's dims)."""
 
     x: fx.Node
     starts: list[fx.Node]  # where to look for the norm from: the reduction, or its tuple's items
 
 
-def _hypotheses(view: GraphView, node: fx.Node) -> list[_Hypothesis]:
+def norm_hypotheses(view: GraphView, node: fx.Node) -> list[NormHypothesis]:
     """The inputs whose statistics ``node`` may compute, if it is a second-moment reduction."""
     name = op_name(node)
     if name in ("mean", "sum"):
-        base = _square_base(strip_casts(node.args[0])) if node.args else None
+        base = square_base(strip_casts(node.args[0])) if node.args else None
         if base is None:
             return []
         sources = [base]
@@ -163,7 +165,7 @@ def _hypotheses(view: GraphView, node: fx.Node) -> list[_Hypothesis]:
     starts = [node]
     if name in ("var_mean", "std_mean"):
         starts = [u for u in node.users if op_name(u) == "getitem"]
-    found: list[_Hypothesis] = []
+    found: list[NormHypothesis] = []
     for source in sources:
         source = strip_casts(source)
         if not isinstance(source, fx.Node):
@@ -176,11 +178,11 @@ def _hypotheses(view: GraphView, node: fx.Node) -> list[_Hypothesis]:
             # a stored tensor normalized (weight normalization) is a reparametrization, not a norm layer
             stored = view.is_param(x) or x.op in ("get_attr", "output")
             if not stored and x not in (h.x for h in found):
-                found.append(_Hypothesis(x, starts))
+                found.append(NormHypothesis(x, starts))
     return found
 
 
-def _dims_of(node: fx.Node, input_rank: int | None) -> tuple[int, ...] | bool | None:
+def dims_of(node: fx.Node, input_rank: int | None) -> tuple[int, ...] | bool | None:
     """The reduced dims as sorted negative dims; None for every dim; False when they are not constants."""
     name = op_name(node)
     if name in ("linalg_vector_norm", "norm"):
@@ -199,7 +201,7 @@ def _dims_of(node: fx.Node, input_rank: int | None) -> tuple[int, ...] | bool | 
     return tuple(sorted(d % input_rank - input_rank for d in dims))
 
 
-class _Reading:
+class NormReading:
     """The values computed from one input ``x``, read as polynomials over ``x`` and its statistics over
     ``dims``; None for a value that is not such a polynomial (another reduction, an activation)."""
 
@@ -212,7 +214,7 @@ class _Reading:
         self.independent_memo: dict[fx.Node, bool] = {}
 
     def __call__(self, value: object, depth: int = 0) -> Poly | None:
-        number = _number(value)
+        number = constant_number(value)
         if number is not None:
             return _const(number)
         if not isinstance(value, fx.Node):
@@ -234,7 +236,7 @@ class _Reading:
         return self.independent_memo[node]
 
     def _over(self, node: fx.Node) -> bool:
-        dims = _dims_of(node, self.rank)
+        dims = dims_of(node, self.rank)
         if dims is None:
             return self.rank is not None and self.dims == tuple(range(-self.rank, 0))
         return dims == self.dims
@@ -270,9 +272,9 @@ class _Reading:
 
     def _read(self, node: fx.Node, depth: int) -> Poly | None:
         if node is self.x:
-            return _atom(X)
+            return norm_atom(X)
         if self.stored(node):
-            return _atom(("tensor", node))
+            return norm_atom(("tensor", node))
         name = op_name(node)
         if self.order.get(node, -1) < self.order.get(self.x, 0) or name is None:
             return None
@@ -286,7 +288,7 @@ class _Reading:
             result = read(args[0]) if args else None
         elif name in ("add", "sub", "rsub") and len(args) >= 2:
             a, b = read(args[0]), read(args[1])
-            alpha = _number(node.kwargs.get("alpha", 1))
+            alpha = constant_number(node.kwargs.get("alpha", 1))
             if a is None or b is None or alpha is None:
                 return None
             result = _add(b, a, -alpha) if name == "rsub" else _add(a, b, alpha if name == "add" else -alpha)
@@ -302,7 +304,7 @@ class _Reading:
                 read(args[0]), {"sqrt": 0.5, "rsqrt": -0.5, "reciprocal": -1.0, "square": 2.0}[name]
             )
         elif name == "pow" and isinstance(args[0], fx.Node):
-            exponent = _number(arg(node, 1, "exponent"))
+            exponent = constant_number(arg(node, 1, "exponent"))
             result = None if exponent is None else _pow(read(args[0]), exponent)
         elif name in ("mean", "sum"):
             if not self._over(node):
@@ -350,16 +352,16 @@ class _Reading:
             p = read(args[0])
             if p is None:
                 return None
-            if name == "getitem" and not _is_view_index(args[1]):
+            if name == "getitem" and not is_view_index(args[1]):
                 return None
             # statistics are one value along dims however they are laid out; x only through a no-op view
-            if _has_x(p) and _shape(node) != _shape(args[0]):
+            if _has_x(p) and node_shape(node) != node_shape(args[0]):
                 return None
             result = p
         else:
             return None
         if result is not None and result and not _depends_on_x(result):
-            return _atom(("tensor", node))  # computed from stored tensors alone: a stored value here
+            return norm_atom(("tensor", node))  # computed from stored tensors alone: a stored value here
         return result
 
 
@@ -368,7 +370,7 @@ def _has_x(p: Poly) -> bool:
 
 
 @dataclass
-class _Form:
+class NormForm:
     """A polynomial that is a norm: which one, and the stored tensors it applies."""
 
     centered: bool
@@ -377,7 +379,7 @@ class _Form:
     bias: tuple | None
 
 
-def _norm_form(p: Poly | None) -> _Form | None:
+def norm_form(p: Poly | None) -> NormForm | None:
     """``(X - M) (V - M^2 + eps)^-1/2 W + B`` or ``X (V + eps)^-1/2 W + B`` (see the module docstring)."""
     if not p:
         return None
@@ -397,9 +399,11 @@ def _norm_form(p: Poly | None) -> _Form | None:
         return None
     exps, c = x_terms[0]
     centered = bool(m_terms)
-    if centered and (m_terms[0][0] != exps or not math.isclose(m_terms[0][1], -c, rel_tol=_REL)):
+    if centered and (
+        m_terms[0][0] != exps or not math.isclose(m_terms[0][1], -c, rel_tol=RELATIVE_TOLERANCE)
+    ):
         return None
-    if not math.isclose(c, 1.0, rel_tol=_REL):
+    if not math.isclose(c, 1.0, rel_tol=RELATIVE_TOLERANCE):
         return None
     tensors = [(a, e) for a, e in exps.items() if a[0] == "tensor"]
     statistics = [(a, e) for a, e in exps.items() if a[0] != "tensor"]
@@ -413,13 +417,13 @@ def _norm_form(p: Poly | None) -> _Form | None:
         bias_exps, bias_c = rest[0]
         if (
             len(bias_exps) != 1
-            or not math.isclose(bias_c, 1.0, rel_tol=_REL)
+            or not math.isclose(bias_c, 1.0, rel_tol=RELATIVE_TOLERANCE)
             or next(iter(bias_exps.items()))[0][0] != "tensor"
             or next(iter(bias_exps.values())) != 1.0
         ):
             return None
         bias = next(iter(bias_exps))
-    return _Form(centered, eps, tensors[0][0] if tensors else None, bias)
+    return NormForm(centered, eps, tensors[0][0] if tensors else None, bias)
 
 
 _CENTRAL = Mono({(Mono({(V, 1.0)}), 1.0), (Mono({(M, 2.0)}), -1.0)})  # V - M^2, as a root's inside

@@ -11,15 +11,15 @@ import torch
 from torch import fx, nn
 
 from normswap.graph.analysis import GraphView
-from normswap.graph.norm_algebra import _REL
-from normswap.graph.norm_match import NormMatch, _shape
+from normswap.graph.norm_algebra import RELATIVE_TOLERANCE
+from normswap.graph.norm_match import NormMatch, node_shape
 from normswap.graph.ops import (
     CAST_OPS,
     op_name,
 )
 
 
-class _TensorValues:
+class TensorValues:
     """The stored tensors behind a graph's parameter nodes (None where there is no value to read)."""
 
     def __init__(self, view: GraphView, root: nn.Module | None) -> None:
@@ -38,9 +38,9 @@ class _TensorValues:
         return value.detach().to("cpu", torch.float64)
 
 
-def _confirm(
+def confirm_norm(
     view: GraphView,
-    values: _TensorValues,
+    values: TensorValues,
     match: NormMatch,
     cone: list[fx.Node],
     centered: bool,
@@ -48,7 +48,7 @@ def _confirm(
 ) -> bool | None:
     """Whether the cone computes ``match`` on random inputs (see the module docstring); None when it
     cannot be run (no input shape, a tensor without a value)."""
-    shape = _shape(match.input)
+    shape = node_shape(match.input)
     if shape is None or not shape:
         return None
     tensors: dict[fx.Node, torch.Tensor] = {}
@@ -109,7 +109,7 @@ def _agrees(
         draws.append((tiny + (2 * math.sqrt(eps) * randn(*row) if centered else 0.0), {}))
     for x, override in draws:
         env = {**tensors, **override}
-        got = _evaluate(cone, match.input, x, env)
+        got = evaluate_nodes(cone, match.input, x, env)
         if got is None:
             return None
         want = _reference(
@@ -118,12 +118,14 @@ def _agrees(
         if want is None or got.shape != want.shape:
             return False
         error = float((got - want).abs().max())
-        if not error <= _REL * float(want.abs().max()):  # NaN fails too
+        if not error <= RELATIVE_TOLERANCE * float(want.abs().max()):  # NaN fails too
             return False
     return True
 
 
-def _evaluate(cone: list[fx.Node], x_node: fx.Node, x: torch.Tensor, tensors: dict) -> torch.Tensor | None:
+def evaluate_nodes(
+    cone: list[fx.Node], x_node: fx.Node, x: torch.Tensor, tensors: dict
+) -> torch.Tensor | None:
     """Run the cone in float64 on ``x``, every cast the identity."""
     env: dict[fx.Node, Any] = {**tensors, x_node: x}
 

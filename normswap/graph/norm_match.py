@@ -36,26 +36,30 @@ class NormMatch:
     casting: str = "none"
 
 
-def _number(value: object) -> float | None:
+def constant_number(value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     return None
 
 
-def _split_add_eps(node: fx.Node) -> tuple[fx.Node, float] | None:
+def split_add_eps(node: fx.Node) -> tuple[fx.Node, float] | None:
     if op_name(node) != "add" or len(node.args) < 2:
         return None
     a, b = node.args[0], node.args[1]
-    if isinstance(a, fx.Node) and _number(b) is not None:
-        return a, _number(b)  # type: ignore[return-value]
-    if isinstance(b, fx.Node) and _number(a) is not None:
-        return b, _number(a)  # type: ignore[return-value]
+    if isinstance(a, fx.Node) and constant_number(b) is not None:
+        return a, constant_number(b)  # type: ignore[return-value]
+    if isinstance(b, fx.Node) and constant_number(a) is not None:
+        return b, constant_number(a)  # type: ignore[return-value]
     return None
 
 
-def _square_base(node: fx.Node) -> fx.Node | None:
+def square_base(node: fx.Node) -> fx.Node | None:
     name = op_name(node)
-    if name == "pow" and _number(arg(node, 1, "exponent")) == 2.0 and isinstance(node.args[0], fx.Node):
+    if (
+        name == "pow"
+        and constant_number(arg(node, 1, "exponent")) == 2.0
+        and isinstance(node.args[0], fx.Node)
+    ):
         return node.args[0]
     if name == "square" and isinstance(node.args[0], fx.Node):
         return node.args[0]
@@ -69,13 +73,13 @@ def _square_base(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _canonical_dims(dims: tuple[int, ...], input_rank: int | None) -> tuple[int, ...]:
+def canonical_dims(dims: tuple[int, ...], input_rank: int | None) -> tuple[int, ...]:
     if input_rank is None:
         return dims
     return tuple(d - input_rank if d >= 0 else d for d in dims)
 
 
-def _kind_from_dims(dims: tuple[int, ...], input_rank: int | None) -> str:
+def kind_from_dims(dims: tuple[int, ...], input_rank: int | None) -> str:
     if input_rank is None:
         return "layer"
     positive = sorted(d % input_rank for d in dims)
@@ -92,7 +96,7 @@ def _kind_from_dims(dims: tuple[int, ...], input_rank: int | None) -> str:
 _VIEW_OPS = frozenset({"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "getitem"})
 
 
-def _param_operand(
+def param_operand(
     view: GraphView, node: object, dims: tuple[int, ...] | None, input_rank: int | None
 ) -> tuple | None:
     """(parameter, reshapes on the way) when ``node`` is a stored tensor seen through casts and reshapes
@@ -102,7 +106,7 @@ def _param_operand(
     reshapes: list[fx.Node] = []
     current = strip_casts(node)
     while isinstance(current, fx.Node) and op_name(current) in _VIEW_OPS and current.args:
-        if op_name(current) == "getitem" and not _is_view_index(current.args[1]):
+        if op_name(current) == "getitem" and not is_view_index(current.args[1]):
             return None
         reshapes.append(current)
         current = strip_casts(current.args[0])
@@ -122,7 +126,7 @@ def _param_operand(
     return current, reshapes
 
 
-def _follow_affine(
+def follow_affine(
     view: GraphView,
     node: fx.Node,
     nodes: list[fx.Node],
@@ -151,13 +155,13 @@ def _follow_affine(
     if nxt is not None and op_name(nxt) == "mul" and len(nxt.args) == 2:
         other = nxt.args[1] if nxt.args[0] is current else nxt.args[0]
         other_base = strip_casts(other)
-        found = _param_operand(view, other_base, dims, input_rank)
+        found = param_operand(view, other_base, dims, input_rank)
         if found is not None:
             weight = found[0]
             nodes += found[1]
         elif isinstance(other_base, fx.Node) and op_name(other_base) == "add":
-            split = _split_add_eps(other_base)
-            found = _param_operand(view, split[0], dims, input_rank) if split is not None else None
+            split = split_add_eps(other_base)
+            found = param_operand(view, split[0], dims, input_rank) if split is not None else None
             if found is not None:
                 weight, offset = found[0], split[1]  # type: ignore[index]
                 nodes += [other_base, *found[1]]
@@ -172,7 +176,7 @@ def _follow_affine(
     nxt = single_user(current)
     if nxt is not None and op_name(nxt) == "add" and len(nxt.args) == 2:
         other = nxt.args[1] if nxt.args[0] is current else nxt.args[0]
-        found = _param_operand(view, other, dims, input_rank)
+        found = param_operand(view, other, dims, input_rank)
         if found is not None:
             bias = found[0]
             nodes += [*found[1], nxt]
@@ -180,12 +184,12 @@ def _follow_affine(
     return current, weight, bias, offset, cast_before_weight
 
 
-def _shape(node: object) -> tuple[int, ...] | None:
+def node_shape(node: object) -> tuple[int, ...] | None:
     meta = tensor_meta(node) if isinstance(node, fx.Node) else None
     return meta[0] if meta is not None else None
 
 
-def _is_view_index(index: object) -> bool:
+def is_view_index(index: object) -> bool:
     """An index that only adds unit dims (``[..., None]``, ``[:, None, None]``)."""
     items = index if isinstance(index, tuple) else (index,)
     return all(i is None or i is Ellipsis or i == slice(None) for i in items)

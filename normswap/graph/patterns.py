@@ -61,16 +61,24 @@ from dataclasses import dataclass
 from torch import fx, nn
 
 from normswap.graph.analysis import GraphView
-from normswap.graph.norm_algebra import _atom, _dims_of, _Form, _hypotheses, _Hypothesis, _norm_form, _Reading
-from normswap.graph.norm_confirm import _confirm, _TensorValues
+from normswap.graph.norm_algebra import (
+    NormForm,
+    NormHypothesis,
+    NormReading,
+    dims_of,
+    norm_atom,
+    norm_form,
+    norm_hypotheses,
+)
+from normswap.graph.norm_confirm import TensorValues, confirm_norm
 from normswap.graph.norm_match import (
     NormMatch,
-    _canonical_dims,
-    _follow_affine,
-    _kind_from_dims,
-    _number,
-    _param_operand,
-    _split_add_eps,
+    canonical_dims,
+    constant_number,
+    follow_affine,
+    kind_from_dims,
+    param_operand,
+    split_add_eps,
 )
 from normswap.graph.ops import CAST_OPS, op_name, rank, real_users, strip_casts
 
@@ -97,10 +105,10 @@ def find_norm_patterns(view: GraphView, root: nn.Module | None = None) -> list[N
     Without it, the tensors of ``get_attr`` nodes are read from the graph's owning module when it has them.
     """
     order = {n: i for i, n in enumerate(view.nodes)}
-    values = _TensorValues(view, root)
+    values = TensorValues(view, root)
     found: dict[fx.Node, NormMatch] = {}
     for node in view.nodes:
-        for hypothesis in _hypotheses(view, node):
+        for hypothesis in norm_hypotheses(view, node):
             for match in _matches_from(view, node, hypothesis, order, values):
                 best = found.get(match.output)
                 # the same output reached from inside (an RMS of the centered value): keep the whole norm
@@ -109,7 +117,7 @@ def find_norm_patterns(view: GraphView, root: nn.Module | None = None) -> list[N
     for root_node in view.nodes:
         if op_name(root_node) not in ("rsqrt", "sqrt") or not root_node.args:
             continue
-        split = _split_add_eps(root_node.args[0]) if isinstance(root_node.args[0], fx.Node) else None
+        split = split_add_eps(root_node.args[0]) if isinstance(root_node.args[0], fx.Node) else None
         if split is None or not view.is_param(strip_casts(split[0])):
             continue
         for norm_node, numerator in _normalizing_users(root_node):
@@ -127,14 +135,14 @@ def find_norm_patterns(view: GraphView, root: nn.Module | None = None) -> list[N
 class _Found:
     """A value that reads as a norm, with the stored tensors it applies."""
 
-    form: _Form
+    form: NormForm
     weight: tuple | None  # (parameter node, reshape nodes) of the weight
     bias: tuple | None
     offset: float
 
 
-def _as_norm(view: GraphView, reading: _Reading, node: fx.Node) -> _Found | None:
-    form = _norm_form(reading(node))
+def _as_norm(view: GraphView, reading: NormReading, node: fx.Node) -> _Found | None:
+    form = norm_form(reading(node))
     if form is None:
         return None
     affine_dims = reading.dims if reading.rank is not None else None
@@ -164,34 +172,34 @@ def _stored_affine(
         if node.kwargs.get("alpha", 1) != 1:
             return None
         a, b = node.args
-        if _number(a) is not None:
-            offset, node = _number(a), b  # type: ignore[assignment]
-        elif _number(b) is not None:
-            offset, node = _number(b), a  # type: ignore[assignment]
+        if constant_number(a) is not None:
+            offset, node = constant_number(a), b  # type: ignore[assignment]
+        elif constant_number(b) is not None:
+            offset, node = constant_number(b), a  # type: ignore[assignment]
         else:
             return None
-    found = _param_operand(view, node, dims, input_rank)
+    found = param_operand(view, node, dims, input_rank)
     return None if found is None else (found[0], found[1], float(offset or 0.0))
 
 
 def _matches_from(
     view: GraphView,
     reduction: fx.Node,
-    hypothesis: _Hypothesis,
+    hypothesis: NormHypothesis,
     order: dict[fx.Node, int],
-    values: _TensorValues,
+    values: TensorValues,
 ) -> list[NormMatch]:
     """The norms of ``hypothesis.x`` that read the statistics ``reduction`` computes."""
     x = hypothesis.x
     input_rank = rank(x)
-    dims = _dims_of(reduction, input_rank)
+    dims = dims_of(reduction, input_rank)
     if dims is False:
         return []
     if dims is None:
         if input_rank is None:
             return []
         dims = tuple(range(-input_rank, 0))
-    reading = _Reading(view, x, dims, order)  # type: ignore[arg-type]
+    reading = NormReading(view, x, dims, order)  # type: ignore[arg-type]
     home = view.innermost_path(reduction)
     # the first values from the statistics on that read as a norm, within the module that computes them
     cores: list[fx.Node] = []
@@ -229,7 +237,7 @@ def _matches_from(
     return matches
 
 
-def _match(view: GraphView, reading: _Reading, output: fx.Node, values: _TensorValues) -> NormMatch | None:
+def _match(view: GraphView, reading: NormReading, output: fx.Node, values: TensorValues) -> NormMatch | None:
     """The match ending at ``output``, or None when running it shows it is not the norm it reads as."""
     found = _as_norm(view, reading, output)
     cone = _cone(view, reading, output)
@@ -237,7 +245,7 @@ def _match(view: GraphView, reading: _Reading, output: fx.Node, values: _TensorV
         return None
     x, dims = reading.x, reading.dims
     centered = found.form.centered
-    kind = _kind_from_dims(dims, reading.rank) if centered else "rms"
+    kind = kind_from_dims(dims, reading.rank) if centered else "rms"
     weight = found.weight[0] if found.weight else None
     bias = found.bias[0] if found.bias else None
     match = NormMatch(
@@ -245,7 +253,7 @@ def _match(view: GraphView, reading: _Reading, output: fx.Node, values: _TensorV
         input=x,
         output=output,
         nodes=[n for n in cone if not view.is_param(n)],
-        dims=_canonical_dims(dims, reading.rank),
+        dims=canonical_dims(dims, reading.rank),
         eps=found.form.eps,
         weight=weight,
         bias=bias,
@@ -253,12 +261,12 @@ def _match(view: GraphView, reading: _Reading, output: fx.Node, values: _TensorV
         casting=_casting(reading, cone, found),
     )
     clamped = any(a[0] == "max" for mono in reading(output) or {} for a, _ in mono)
-    if _confirm(view, values, match, cone, centered, clamped) is False:
+    if confirm_norm(view, values, match, cone, centered, clamped) is False:
         return None
     return match
 
 
-def _cone(view: GraphView, reading: _Reading, output: fx.Node) -> list[fx.Node] | None:
+def _cone(view: GraphView, reading: NormReading, output: fx.Node) -> list[fx.Node] | None:
     """The ops between ``reading.x`` and ``output``, in graph order: what the norm computes. None when it
     reads anything but x and stored tensors."""
     nodes: list[fx.Node] = []
@@ -281,11 +289,11 @@ def _cone(view: GraphView, reading: _Reading, output: fx.Node) -> list[fx.Node] 
     return sorted(nodes, key=reading.order.__getitem__)
 
 
-def _casting(reading: _Reading, cone: list[fx.Node], found: _Found) -> str:
+def _casting(reading: NormReading, cone: list[fx.Node], found: _Found) -> str:
     """``llama`` when the normalized value is cast before the weight multiply, ``gemma`` for an offset
     weight applied without such a cast, else ``none`` (see normswap.kernels.reference)."""
     if found.form.weight is not None:
-        weight = _atom(found.form.weight)
+        weight = norm_atom(found.form.weight)
         for node in cone:
             if op_name(node) != "mul" or len(node.args) != 2:
                 continue
@@ -300,7 +308,7 @@ def _casting(reading: _Reading, cone: list[fx.Node], found: _Found) -> str:
     return "gemma" if found.offset else "none"
 
 
-def _cast_after_statistics(reading: _Reading, node: fx.Node) -> bool:
+def _cast_after_statistics(reading: NormReading, node: fx.Node) -> bool:
     cast = False
     while op_name(node) in CAST_OPS and node.args and isinstance(node.args[0], fx.Node):
         cast = cast or op_name(node) == "to"
@@ -327,7 +335,7 @@ def _match_batch(
     if input_rank is not None and input_rank < 2:
         return None
     affine_dims = (1 - input_rank,) if input_rank is not None else None
-    output, weight, bias, offset, cast_before_weight = _follow_affine(
+    output, weight, bias, offset, cast_before_weight = follow_affine(
         view, norm_node, nodes, affine_dims, input_rank
     )
     casting = "llama" if cast_before_weight else "none"

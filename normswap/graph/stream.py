@@ -33,11 +33,11 @@ from torch import fx, nn
 from normswap.graph.analysis import GraphView
 from normswap.graph.ops import arg, op_name, real_users, reduce_dims
 from normswap.graph.stream_params import (
-    _IDENTITY_OPS,
+    IDENTITY_OPS,
+    ParamRecorder,
     Stream,
-    _ParamRecorder,
-    _Refused,
-    _shape,
+    StreamRefused,
+    shape_of_node,
 )
 
 _RESHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze"})
@@ -90,7 +90,7 @@ def _reads_as_input(user: fx.Node, value: fx.Node) -> bool:
     return True
 
 
-class _StreamBuilder(_ParamRecorder):
+class _StreamBuilder(ParamRecorder):
     """The walk that closes a stream: backwards from each stream value to what writes it, forwards to
     what reads it."""
 
@@ -108,12 +108,12 @@ class _StreamBuilder(_ParamRecorder):
             self.stream.nodes[node] = d
             self.work.append(node)
         elif known != d:
-            raise _Refused(
+            raise StreamRefused(
                 f"{self.describe(node)} carries the hidden dim at two positions ({known}, {d})", limit=True
             )
 
     def build(self, seed: fx.Node) -> Stream:
-        shape = _shape(seed)
+        shape = shape_of_node(seed)
         if not shape:
             return Stream(
                 hidden=0, reason="the graph records no shapes (no example inputs to export with)", limit=True
@@ -126,7 +126,7 @@ class _StreamBuilder(_ParamRecorder):
                 self.backward(node, self.stream.nodes[node])
                 self.forward(node, self.stream.nodes[node])
             self.finish()
-        except _Refused as exc:
+        except StreamRefused as exc:
             self.stream.reason = str(exc)
             self.stream.limit = exc.limit
         return self.stream
@@ -134,48 +134,48 @@ class _StreamBuilder(_ParamRecorder):
     # -- backwards: how is this value made, and can it be made zero-mean?
     def backward(self, node: fx.Node, d: int) -> None:
         name = op_name(node)
-        shape = _shape(node)
+        shape = shape_of_node(node)
         if self.view.is_param(node):
             self.write_param(node, d, "direct", self.view.innermost_path(node))
             return
         if node.op == "placeholder":
-            raise _Refused(
+            raise StreamRefused(
                 f"graph input {node.name} is written into the residual stream as it is", limit=False
             )
         if shape is None:
-            raise _Refused(f"shape of {self.describe(node)} is unknown", limit=True)
+            raise StreamRefused(f"shape of {self.describe(node)} is unknown", limit=True)
         if self.writer(node, name, d, shape):
             return
         if self.identity_module(node):
             self.add(node.args[0], d)
-        elif name in _IDENTITY_OPS:
+        elif name in IDENTITY_OPS:
             if name == "dropout" and arg(node, 2, "train", False):
-                raise _Refused(f"{self.describe(node)} is a dropout in training mode", limit=False)
+                raise StreamRefused(f"{self.describe(node)} is a dropout in training mode", limit=False)
             self.add(node.args[0], d)
         elif name in _SUM_OPS:
             for operand in node.args[:2]:
                 self.sum_operand(node, operand, d, shape)
             alpha = node.kwargs.get("alpha", 1)
             if not isinstance(alpha, (int, float)):
-                raise _Refused(f"{self.describe(node)} has a tensor alpha", limit=True)
+                raise StreamRefused(f"{self.describe(node)} has a tensor alpha", limit=True)
         elif name in _SCALE_OPS or name == "neg":
             self.scaled(node, d, shape)
         elif name in _RESHAPE_OPS:
             src = node.args[0]
-            d_in = _map_reshape(shape, _shape(src) or (), d)
+            d_in = _map_reshape(shape, shape_of_node(src) or (), d)
             if d_in is None:
-                raise _Refused(f"{self.describe(node)} splits or merges the hidden dim", limit=True)
+                raise StreamRefused(f"{self.describe(node)} splits or merges the hidden dim", limit=True)
             self.add(src, d_in)
         elif name in ("permute", "transpose", "t", "expand", "select", "slice", "cat", "mean", "sum"):
             self.layout(node, name, d, shape)
         elif name in _NORM_OPS or self.in_norm(node):
-            raise _Refused(
+            raise StreamRefused(
                 f"the output of {self.describe(node)} is written into the residual stream (a post-LN block): "
                 "a normalized value cannot be recentered through parameters",
                 limit=False,
             )
         elif name in _NONLINEAR_OPS:
-            raise _Refused(
+            raise StreamRefused(
                 f"{self.describe(node)} ({name}) writes into the residual stream and is not a linear map "
                 "whose weights can be centered",
                 limit=False,
@@ -183,7 +183,7 @@ class _StreamBuilder(_ParamRecorder):
         else:
             # an op this analysis does not model (torch.roll, a gather, an unrecognized linear map...):
             # it may well keep the stream zero-mean, but normswap cannot tell
-            raise _Refused(
+            raise StreamRefused(
                 f"{self.describe(node)} ({name or node.op}) writes into the residual stream, and normswap "
                 "does not know whether it keeps the stream's mean zero",
                 limit=True,
@@ -192,19 +192,19 @@ class _StreamBuilder(_ParamRecorder):
     def sum_operand(self, node: fx.Node, operand: object, d: int, shape: tuple[int, ...]) -> None:
         if isinstance(operand, (int, float)):
             if operand != 0:
-                raise _Refused(
+                raise StreamRefused(
                     f"{self.describe(node)} adds the constant {operand} to the stream", limit=False
                 )
             return
         if not isinstance(operand, fx.Node):
-            raise _Refused(f"{self.describe(node)} has an operand of unknown kind", limit=True)
-        op_shape = _shape(operand)
+            raise StreamRefused(f"{self.describe(node)} has an operand of unknown kind", limit=True)
+        op_shape = shape_of_node(operand)
         if op_shape is None:
-            raise _Refused(f"shape of {self.describe(operand)} is unknown", limit=True)
+            raise StreamRefused(f"shape of {self.describe(operand)} is unknown", limit=True)
         d_op = d - (len(shape) - len(op_shape))
         if d_op < 0 or op_shape[d_op] != shape[d]:
             # broadcast along the hidden dim: the same value added to every feature is pure mean
-            raise _Refused(
+            raise StreamRefused(
                 f"{self.describe(node)} adds {self.describe(operand)}, which is constant across the hidden dim",
                 limit=False,
             )
@@ -215,9 +215,9 @@ class _StreamBuilder(_ParamRecorder):
         operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
         full = []
         for operand in operands:
-            op_shape = _shape(operand)
+            op_shape = shape_of_node(operand)
             if op_shape is None:
-                raise _Refused(f"shape of {self.describe(operand)} is unknown", limit=True)
+                raise StreamRefused(f"shape of {self.describe(operand)} is unknown", limit=True)
             d_op = d - (len(shape) - len(op_shape))
             if d_op >= 0 and op_shape[d_op] != 1:
                 full.append((operand, d_op))
@@ -225,7 +225,7 @@ class _StreamBuilder(_ParamRecorder):
         if len(full) == 2 and name == "mul" and self.fold_scale(node, full, d):
             return
         if len(full) != 1 or (name == "div" and full[0][0] is not node.args[0]):
-            raise _Refused(
+            raise StreamRefused(
                 f"{self.describe(node)} scales the stream by a per-feature factor that cannot be folded "
                 "into the layer before it",
                 limit=False,
@@ -238,13 +238,13 @@ class _StreamBuilder(_ParamRecorder):
             dim = _norm_dim(arg(node, 1, "dim", 0), len(shape))
             if dim == d:
                 # zero-mean parts make a zero-mean whole, but the parts do not have the hidden size
-                raise _Refused(f"{self.describe(node)} concatenates along the hidden dim", limit=True)
+                raise StreamRefused(f"{self.describe(node)} concatenates along the hidden dim", limit=True)
             for part in src:
                 self.add(part, d)
             return
-        src_shape = _shape(src)
+        src_shape = shape_of_node(src)
         if src_shape is None:
-            raise _Refused(f"shape of {self.describe(src)} is unknown", limit=True)
+            raise StreamRefused(f"shape of {self.describe(src)} is unknown", limit=True)
         if name == "permute":
             self.add(src, list(arg(node, 1, "dims"))[d] % len(src_shape))
         elif name in ("transpose", "t"):
@@ -257,7 +257,7 @@ class _StreamBuilder(_ParamRecorder):
         elif name == "expand":
             d_in = d - (len(shape) - len(src_shape))
             if d_in < 0 or src_shape[d_in] != shape[d]:
-                raise _Refused(
+                raise StreamRefused(
                     f"{self.describe(node)} broadcasts one value across the hidden dim", limit=False
                 )
             self.add(src, d_in)
@@ -267,12 +267,14 @@ class _StreamBuilder(_ParamRecorder):
         elif name == "slice":
             dim = _norm_dim(arg(node, 1, "dim", 0), len(src_shape))
             if dim == d:
-                raise _Refused(f"{self.describe(node)} keeps only part of the hidden dim", limit=True)
+                raise StreamRefused(f"{self.describe(node)} keeps only part of the hidden dim", limit=True)
             self.add(src, d)
         else:  # mean / sum over other dims: an average of zero-mean vectors is zero-mean
             dims = reduce_dims(node)
             if dims is None:
-                raise _Refused(f"{self.describe(node)} reduces over dims that are not constant", limit=True)
+                raise StreamRefused(
+                    f"{self.describe(node)} reduces over dims that are not constant", limit=True
+                )
             reduced = {_norm_dim(x, len(src_shape)) for x in dims} or set(range(len(src_shape)))
             kept = (
                 list(range(len(src_shape)))
@@ -280,31 +282,31 @@ class _StreamBuilder(_ParamRecorder):
                 else [i for i in range(len(src_shape)) if i not in reduced]
             )
             if kept[d] in reduced:
-                raise _Refused(f"{self.describe(node)} reduces over the hidden dim", limit=False)
+                raise StreamRefused(f"{self.describe(node)} reduces over the hidden dim", limit=False)
             self.add(src, kept[d])
 
     # -- forwards: who reads this value, and do they all not care about its mean?
     def forward(self, node: fx.Node, d: int) -> None:
-        shape = _shape(node)
+        shape = shape_of_node(node)
         for user in real_users(node):
             if user in self.stream.nodes:  # type: ignore[union-attr]
                 continue
             if user in self.mean_blind and _reads_as_input(user, node):
                 if shape is None or d != len(shape) - 1:
-                    raise _Refused(
+                    raise StreamRefused(
                         f"{self.describe(user)} normalizes the stream over another dim", limit=False
                     )
                 continue
             if user.op == "output":
-                raise _Refused(
+                raise StreamRefused(
                     f"{self.describe(node)} is an output of the model, which would see its mean", limit=False
                 )
             d_out = self.forward_dim(user, node, d, shape)
             if d_out is None:
                 what = f"{self.describe(node)} is read by {self.describe(user)} ({op_name(user) or user.op})"
                 if self.sees_mean(user, d, shape):
-                    raise _Refused(f"{what}, which would see its mean", limit=False)
-                raise _Refused(
+                    raise StreamRefused(f"{what}, which would see its mean", limit=False)
+                raise StreamRefused(
                     f"{what}, and normswap does not know whether that reader sees the stream's mean",
                     limit=True,
                 )
@@ -323,7 +325,7 @@ class _StreamBuilder(_ParamRecorder):
         name = op_name(user)
         if name in _NONLINEAR_OPS or name in _READS_FEATURES_OPS or name in _NORM_OPS:
             return True
-        if shape is None or _shape(user) is None:
+        if shape is None or shape_of_node(user) is None:
             return False
         if name in ("select", "slice"):  # reads some features only
             return True
@@ -334,12 +336,12 @@ class _StreamBuilder(_ParamRecorder):
     def forward_dim(self, user: fx.Node, src: fx.Node, d: int, shape: tuple[int, ...] | None) -> int | None:
         """The hidden dim of ``user``'s output if ``user`` is part of the stream, else None."""
         name = op_name(user)
-        out = _shape(user)
+        out = shape_of_node(user)
         if out is None or shape is None:
             return None
         if self.identity_module(user):
             return d
-        if name in _IDENTITY_OPS or name in _SUM_OPS or name in _SCALE_OPS or name in ("neg", "expand"):
+        if name in IDENTITY_OPS or name in _SUM_OPS or name in _SCALE_OPS or name in ("neg", "expand"):
             d_out = d + len(out) - len(shape)
             return d_out if out[d_out] == shape[d] else None
         if name in _RESHAPE_OPS:

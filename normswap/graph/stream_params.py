@@ -14,7 +14,7 @@ from normswap.graph.analysis import GraphView
 from normswap.graph.ops import CAST_OPS, arg, op_name, real_users, tensor_meta
 
 # Ops that pass a value through unchanged (or cast it), in either direction.
-_IDENTITY_OPS = CAST_OPS | {"detach", "lift_fresh_copy", "dropout", "identity"}
+IDENTITY_OPS = CAST_OPS | {"detach", "lift_fresh_copy", "dropout", "identity"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Stream:
         return self.reason is None
 
 
-class _Refused(Exception):
+class StreamRefused(Exception):
     """Why the stream cannot be recentered. ``limit``: normswap cannot tell (an unknown shape, an op or a
     form it does not follow), rather than the graph showing that it cannot be done."""
 
@@ -59,7 +59,7 @@ class _Refused(Exception):
         self.limit = limit
 
 
-def _shape(node: object) -> tuple[int, ...] | None:
+def shape_of_node(node: object) -> tuple[int, ...] | None:
     if not isinstance(node, fx.Node):
         return None
     meta = tensor_meta(node)
@@ -71,7 +71,7 @@ def _transposed_param(view: GraphView, node: object) -> fx.Node | None:
     if not isinstance(node, fx.Node) or op_name(node) not in ("t", "transpose", "permute", "numpy_T"):
         return None
     source = node.args[0]
-    shape = _shape(source)
+    shape = shape_of_node(source)
     if not view.is_param(source) or shape is None or len(shape) != 2:
         return None
     if op_name(node) == "permute" and [d % 2 for d in arg(node, 1, "dims")] != [1, 0]:
@@ -79,9 +79,9 @@ def _transposed_param(view: GraphView, node: object) -> fx.Node | None:
     return source  # type: ignore[return-value]
 
 
-class _ParamRecorder:
+class ParamRecorder:
     """One stream search's state, and the recording of the writers' parameters; the walk over the graph
-    is :class:`normswap.graph.stream._StreamBuilder`, built on this."""
+    is the stream builder of :mod:`normswap.graph.stream`, built on this."""
 
     def __init__(self, view: GraphView, mean_blind: set[fx.Node], modules: dict[str, nn.Module]) -> None:
         self.view = view
@@ -108,7 +108,7 @@ class _ParamRecorder:
         """The op returns its input unchanged (an eval-mode dropout, a cast, an identity module)."""
         if op_name(node) == "dropout":
             return not arg(node, 2, "train", False)
-        return op_name(node) in _IDENTITY_OPS or self.identity_module(node)
+        return op_name(node) in IDENTITY_OPS or self.identity_module(node)
 
     def identity_module(self, node: fx.Node) -> bool:
         """An fx leaf call of a module that passes its input through in eval mode."""
@@ -128,7 +128,7 @@ class _ParamRecorder:
         if len(scales) != 1:
             return False
         scale, d_scale = scales[0]
-        scale_shape = _shape(scale) or ()
+        scale_shape = shape_of_node(scale) or ()
         if sum(1 for s in scale_shape if s != 1) != 1:
             return False
         value = next(a for a, _ in full if a is not scale)
@@ -139,11 +139,11 @@ class _ParamRecorder:
         if any(len(real_users(n)) != 1 for n in chain):
             return False
         found = self._writer_params(writer, op_name(writer))
-        value_shape = _shape(writer)
+        value_shape = shape_of_node(writer)
         if found is None or value_shape is None:
             return False
         want, params = found
-        d_value = d - (len(_shape(node) or ()) - len(value_shape))
+        d_value = d - (len(shape_of_node(node) or ()) - len(value_shape))
         if d_value != (want if want >= 0 else len(value_shape) + want):
             return False
         if self._groups(writer, op_name(writer)) != 1:
@@ -175,14 +175,14 @@ class _ParamRecorder:
             return False
         want, params = found
         if d != (want if want >= 0 else len(shape) + want):
-            raise _Refused(
+            raise StreamRefused(
                 f"{self.describe(node)} ({name or node.op}) writes the hidden dim from its dim {d}, "
                 "not from its output features",
                 limit=True,
             )
         if self._groups(node, name) != 1:
             # centering a grouped conv's weight over all output channels does not center its output
-            raise _Refused(
+            raise StreamRefused(
                 f"{self.describe(node)} is a grouped convolution writing into the stream", limit=False
             )
         self.writers.append(node)
@@ -193,7 +193,7 @@ class _ParamRecorder:
             elif tensor is not None:
                 if not self.view.is_param(tensor):
                     # (a weight-normed or otherwise parametrized layer): normswap centers stored tensors only
-                    raise _Refused(
+                    raise StreamRefused(
                         f"{self.describe(node)} ({name}) uses a computed weight, not a parameter", limit=True
                     )
                 self.write_param_name(self.view.param_name(tensor), dim, name or "op", path, tensor)
@@ -246,14 +246,14 @@ class _ParamRecorder:
     ) -> None:
         assert self.stream is not None and name is not None
         tensor = self.tensors.get(name)
-        shape = tuple(tensor.shape) if tensor is not None else _shape(node)
+        shape = tuple(tensor.shape) if tensor is not None else shape_of_node(node)
         if shape is not None and dim < 0:
             dim += len(shape)
         if shape is None or not 0 <= dim < len(shape) or shape[dim] != self.stream.hidden:
-            raise _Refused(f"parameter {name} does not have the hidden size along dim {dim}", limit=True)
+            raise StreamRefused(f"parameter {name} does not have the hidden size along dim {dim}", limit=True)
         for other in self.stream.params:
             if other.name == name and (other.dim, other.scale) != (dim, scale):
-                raise _Refused(
+                raise StreamRefused(
                     f"parameter {name} is written into the stream in two different ways", limit=True
                 )
         record = CenteredParam(name, dim, path, via, scale)
@@ -269,7 +269,7 @@ class _ParamRecorder:
         for writer in self.writers:
             for value in writer.all_input_nodes:
                 if value in self.stream.nodes and not self.view.is_param(value):
-                    raise _Refused(
+                    raise StreamRefused(
                         f"{self.describe(writer)} reads the stream it writes into (x + f(x) with no norm "
                         "before f), so it sees the mean that centering removes",
                         limit=False,

@@ -1,7 +1,7 @@
 """When an eager call of a fused norm may go straight to the kernels, skipping the dispatcher.
 
 The custom ops cost a Python round trip through the dispatcher and the custom-op autograd on every call;
-plain tensors with nothing recording or transforming the call do not need it (:func:`_skips_dispatcher`).
+plain tensors with nothing recording or transforming the call do not need it (:func:`skips_dispatcher`).
 :func:`eager_plan` answers that, the argument checks and the route (:mod:`._routes`) once per kind of
 call: in a model every layer makes the same calls, and at a few rows each microsecond of host time is
 the model's. Also here: :func:`triton_on_cpu`, which lets the tests run the kernels on CPU tensors in
@@ -45,7 +45,7 @@ def triton_on_cpu() -> Iterator[None]:
         _force_triton_on_cpu -= 1
 
 
-def _use_triton(*tensors: torch.Tensor | None) -> bool:
+def use_triton(*tensors: torch.Tensor | None) -> bool:
     x = tensors[0]
     assert x is not None
     if not triton_supports(*tensors):
@@ -59,12 +59,12 @@ def _use_triton(*tensors: torch.Tensor | None) -> bool:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _transformed() -> bool:
+def transformed() -> bool:
     """Whether a torch.func transform (grad, vmap, jacfwd, ...) or forward-mode AD is active."""
     return torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0
 
 
-def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
+def skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     """Whether an eager call may launch the kernels without going through the custom op.
 
     The op costs a Python round trip through the dispatcher and the custom-op autograd on every call,
@@ -75,9 +75,9 @@ def _skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
     go to the same kernels through an autograd.Function (``_EAGER_FUNCTIONS``) instead; CPU tensors and
     other dtypes keep the op and its reference math.
     """
-    if _transformed():
+    if transformed():
         return False  # a functorch transform
-    return not _watched(tensors) and _use_triton(*tensors)
+    return not _watched(tensors) and use_triton(*tensors)
 
 
 def _watched(tensors: tuple[torch.Tensor | None, ...]) -> bool:
@@ -152,7 +152,7 @@ def eager_plan(
     normalized_ndim: int,
     train: bool,
 ) -> EagerPlan | None:
-    """How an eager call runs, or None when it must go through the op (see :func:`_skips_dispatcher`).
+    """How an eager call runs, or None when it must go through the op (see :func:`skips_dispatcher`).
 
     Raises the launcher's errors for arguments it refuses. The answer depends only on what the key
     holds (shapes, dtypes, device, numerics, whether autograd records, the forced route and the rules),
@@ -178,7 +178,7 @@ def eager_plan(
     )
     if key in _PLANS:
         return _PLANS[key]
-    if not _use_triton(x, residual, weight, bias):
+    if not use_triton(x, residual, weight, bias):
         plan = None  # the op: the reference math (CPU, float64, ...)
     else:
         _flat_check(x, residual, weight, bias, casting, normalized_ndim)

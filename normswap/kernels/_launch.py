@@ -19,12 +19,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from normswap.kernels._tiling import (
     TileConfig,
-    _bwd_programs,
-    _cdiv,
-    _next_pow2,
     bwd_config,
+    bwd_programs,
+    cdiv,
     fwd_config,
     interpreter_enabled,
+    next_pow2,
 )
 from normswap.kernels.reference import CASTING_MODES, KernelNormKind
 
@@ -283,7 +283,7 @@ def launch_fwd(
                 num_warps=cfg.num_warps,
             )
         else:
-            grid = (_cdiv(m, cfg.block_m),)
+            grid = (cdiv(m, cfg.block_m),)
             _launcher(ker.norm_fwd_tile_kernel, interpret, x2)[grid](
                 *args,
                 m,
@@ -357,9 +357,9 @@ def launch_bwd(
 
     interpret = interpreter_enabled()
     cfg = bwd_config(_concrete_rows(m), n, max_block_n, interpret, kind)
-    num_col_blocks = _cdiv(n, cfg.block_n) if cfg.chunked else 1
-    num_tiles = _cdiv(m, cfg.block_m)
-    target_programs = _bwd_programs(device, cfg)
+    num_col_blocks = cdiv(n, cfg.block_n) if cfg.chunked else 1
+    num_tiles = cdiv(m, cfg.block_m)
+    target_programs = bwd_programs(device, cfg)
     wanted = target_programs // num_col_blocks
     if isinstance(num_tiles, int):  # plain ints: torch.sym_* would cost several µs per call
         grid_m = max(1, min(num_tiles, wanted))
@@ -385,7 +385,7 @@ def launch_bwd(
             c1 = torch.empty((m,), dtype=torch.float32, device=device)
             c2 = torch.empty((m,), dtype=torch.float32, device=device) if kind == "layer" else c1
             # Only row sums here, so a longer chunk than the tile kernel's is cheap in registers.
-            dots_block = min(_next_pow2(n), 4 * cfg.block_n)
+            dots_block = min(next_pow2(n), 4 * cfg.block_n)
             _launcher(ker.norm_bwd_row_dots_kernel, interpret, x2)[(m,)](
                 dy2,
                 x2,

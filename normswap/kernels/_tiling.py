@@ -45,11 +45,11 @@ _BWD_TILE_ELEMS = 16384
 _INTERPRETER_TILE_ELEMS = 16384
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -73,7 +73,7 @@ class TileConfig:
     programs_per_sm: int = 1
 
 
-def _bwd_programs(device: torch.device, cfg: TileConfig) -> int:
+def bwd_programs(device: torch.device, cfg: TileConfig) -> int:
     """How many programs the backward wants in flight (before capping by the work there is)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -84,16 +84,16 @@ def _bwd_programs(device: torch.device, cfg: TileConfig) -> int:
 
 
 def _rows_per_program(m: int, tile_elems: int, block_n: int) -> int:
-    return max(1, min(tile_elems // block_n, _next_pow2(m)))
+    return max(1, min(tile_elems // block_n, next_pow2(m)))
 
 
 def _interpreter_config(m: int, n: int, tile_limit: int, chunk: int, chunk_tiles_2d: bool) -> TileConfig:
     """Big tiles: the interpreter's cost is per operation (warps mean nothing there)."""
     if n > tile_limit:
-        block_n = min(chunk, _next_pow2(tile_limit))
+        block_n = min(chunk, next_pow2(tile_limit))
         block_m = _rows_per_program(m, _INTERPRETER_TILE_ELEMS, block_n) if chunk_tiles_2d else 1
         return TileConfig(True, block_m, block_n, 4)
-    block_n = _next_pow2(n)
+    block_n = next_pow2(n)
     return TileConfig(False, _rows_per_program(m, _INTERPRETER_TILE_ELEMS, block_n), block_n, 4)
 
 
@@ -102,8 +102,8 @@ def _fwd_config(m: int, n: int, tile_limit: int, interpret: bool) -> TileConfig:
     if interpret:
         return _interpreter_config(m, n, tile_limit, _FWD_CHUNK, False)
     if n > tile_limit:
-        return TileConfig(True, 1, min(_FWD_CHUNK, _next_pow2(tile_limit)), 16)
-    block_n = _next_pow2(n)
+        return TileConfig(True, 1, min(_FWD_CHUNK, next_pow2(tile_limit)), 16)
+    block_n = next_pow2(n)
     if block_n >= _SHORT_ROW:
         # One row per program; 8 warps up to 8K, then 32 elements per thread (16 warps at 16K).
         return TileConfig(False, 1, block_n, max(8, min(32, block_n // 1024)))
@@ -115,9 +115,9 @@ def _bwd_config(m: int, n: int, tile_limit: int, interpret: bool, is_rms: bool) 
     if interpret:
         return _interpreter_config(m, n, tile_limit, _BWD_CHUNK, True)
     if n > tile_limit:
-        block_n = min(_BWD_CHUNK, _next_pow2(tile_limit))
+        block_n = min(_BWD_CHUNK, next_pow2(tile_limit))
         return TileConfig(True, _rows_per_program(m, 2048, block_n), block_n, 4, programs_per_sm=4)
-    block_n = _next_pow2(n)
+    block_n = next_pow2(n)
     if block_n > _SHORT_ROW:
         # 16K-element tiles, 16 warps, one program per SM: the sweep's best from 4K to 16K for RMSNorm.
         # LayerNorm keeps one more row-wide array live; at 8K it ran faster one row at a time.

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from normswap.kernels._eager import (
-    _skips_dispatcher,
-    _transformed,
-    _use_triton,
     eager_plan,
     flatten_norm_dims,
+    skips_dispatcher,
+    transformed,
+    use_triton,
 )
 from normswap.kernels._launch import (
     check_args,
@@ -69,7 +69,7 @@ def _fwd(
     weight_offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     check_args(x, residual, weight, bias, casting)
-    if _use_triton(x, residual, weight, bias):
+    if use_triton(x, residual, weight, bias):
         return norm_fwd(kind, x, residual, weight, bias, eps, casting, weight_offset)
     return reference_fwd(kind, x, residual, weight, bias, eps, casting, weight_offset)
 
@@ -86,7 +86,7 @@ def _bwd(
     casting: str,
     weight_offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _use_triton(x, dy, dh, weight, bias):
+    if use_triton(x, dy, dh, weight, bias):
         dx, dw, db = norm_bwd(kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset)
     else:
         dx, dw, db = reference_bwd(kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset)
@@ -219,7 +219,7 @@ def _define(family: _OpFamily) -> None:
             dx, dw, db = _differentiable_bwd(family.kind, ctx, dy, dh, source, weight, bias)
         else:
             bwd_args = (dy, *dh, normalized, weight, bias, *stats, ctx.casting, ctx.weight_offset)
-            if _skips_dispatcher(dy, *dh, normalized, weight, bias):  # its forward checked the arguments
+            if skips_dispatcher(dy, *dh, normalized, weight, bias):  # its forward checked the arguments
                 dx, dw, db = launch_bwd(family.kind, *family.split_bwd_args(bwd_args))
             else:
                 dx, dw, db = bwd_op(*bwd_args)
@@ -234,7 +234,7 @@ def _define(family: _OpFamily) -> None:
     fwd_op.register_autograd(backward, setup_context=setup_context)
 
     # The same forward, context and backward without the dispatcher, for eager calls (see
-    # _skips_dispatcher); it returns what the op returns. The forward takes ctx itself: with a separate
+    # skips_dispatcher); it returns what the op returns. The forward takes ctx itself: with a separate
     # setup_context, Function.apply binds the arguments through inspect.signature on every call.
     def eager_forward(ctx, *args):
         # _norm checked the arguments and that the kernels take them
@@ -313,7 +313,7 @@ def _norm(
     normalized_ndim: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Call the forward op of ``kind`` (with or without the residual add): returns (y, h or None)."""
-    if _transformed():
+    if transformed():
         # torch.func transforms and forward-mode AD need every op to have their rules, which the
         # custom ops do not (they gave errors, or silently wrong jacfwd tangents): compose the reference
         # math from torch ops instead, which every transform differentiates

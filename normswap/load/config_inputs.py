@@ -64,12 +64,29 @@ def example_inputs(
     return (), kwargs
 
 
+# said wherever inputs made from a config run (convert, distill, export...), as the capture's own setting is
+CACHE_OFF_NOTE = (
+    "the example inputs made from the config run with use_cache=False: the config turns the key/value "
+    "cache on, which no graph capture or written program carries"
+)
+
+
+def made_inputs_notes(kwargs: dict[str, Any] | None) -> list[str]:
+    """What to tell the user about example inputs :func:`example_inputs` made (``kwargs``)."""
+    return [CACHE_OFF_NOTE] if kwargs is not None and kwargs.get("use_cache") is False else []
+
+
 def _caches_by_default(model: nn.Module, config: dict[str, Any]) -> bool:
     try:
         takes = "use_cache" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-    return takes and bool(config.get("use_cache", False))
+    # the built config: a config.json without the key takes the class's default (GPT-2's is on), and a
+    # multimodal model keeps it on its text config
+    built = getattr(model, "config", None)
+    text = built.get_text_config() if hasattr(built, "get_text_config") else built
+    on = getattr(text, "use_cache", None)
+    return takes and bool(config.get("use_cache", False) if on is None else on)
 
 
 def _sub_config(config: dict[str, Any], key: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import pickletools
 import warnings
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,7 +33,7 @@ from normswap.load.checkpoint_dir import (
     load_checkpoint_directory,
     read_checkpoint_directory,
 )
-from normswap.load.config_inputs import example_inputs
+from normswap.load.config_inputs import example_inputs, made_inputs_notes
 from normswap.load.factory import load_factory, unpack_model_and_inputs
 from normswap.load.json_io import parse_json
 from normswap.load.program import load_program
@@ -69,6 +69,8 @@ class LoadedModel:
     # why no example inputs came with the model (a directory whose config does not say enough to make
     # them): what a command that needs inputs says when the user gives none
     no_inputs_reason: str = ""
+    # what the user is told about the example inputs normswap made (a directory's, from its config)
+    notes: list[str] = field(default_factory=list)
 
 
 def _directory_model(model: nn.Module, checkpoint: CheckpointDirectory, spec: str) -> LoadedModel:
@@ -78,7 +80,10 @@ def _directory_model(model: nn.Module, checkpoint: CheckpointDirectory, spec: st
         args, kwargs = example_inputs(model, checkpoint.config)
     except BadInputError as exc:
         return LoadedModel(model, None, None, spec, "directory", checkpoint, no_inputs_reason=str(exc))
-    return LoadedModel(model, args, kwargs, source=spec, format="directory", checkpoint=checkpoint)
+    notes = made_inputs_notes(kwargs)
+    return LoadedModel(
+        model, args, kwargs, source=spec, format="directory", checkpoint=checkpoint, notes=notes
+    )
 
 
 class _Probe(NamedTuple):

@@ -34,6 +34,13 @@ def same_path(a: PathLike, b: PathLike) -> bool:
         return False
 
 
+def _working_directory() -> Path:
+    try:
+        return Path.cwd()
+    except OSError:  # deleted under the process: nothing an output could replace
+        return Path("/nonexistent-working-directory")
+
+
 def _inside(path: PathLike, directory: PathLike) -> bool:
     try:
         Path(path).resolve().relative_to(Path(directory).resolve())
@@ -112,7 +119,7 @@ def check_paths(
                     f"{label} {path} holds {read_label} {read}: writing it would replace the input; "
                     "choose another path"
                 )
-        if label not in working and _inside(Path.cwd(), path):
+        if label not in working and _inside(_working_directory(), path):
             raise BadInputError(
                 f"{label} {path} is the working directory or holds it: writing it would replace the "
                 "folder the command runs in; choose another path"
@@ -120,6 +127,15 @@ def check_paths(
         for other_label, other in seen:
             if same_path(path, other):
                 raise BadInputError(_show(label, path, other_label, other))
+            for outer, outer_label, inner, inner_label in ((path, label, other, other_label),
+                                                           (other, other_label, path, label)):  # fmt: skip
+                # a folder a command writes into across runs, inside an output folder: replacing the
+                # output would delete it (the checkpoints a resume needs)
+                if inner_label in working and outer_label not in working and _inside(inner, outer):
+                    raise BadInputError(
+                        f"{inner_label} {inner} is inside {outer_label} {outer}: writing {outer_label} "
+                        "would replace it; choose another path"
+                    )
         seen.append((label, path))
 
 

@@ -33,7 +33,7 @@ def _along(t: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
     return t.reshape(shape)
 
 
-class _PerFeature(nn.Module):
+class PerFeature(nn.Module):
     def __init__(self, num_features: int, dim: int, affine: bool = True, device=None, dtype=None) -> None:
         super().__init__()
         self.num_features = int(num_features)
@@ -57,7 +57,7 @@ class _PerFeature(nn.Module):
         return f"{self.num_features}, dim={self.dim}"
 
 
-class FeatureLayerNorm(_PerFeature):
+class FeatureLayerNorm(PerFeature):
     """LayerNorm (or RMSNorm with ``rms=True``) over the feature dim ``dim`` only, at each position."""
 
     def __init__(
@@ -152,7 +152,7 @@ class FeatureGroupNorm(nn.GroupNorm):
         return f"{super().extra_repr()}, dim={self.dim}"
 
 
-class FeatureInstanceNorm(_PerFeature):
+class FeatureInstanceNorm(PerFeature):
     """Each feature at ``dim`` normalized over the positions of each sample (dims other than 0 and ``dim``)."""
 
     def __init__(
@@ -174,7 +174,7 @@ class FeatureInstanceNorm(_PerFeature):
         return f"{super().extra_repr()}, eps={self.eps}"
 
 
-class DyT(_PerFeature):
+class DyT(PerFeature):
     """Dynamic Tanh: ``tanh(alpha * x) * weight + bias`` with a learnable scalar ``alpha``."""
 
     def __init__(self, num_features: int, alpha: float = 0.5, dim: int = -1, device=None, dtype=None) -> None:
@@ -192,7 +192,7 @@ class DyT(_PerFeature):
         return self._affine(self.curve(x, self.alpha))
 
 
-class Derf(_PerFeature):
+class Derf(PerFeature):
     """Dynamic erf: ``erf(alpha * x + shift) * weight + bias`` with learnable scalars ``alpha`` and
     ``shift`` (Chen et al. 2025, "Stronger Normalization-Free Transformers", the successor of DyT). erf
     saturates faster than tanh; the shift lets the S-curve sit off-centre, as a LayerNorm's input mean
@@ -221,7 +221,7 @@ class Derf(_PerFeature):
         return self._affine(self.curve(x, self.alpha, self.shift))
 
 
-class FeatureAffine(_PerFeature):
+class FeatureAffine(PerFeature):
     """``x * weight + bias`` along ``dim``: a norm removed, its affine parameters kept."""
 
     def __init__(self, num_features: int, dim: int = -1, device=None, dtype=None) -> None:

@@ -253,3 +253,18 @@ def test_token_ids_outside_the_vocabulary_are_refused_by_every_command(files, tm
         tmp_path,
         "kwargs['input_ids'] holds token id 300 at index [1, 2], outside the model's vocabulary [0, 300)",
     )
+
+
+def test_batches_given_as_objects_with_a_model_file_and_an_output(tmp_path):
+    """The library route checks its paths before the work (a model file and an output); batches given as
+    objects are no path to check (they crashed that check: os.fspath of a list)."""
+    import normswap
+
+    good, bad = _images(0)[:4], _images(1)[:4].clone()
+    bad[0, 0, 0, 0] = float("nan")
+    config = normswap.ConvertConfig(
+        to="groupnorm", groups=1, calibration_data=[good, bad], output=tmp_path / "out.pt2"
+    )
+    with pytest.raises(BadInputError, match=r"calibration_data: calibration batch 1, args\[0\] holds 1 NaN"):
+        normswap.convert(CONV, config)
+    assert list(tmp_path.iterdir()) == []

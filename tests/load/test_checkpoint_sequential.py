@@ -98,7 +98,7 @@ def test_the_cli_calibrates_block_by_block_and_reports_each_block(dirs, tmp_path
 def test_a_failure_midway_leaves_nothing(dirs, tmp_path, monkeypatch):
     import normswap.calibrate.sequential as engine
 
-    real, calls = engine._fit_site, []
+    real, calls = engine.fit_site, []
 
     def fails_in_block_1(module, inputs, targets):
         calls.append(1)
@@ -106,7 +106,7 @@ def test_a_failure_midway_leaves_nothing(dirs, tmp_path, monkeypatch):
             raise RuntimeError("stopped in block 1")
         return real(module, inputs, targets)
 
-    monkeypatch.setattr(engine, "_fit_site", fails_in_block_1)
+    monkeypatch.setattr(engine, "fit_site", fails_in_block_1)
     config = ConvertConfig(**_options(dirs), output=tmp_path / "out")
     with pytest.raises(RuntimeError, match="stopped in block 1"):
         convert_checkpoint_sequential(dirs["llama"], config, activation_memory=20_000)
@@ -162,9 +162,9 @@ def test_a_model_without_one_list_of_blocks_of_its_layers_is_refused(tmp_path):
 def test_a_model_that_does_not_fit_is_routed_block_by_block(dirs, monkeypatch):
     config = ConvertConfig(**_options(dirs), output="out")
     size = sum(p.stat().st_size for p in dirs["llama"].glob("*.safetensors"))
-    monkeypatch.setattr(sequential, "_available_memory", lambda: 3 * size + 1)
+    monkeypatch.setattr(sequential, "available_memory", lambda: 3 * size + 1)
     assert sequential_route(dirs["llama"], config, asked=False) is None  # fits: in memory
-    monkeypatch.setattr(sequential, "_available_memory", lambda: 3 * size - 1)
+    monkeypatch.setattr(sequential, "available_memory", lambda: 3 * size - 1)
     note = sequential_route(dirs["llama"], config, asked=False)
     assert note is not None and "calibrating block by block" in note
     # a conversion the route cannot take is left to the in-memory rule (which refuses it there)

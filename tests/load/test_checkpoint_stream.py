@@ -179,7 +179,7 @@ def test_the_cli_streams_dir_to_dir_and_runs_the_rest_in_memory(dirs, tmp_path):
 def test_a_model_that_neither_streams_nor_fits_is_refused(dirs, tmp_path, monkeypatch):
     import normswap.api.checkpoint as streaming
 
-    monkeypatch.setattr(streaming, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(streaming, "available_memory", lambda: 1000)
     result = runner.invoke(app, ["convert", str(dirs["llama"]), "--to", "fused", "-o", str(tmp_path / "b")])
     assert result.exit_code == 2
     assert "converting in memory needs about" in result.output and not (tmp_path / "b").exists()

@@ -415,6 +415,10 @@ def test_a_checkpoint_folder_may_hold_the_inputs_it_is_never_replaced(tmp_path):
     check_paths(reads, {"--checkpoint-dir": tmp_path}, working=("--checkpoint-dir",))
     with pytest.raises(BadInputError, match=r"^-o .* holds MODEL .*model\.pt: writing it would replace"):
         check_paths(reads, {"-o": tmp_path})
+    # but never inside an output folder, which replacing would delete with the checkpoints in it
+    writes = {"-o": tmp_path / "out.dcp", "--checkpoint-dir": tmp_path / "out.dcp" / "steps"}
+    with pytest.raises(BadInputError, match=r"^--checkpoint-dir .*steps is inside -o .*out\.dcp: writing -o"):
+        check_paths(reads, writes, working=("--checkpoint-dir",))
 
 
 @pytest.mark.parametrize("route", ["streamed", "in memory"])

@@ -288,3 +288,26 @@ def test_a_users_gpt2_pt2_folds_as_many_norms_as_the_model_it_was_exported_from(
         want = model(ids).logits
         got = from_file.model(ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_gpt2_pt2_with_free_batch_and_length_lifts_its_conv1d_and_takes_other_shapes(tmp_path):
+    """In a program exported with free dims the Conv1D views are symbolic (``[s0*s1, nx]``): lifted the
+    same, and the loaded model computes what the program computes at shapes other than the export's."""
+    import transformers
+
+    from normswap.load import load_model
+
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0,
+        use_cache=False,
+    )  # fmt: skip
+    model = model_zoo.randomize_norms(transformers.GPT2LMHeadModel(config)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    batch, length = torch.export.Dim("batch", max=16), torch.export.Dim("length", max=32)
+    program = torch.export.export(model, (ids,), dynamic_shapes=({0: batch, 1: length},), strict=False)
+    torch.export.save(program, tmp_path / "gpt2.pt2")
+    loaded = load_model(str(tmp_path / "gpt2.pt2")).model
+    assert sum(type(m).__name__ == "Conv1D" for m in loaded.modules()) == 4
+    other = torch.randint(0, 64, (3, 5))
+    with torch.no_grad():
+        assert torch.equal(loaded(other).logits, program.module()(other).logits)

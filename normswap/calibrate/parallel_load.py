@@ -106,20 +106,14 @@ def load_directory_sharded(
 ) -> str:
     """Shard ``model`` (the directory's model built on the meta device, recorded modules in place) and
     fill each process's shards from the directory's files; returns what was sharded, for the report."""
-    from normswap.load.checkpoint_dir import quiet_transformers
-    from normswap.load.safetensors_io import read_header
+    from normswap.load.checkpoint_dir import quiet_transformers, stored_entries
 
     if hasattr(model, "tie_weights"):
         with quiet_transformers():
             model.tie_weights()  # as the whole-model build does: a tied head is the embedding, stored once
     computed = _computed_buffers(checkpoint)
     _check_covered(model, checkpoint, set(checkpoint.weight_map))
-    stored = {}
-    for shard in checkpoint.shards:
-        entries, _ = read_header(checkpoint.path / shard)
-        for name, entry in entries.items():
-            if checkpoint.weight_map.get(name) == shard:
-                stored[name] = (checkpoint.path / shard, entry)
+    stored = {name: (shard_path, entry) for name, shard_path, entry in stored_entries(checkpoint)}
     return load_rows_sharded(
         model, stored, computed, str(checkpoint.path), parallel, trained, mixed_precision
     )

@@ -187,7 +187,6 @@ def accept_model_folder(checkpoint: CheckpointDirectory) -> bool:
     without this the one refuses what the other writes; and a config asking for a 4 TB model is refused
     by its shapes here, before anything is allocated. Returns whether every tensor is stored under the
     name the model gives it (False where transformers renames them as it loads)."""
-    from normswap.load.safetensors_io import read_header
 
     model = build_on_meta(checkpoint)
     expected = model.state_dict(keep_vars=True)
@@ -224,17 +223,13 @@ def accept_model_folder(checkpoint: CheckpointDirectory) -> bool:
             f"{checkpoint.path}: the weights do not match the model: {_describe_mismatch(info)} (the "
             f"{checkpoint.architecture} its {CONFIG_FILE} describes){hint}"
         )
-    for shard in checkpoint.shards:
-        entries, _ = read_header(checkpoint.path / shard)
-        for name, entry in entries.items():
-            target = expected.get(loaded.get(name, name))
-            if target is None or checkpoint.weight_map.get(name) != shard:
-                continue
-            if tuple(target.shape) != entry.shape:
-                raise BadInputError(
-                    f"{checkpoint.path / shard}: {name} has shape {list(entry.shape)} where the model its "
-                    f"{CONFIG_FILE} describes has {list(target.shape)}"
-                )
+    for name, shard_path, entry in stored_entries(checkpoint):
+        target = expected.get(loaded.get(name, name))
+        if target is not None and tuple(target.shape) != entry.shape:
+            raise BadInputError(
+                f"{shard_path}: {name} has shape {list(entry.shape)} where the model its "
+                f"{CONFIG_FILE} describes has {list(target.shape)}"
+            )
     return stored_as_loaded
 
 
@@ -325,6 +320,18 @@ def _weight_init_skipped() -> Iterator[None]:
         yield
 
 
+def stored_entries(directory: CheckpointDirectory) -> Iterator[tuple[str, Path, Any]]:
+    """Each tensor the directory stores, as its name, its shard's path and its header entry
+    (``TensorEntry``), read from the shard the index names for it; headers only, no tensor read."""
+    from normswap.load.safetensors_io import read_header
+
+    for shard in directory.shards:
+        entries, _ = read_header(directory.path / shard)
+        for name, entry in entries.items():
+            if directory.weight_map.get(name) == shard:
+                yield name, directory.path / shard, entry
+
+
 def stored_tensor_reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
     """Reads one stored tensor of ``directory`` by its stored name (each shard's header read once)."""
     from normswap.load.safetensors_io import read_header, read_tensor
@@ -398,7 +405,7 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
     each model tensor exactly once from the files (tied tensors through their one stored name), nothing
     left over, shapes as stored."""
     from normswap.load.recorded import replace_recorded
-    from normswap.load.safetensors_io import fill_tensor, read_header
+    from normswap.load.safetensors_io import fill_tensor
 
     model = build_to_load(checkpoint)
     replace_recorded(model, checkpoint, device="cpu")
@@ -426,9 +433,6 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
         )
     # the one way normswap loads a stored tensor into a model's (the verification shells use it too):
     # read straight into the tensor's memory where its layout allows
-    for shard in checkpoint.shards:
-        entries, _ = read_header(checkpoint.path / shard)
-        for name, entry in entries.items():
-            if checkpoint.weight_map.get(name) == shard:
-                fill_tensor(checkpoint.path / shard, name, entry, expected[loaded[name]])
+    for name, shard_path, entry in stored_entries(checkpoint):
+        fill_tensor(shard_path, name, entry, expected[loaded[name]])
     return model.eval()

@@ -13,8 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from normswap.load.checkpoint_dir import CheckpointDirectory
-from normswap.load.safetensors_io import read_header
+from normswap.load.checkpoint_dir import CheckpointDirectory, stored_entries
 
 
 @dataclass(frozen=True)
@@ -36,12 +35,9 @@ def model_size(model: nn.Module) -> ModelSize:
 def stored_size(directory: CheckpointDirectory) -> ModelSize:
     """What a model directory's shards store, from their headers (no tensor read)."""
     values = size = 0
-    for shard in directory.shards:
-        entries, _ = read_header(directory.path / shard)
-        for name, entry in entries.items():
-            if directory.weight_map.get(name) == shard:
-                count = 1
-                for dim in entry.shape:
-                    count *= dim
-                values, size = values + count, size + entry.nbytes
+    for _name, _shard, entry in stored_entries(directory):
+        count = 1
+        for dim in entry.shape:
+            count *= dim
+        values, size = values + count, size + entry.nbytes
     return ModelSize(values, size)

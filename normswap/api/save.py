@@ -136,6 +136,7 @@ def save(
         # the user's model stays as it is: a copy is cast, and checked against the file written from it
         model = copy_model(model).to(dtype)
         example_args, example_kwargs = cast_floating((example_args, example_kwargs), dtype)
+        _check_cast_copy(model, example_args, example_kwargs, dtype)
     from normswap.load.checkpoint_write import is_directory_output
     from normswap.load.paths import check_output
 
@@ -163,6 +164,29 @@ def save(
     if conversion is not None:
         conversion.saved = saved
     return saved
+
+
+def _check_cast_copy(
+    model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None, dtype: torch.dtype
+) -> None:
+    """The cast copy computes finite outputs on the example, for every output kind (an ONNX file and a
+    directory compare theirs with it; a .pt2 or .pt is written from it as it is): a weight or an
+    activation past the dtype's range (1e5 in float16) is refused, not written."""
+    from normswap.verify.compare import run_model
+    from normswap.verify.metrics import flatten_outputs
+
+    if args is None and kwargs is None:
+        return
+    with torch.no_grad():
+        outputs = flatten_outputs(run_model(model, args, kwargs))
+    for output, values in outputs:
+        bad = ~torch.isfinite(values) if values.is_floating_point() else None
+        if bad is not None and bool(bad.any()):
+            name, first = str(dtype).removeprefix("torch."), [int(i) for i in bad.nonzero()[0]]
+            raise CheckFailedError(
+                f"--dtype {name}: the model cast to {name} computes {int(bad.sum())} NaN/Inf in {output} (the "
+                f"first at {first}): a weight or an activation is past {name}'s range; nothing written"
+            )
 
 
 def _write(

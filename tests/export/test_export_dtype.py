@@ -116,3 +116,27 @@ def test_save_casts_a_copy_and_leaves_the_conversion_as_it_was(tmp_path, bf16_gp
     program = torch.export.load(saved.path).module()
     assert {p.dtype for p in program.parameters()} == {torch.float32}
     assert saved.shapes is not None and "1x16" in saved.shapes.accepted
+
+
+@pytest.mark.parametrize("suffix", [".pt2", ".pt", ".onnx"])
+def test_a_cast_copy_past_the_dtypes_range_is_refused_by_every_output_kind(tmp_path, suffix):
+    """A weight of 1e5 is finite in float32 and Inf in float16: the .onnx compared its way to a refusal,
+    while the .pt2 and .pt were written full of Inf with exit 0. The cast copy is checked once, for every
+    output kind, and nothing is written."""
+    import normswap
+    from normswap.errors import CheckFailedError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+    with torch.no_grad():
+        model[2].weight[0, 0] = 1e5
+    model.eval()
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.isfinite(model(x)).all()
+    out = tmp_path / f"out{suffix}"
+    with pytest.raises(
+        CheckFailedError, match=r"^--dtype float16: the model cast to float16 computes \d+ NaN/Inf"
+    ):
+        normswap.save(model, out, (x,), dtype=torch.float16)
+    assert list(tmp_path.iterdir()) == []
+    assert model[2].weight.dtype == torch.float32  # the user's model is left as it was

@@ -286,13 +286,19 @@ def _shapes_to_check(
     model: nn.Module, args: tuple, kwargs: dict[str, Any], conversion: ConversionResult | None
 ) -> list[InputVariant]:
     """The shapes a written program is run on: those the conversion was verified on, or for a module
-    saved as it is, the example and the variants the module accepts (:mod:`normswap.verify.variants`)."""
+    saved as it is (or converted with the example only), the example and the variants the module accepts
+    (:mod:`normswap.verify.variants`)."""
     from normswap.verify.variants import accepted_variants, candidate_variants
     from normswap.verify.written import verified_variants
 
-    if conversion is not None:
-        report = conversion.report
-        return verified_variants(args, kwargs, report.input_variants if report else None)
+    if (
+        conversion is not None
+        and conversion.report is not None
+        and conversion.report.input_variants is not None
+    ):
+        return verified_variants(args, kwargs, conversion.report.input_variants)
+    # a module saved as it is, or a conversion that checked the example only (an architectural swap): the
+    # variants the module accepts, on which the written program is run (and an ONNX file compared)
     probe = accepted_variants(model, candidate_variants(args, kwargs))
     return [InputVariant("example", args, kwargs), *probe.accepted]
 

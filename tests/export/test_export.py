@@ -237,3 +237,28 @@ def _declared(path: Path) -> list:
     return [
         list(i.type.tensor_type.shape.dim) for i in onnx.load(str(path), load_external_data=False).graph.input
     ]
+
+
+def test_an_architectural_swap_written_as_onnx_takes_the_shapes_its_pt2_takes(tmp_path):
+    """A swap checked on its example only recorded no variants, so its ONNX file declared every dim at
+    the example's while its .pt2 kept free dims unchecked. Both are now run on the shapes the converted
+    module accepts, and take the same ones."""
+    import normswap
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 2),
+    )  # fmt: skip
+    model.train()
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, 3, 16, 16) * 2 + 1)
+    model.eval()
+    x = torch.randn(2, 3, 16, 16)
+    result = normswap.convert(model, normswap.ConvertConfig(to="groupnorm", groups=4), (x,))
+    onnx_file = normswap.save(result, tmp_path / "gn.onnx")
+    program = normswap.save(result, tmp_path / "gn.pt2")
+    assert onnx_file.onnx.dynamic_axes == {"input": {0: "batch", 2: "height", 3: "width"}}
+    assert len(onnx_file.shapes.accepted) > 1 and not onnx_file.shapes.rejected
+    assert onnx_file.shapes.accepted == program.shapes.accepted

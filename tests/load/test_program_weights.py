@@ -124,23 +124,10 @@ def test_a_weight_member_stored_twice_is_not_read_by_range(llama_pt2: Path, tmp_
 def test_the_older_layout_torch_still_reads_is_left_to_the_whole_load(tmp_path: Path) -> None:
     """torch.export.load still reads the pre-2.8 zip layout (members at the zip's root); this reader does
     not, so it says so (None) and the whole load reads it."""
-    import io
-    import zipfile
-
-    from torch._export.serde.schema import SCHEMA_VERSION
-    from torch._export.serde.serialize import serialize
+    from old_pt2 import write_old_layout
 
     program = torch.export.export(_Transposed().eval(), (torch.randn(2, 4),))
-    artifact = serialize(program)
-    inputs = io.BytesIO()
-    torch.save(((torch.randn(2, 4),), {}), inputs)
-    old = tmp_path / "old.pt2"
-    with zipfile.ZipFile(old, "w") as archive:
-        archive.writestr("version", ".".join(map(str, SCHEMA_VERSION)))
-        archive.writestr("serialized_exported_program.json", artifact.exported_program)
-        archive.writestr("serialized_state_dict.pt", artifact.state_dict)
-        archive.writestr("serialized_constants.pt", artifact.constants)
-        archive.writestr("serialized_example_inputs.pt", inputs.getvalue())
+    old = write_old_layout(tmp_path / "old.pt2", program, ((torch.randn(2, 4),), {}))
     assert load_program_on_meta(old, trust_pickle=False) is None
     assert load_model(str(old)).model(torch.ones(2, 4)).shape == (2, 6)
 

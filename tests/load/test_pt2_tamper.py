@@ -360,17 +360,10 @@ def test_untampered_archives_still_load(tmp_path: Path, clean_archive: Path) -> 
 
 
 def test_untampered_old_zip_layout_still_loads(tmp_path: Path, clean_archive: Path) -> None:
-    from torch._export.serde.schema import SCHEMA_VERSION
-    from torch._export.serde.serialize import serialize
+    from old_pt2 import write_old_layout
 
-    artifact = serialize(torch.export.load(clean_archive))
-    old = tmp_path / "old.pt2"
-    with zipfile.ZipFile(old, "w") as archive:
-        archive.writestr("version", ".".join(map(str, SCHEMA_VERSION)))
-        archive.writestr("serialized_exported_program.json", artifact.exported_program)
-        archive.writestr("serialized_state_dict.pt", artifact.state_dict)
-        archive.writestr("serialized_constants.pt", artifact.constants)
-        archive.writestr("serialized_example_inputs.pt", artifact.example_inputs)
+    program = torch.export.load(clean_archive)
+    old = write_old_layout(tmp_path / "old.pt2", program, program.example_inputs)
     loaded = load_model(str(old))
     x = torch.randn(3, 8)
     torch.testing.assert_close(loaded.model(x), torch.export.load(clean_archive).module()(x))

@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    from normswap.kernels._direct import direct_launch_enabled
+
     if not torch.cuda.is_available():
         print("bench_models_fused needs a CUDA device; nothing was measured", file=sys.stderr)
         return 2
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "python": platform.python_version(),
+            "direct_launch": direct_launch_enabled(),
             "route_rules": os.environ.get("NORMSWAP_ROUTE_RULES", "built-in"),
             "timing": "CUDA events around a loop of calls, variants interleaved, median of 9 rounds; ratio = original ms / variant ms",
         },

@@ -2,6 +2,7 @@
 # What the GPU figures in benchmarks/results/ were produced with, one step per argument, in order:
 #   bash benchmarks/gpu_session.sh setup gputests tune suite
 #   bash benchmarks/gpu_session.sh setup routes normsbench models gputests   (issue 27: per-shape routes)
+#   bash benchmarks/gpu_session.sh setup launch gputests models routes       (issue 27: direct launches)
 # setup installs normswap (editable, no dependencies: the machine has them) and any wheels in .whl/
 # (Liger-Kernel); every other step writes its log and results under $OUT (default ./gpu_out).
 set -uo pipefail
@@ -10,6 +11,13 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=python3
+
+# The route rules the bench steps run with: ROUTES_RULES, else a routes step's output, else built-in.
+rules_env() {
+  local rules=${ROUTES_RULES:-$OUT/routes.json}
+  if [ -f "$rules" ]; then export NORMSWAP_ROUTE_RULES=$rules; else unset NORMSWAP_ROUTE_RULES; fi
+  echo "route rules: ${NORMSWAP_ROUTE_RULES:-built-in}"
+}
 
 for step in "$@"; do
   echo "=== $step $(date +%T)"
@@ -35,13 +43,19 @@ for step in "$@"; do
       # NORMSWAP_ROUTE_RULES) unless ROUTES_RULES names others.
       timeout "${ROUTES_TIMEOUT:-300}" $PY benchmarks/tune_routes.py --out "$OUT/routes.json" --python 2>&1 | tail -40
       ;;
+    launch)
+      # Host time per eager call: Triton's launch against the direct launch, modules against theirs.
+      timeout "${LAUNCH_TIMEOUT:-90}" $PY benchmarks/bench_launch_gpu.py --out "$OUT/launch.json" 2>&1 | tail -45
+      ;;
     normsbench)
-      # bench_norms with the routes just tuned: normswap against eager on every shape.
-      NORMSWAP_ROUTE_RULES=${ROUTES_RULES:-$OUT/routes.json} timeout "${BENCH_TIMEOUT:-560}" $PY benchmarks/bench_norms.py \
+      # bench_norms with the routes just tuned (if a routes step ran): normswap against eager on every shape.
+      rules_env
+      timeout "${BENCH_TIMEOUT:-560}" $PY benchmarks/bench_norms.py \
         --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^\(rms\|layer\) " | tail -40
       ;;
     models)
-      NORMSWAP_ROUTE_RULES=${ROUTES_RULES:-$OUT/routes.json} timeout "${MODELS_TIMEOUT:-300}" $PY benchmarks/bench_models_fused.py \
+      rules_env
+      timeout "${MODELS_TIMEOUT:-300}" $PY benchmarks/bench_models_fused.py \
         --out "$OUT/models.json" ${MODELS_ARGS:-} 2>&1 | grep -v -i "warn\|output = func\|return forward_call" | tail -40
       ;;
     suite)

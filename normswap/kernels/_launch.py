@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from normswap.kernels._direct import direct_kernel
 from normswap.kernels._tiling import (
     TileConfig,
     bwd_config,
@@ -117,12 +118,13 @@ def _launcher(kernel, interpret: bool, x: torch.Tensor):
     Under torch.compile the ops are decomposed (they are ``triton_op``s) and traced with functional or
     fake tensors; ``wrap_triton`` records each launch as a node Inductor compiles into its own code.
     A plain tensor ``x`` outside any dispatch mode launches directly: the wrapper would cost a dispatch round
-    trip per launch, and eager host time counts at a few rows.
+    trip per launch, and eager host time counts at a few rows; a kernel already compiled for the call's
+    specialization skips Triton's binding too (:mod:`._direct`).
     """
     if interpret:
         return kernel
     if _get_current_dispatch_mode() is None and type(x) in (torch.Tensor, torch.nn.Parameter):
-        return kernel
+        return direct_kernel(kernel)
     from torch.library import wrap_triton
 
     return wrap_triton(kernel)

@@ -41,7 +41,7 @@ for step in "$@"; do
     routes)
       # Where each route of an eager call wins, per shape; the rules the later steps apply (their
       # NORMSWAP_ROUTE_RULES) unless ROUTES_RULES names others.
-      timeout "${ROUTES_TIMEOUT:-300}" $PY benchmarks/tune_routes.py --out "$OUT/routes.json" --python 2>&1 | tail -40
+      timeout "${ROUTES_TIMEOUT:-300}" $PY benchmarks/tune_routes.py --out "$OUT/routes.json" --python ${ROUTES_ARGS:-} 2>&1 | tail -40
       ;;
     launch)
       # Host time per eager call: Triton's launch against the direct launch, modules against theirs.
@@ -105,6 +105,61 @@ with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         through()
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+PYEOF
+      ;;
+    bwdhost)
+      # Where the host time of an eager backward goes at one row: autograd's device thread, or our code.
+      timeout "${BWDHOST_TIMEOUT:-120}" $PY - <<'PYEOF' 2>&1 | tail -40
+import cProfile, pstats, statistics, time
+import torch
+import torch.nn.functional as F
+from normswap.kernels import kernel_route, rms_norm
+from normswap.kernels._launch import launch_bwd, launch_fwd
+n = 4096
+x = torch.randn(1, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+w = torch.randn(n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dy = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+class Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+    @staticmethod
+    def backward(ctx, g):
+        return g
+def us(fn, calls=500):
+    for _ in range(50):
+        fn()
+    out = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(out)
+_, _, _, rstd = launch_fwd("rms", x.detach(), None, w.detach(), None, 1e-6, "none", 0.0)
+xd, wd = x.detach(), w.detach()
+cases = {
+    "F.rms_norm fwd+bwd": lambda: F.rms_norm(x, (n,), w, 1e-6).backward(dy),
+    "normswap fwd+bwd": lambda: rms_norm(x, w, None, 1e-6).backward(dy),
+    "normswap fwd (recording)": lambda: rms_norm(x, w, None, 1e-6),
+    "launch_bwd alone": lambda: launch_bwd("rms", dy, None, xd, wd, None, None, rstd, "none", 0.0),
+    "identity Function fwd+bwd": lambda: Identity.apply(x).backward(dy),
+    "x*1 fwd+bwd (C++ nodes)": lambda: (x * 1).backward(dy),
+}
+with kernel_route("triton"):
+    for threads in (True, False):
+        torch.autograd.set_multithreading_enabled(threads)
+        for name, fn in cases.items():
+            print(f"multithreading {threads!s:5} {name:28} {us(fn):8.1f} us")
+    torch.autograd.set_multithreading_enabled(False)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(500):
+        rms_norm(x, w, None, 1e-6).backward(dy)
+    pr.disable()
+pstats.Stats(pr).sort_stats("tottime").print_stats(16)
 PYEOF
       ;;
     hostprof)

@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="JSON file for the timings and rules")
     p.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     p.add_argument("--lengths", nargs="+", type=int, default=list(LENGTHS))
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=("bf16", "fp32"),
+        default=["bf16", "fp32"],
+        help="keys of these dtypes only",
+    )
     p.add_argument("--python", action="store_true", help="print the rules as a Python literal")
     p.add_argument("--from-json", type=Path, help="derive the rules from this run's timings; measure nothing")
     args = p.parse_args(argv)
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for kind, add, native, dtype_name, train in KEYS:
+        if dtype_name not in args.dtypes:
+            continue
         dtype = dtypes[dtype_name]
         key = route_key(kind, add, native, dtype.itemsize, train)
         t0 = time.perf_counter()

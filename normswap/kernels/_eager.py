@@ -57,6 +57,7 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
 
 # Parameters are plain tensors too; any other subclass (FakeTensor, DTensor, ...) must see the op.
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def transformed() -> bool:
@@ -88,8 +89,11 @@ def _watched(tensors: tuple[torch.Tensor | None, ...]) -> bool:
         return True
     if torch._C._get_tracing_state():
         return True
-    is_batched = torch._C._functorch.is_legacy_batchedtensor
-    return any(t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or is_batched(t)) for t in tensors)
+    # A loop, not any(<generator>): this runs on every eager call, and at a few rows host time counts.
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or _is_legacy_batched(t)):
+            return True
+    return False
 
 
 def flatten_norm_dims(

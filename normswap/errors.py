@@ -1,6 +1,7 @@
 """Errors that carry their own exit code, so the CLI can map them without tracebacks.
 
-`BadInputError` means the user gave something we cannot use (exit 2); `CheckFailedError` means a
+`BadInputError` means the user gave something we cannot use (exit 2; `BrokenModelError`: a model that
+holds or computes NaN/Inf); `CheckFailedError` means a
 rewrite or an export did not pass its numerical check and nothing was written (exit 1). :func:`describe`
 and :func:`first_line` put an exception into a one-line message; :func:`write_error` and
 :func:`failed_write` say a write that failed in the user's environment (a full disk) the one way every
@@ -24,6 +25,12 @@ class BadInputError(NormswapError):
     """A model file, factory, input file or option that cannot be used as given."""
 
     exit_code = 2
+
+
+class BrokenModelError(BadInputError):
+    """The model given holds or computes NaN/Inf where a check reads it: nothing can be compared there,
+    so every command refuses it the same way (exit 2), before writing anything
+    (:mod:`normswap.verify.finite`)."""
 
 
 class CheckFailedError(NormswapError):

@@ -133,11 +133,13 @@ def test_validate_exact_fails_a_model_wrong_everywhere_plus_one_nan():
     assert result.exit_code == 1 and "holds NaN at [2, 1]" in result.output
 
 
-def test_convert_fails_an_original_whose_outputs_are_all_nan(tmp_path):
+def test_convert_refuses_an_original_whose_outputs_are_all_nan(tmp_path):
+    """A broken original is bad input (exit 2, the one rule of normswap.util.finite), not a failed check."""
     out = tmp_path / "m.pt2"
     result = _run("convert", f"{HERE}:nan_logits_factory", "--fold-bn", "-o", str(out))
-    assert result.exit_code == 1, result.output
-    assert "the original's output holds NaN at [0, 0, 0, 0]" in result.output
+    assert result.exit_code == 2, result.output
+    assert "the model is broken: its output holds NaN at [0, 0, 0, 0]" in result.output
+    assert "on the example inputs 2x3x8x8" in result.output
     assert "PASS" not in result.output and not out.exists()
 
 

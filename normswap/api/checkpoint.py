@@ -39,7 +39,7 @@ from normswap.load.checkpoint_dir import (
 from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers
 from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
-from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_tensor, shard_writers
+from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_model_tensor, shard_writers
 from normswap.load.save import directory_output
 from normswap.passes.core.base import PassReport
 from normswap.passes.core.edits import EditPlan, TensorEdit
@@ -161,7 +161,10 @@ def _stream(
             return headers[checkpoint.weight_map[name]][0][name]
 
         def read_group(edit: TensorEdit) -> dict[str, torch.Tensor]:
-            return {n: read_tensor(checkpoint.path / checkpoint.weight_map[n], entry(n)) for n in edit.reads}
+            return {
+                n: read_model_tensor(checkpoint.path / checkpoint.weight_map[n], n, entry(n))
+                for n in edit.reads
+            }
 
         def write_group(outputs: dict[str, torch.Tensor]) -> None:
             for name, value in outputs.items():

@@ -31,17 +31,24 @@ def _say(on_step: Step | None, text: str) -> None:
 
 
 def load_for_inference(
-    spec: str, weights: str | Path | None = None, trust_pickle: bool = False, structure_only: bool = False
+    spec: str,
+    weights: str | Path | None = None,
+    trust_pickle: bool = False,
+    structure_only: bool = False,
 ) -> LoadedModel:
     """MODEL (a .pt2, a model directory, a factory, or a .pt with ``trust_pickle``) in inference mode:
     BatchNorm uses its running statistics. ``structure_only``: a model directory is built on the meta
-    device, no weight read (what ``inspect`` needs)."""
+    device, no weight read (what ``inspect`` needs). A model whose parameters hold NaN or Inf is refused
+    as broken, whatever the command (:mod:`normswap.util.finite`)."""
     from normswap.load import load_model
     from normswap.load.model_file import load_model_structure
+    from normswap.util.finite import refuse_broken_model
     from normswap.util.modes import set_inference_mode
 
     loader = load_model_structure if structure_only else load_model
     loaded = loader(spec, weights=weights, trust_pickle=trust_pickle)
+    if not structure_only:
+        refuse_broken_model(loaded.model)
     set_inference_mode(loaded.model)
     return loaded
 
@@ -105,10 +112,16 @@ def required_inputs(
 
 
 def check_inputs_fit(model: nn.Module, args: Any, kwargs: Any, what: str = "the model") -> None:
-    """One run of the user's model on the example inputs, so inputs that do not fit fail in one line."""
+    """One run of the user's model on the example inputs, so inputs that do not fit fail in one line,
+    and a model that computes NaN/Inf there is refused as broken (:mod:`normswap.util.finite`)."""
     from normswap.load.inputs import check_inputs_fit as check
+    from normswap.load.inputs import describe_inputs
+    from normswap.verify.finite import refuse_nonfinite_outputs
 
-    check(model, args, kwargs, what=what)
+    output = check(model, args, kwargs, what=what)
+    refuse_nonfinite_outputs(
+        output, f"the example inputs {describe_inputs(tuple(args or ()), dict(kwargs or {}))}", what
+    )
 
 
 def never_written(spec: str) -> Path | None:

@@ -33,8 +33,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.calibrate.data import ModelInputs, as_model_inputs
 from normswap.errors import CheckFailedError
+from normswap.util.finite import first_nonfinite
 from normswap.util.modes import modes_restored
-from normswap.verify.metrics import first_nonfinite, flatten_outputs, sqnr_db
+from normswap.verify.metrics import flatten_outputs, sqnr_db
 
 # DyT's alpha candidates: log-spaced over the range trained models end up in (Zhu et al. 2025).
 DYT_ALPHAS = tuple(float(a) for a in torch.logspace(-2, 1, 31))

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from normswap.calibrate.parallel import DataParallel
-from normswap.errors import BadInputError
+from normswap.errors import BadInputError, BrokenModelError
+from normswap.util.finite import refuse_nonfinite_tensor
 
 
 def _computed_buffers(checkpoint: Any) -> dict[str, torch.Tensor]:
@@ -96,9 +97,12 @@ def _fill(target: torch.Tensor, name: str, source: Any, where: str, device: torc
             )
             if local.numel():
                 rows = _rows(source, offset[0], offset[0] + local_shape[0])
+                refuse_nonfinite_tensor(f"{name} (rows from {offset[0]})", rows)
                 local.copy_(rows.reshape(local.shape).to(device))
         else:
-            target.copy_(_rows(source, 0, None).to(device))
+            whole = _rows(source, 0, None)
+            refuse_nonfinite_tensor(name, whole)
+            target.copy_(whole.to(device))
 
 
 def load_directory_sharded(
@@ -136,9 +140,19 @@ def load_rows_sharded(
     placement = parallel.shard(model, trained=trained, mixed_precision=mixed_precision)
     model.to_empty(device=parallel.device)  # memory for its shards only
     targets = model.state_dict(keep_vars=True)
+    broken: BrokenModelError | None = None
     for name, stored_tensor in stored.items():
         if name in targets:
-            _fill(targets[name], name, stored_tensor, source, parallel.device)
+            try:
+                _fill(targets[name], name, stored_tensor, source, parallel.device)
+            except BrokenModelError as exc:  # each process reads its own rows: keep reading, then agree
+                broken = broken or exc
+    # Every process must hear of a NaN/Inf one of them read, or the others would wait in a collective.
+    if parallel.sum(1.0 if broken is not None else 0.0) > 0:
+        raise broken or BrokenModelError(
+            f"the model is broken: another process read NaN/Inf in the stored tensors of {source}; "
+            "nothing can be compared there, and nothing was written"
+        )
     with torch.no_grad():
         for name, value in computed.items():
             model.get_buffer(name).copy_(value.to(parallel.device))

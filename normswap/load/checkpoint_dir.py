@@ -334,7 +334,7 @@ def stored_entries(directory: CheckpointDirectory) -> Iterator[tuple[str, Path, 
 
 def stored_tensor_reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
     """Reads one stored tensor of ``directory`` by its stored name (each shard's header read once)."""
-    from normswap.load.safetensors_io import read_header, read_tensor
+    from normswap.load.safetensors_io import read_header, read_model_tensor
 
     headers: dict[str, dict[str, Any]] = {}
 
@@ -342,7 +342,7 @@ def stored_tensor_reader(directory: CheckpointDirectory) -> Callable[[str], torc
         shard = directory.weight_map[name]
         if shard not in headers:
             headers[shard] = read_header(directory.path / shard)[0]
-        return read_tensor(directory.path / shard, headers[shard][name])
+        return read_model_tensor(directory.path / shard, name, headers[shard][name])
 
     return read
 

@@ -181,8 +181,9 @@ def describe_inputs(args: tuple | None, kwargs: Mapping[str, Any] | None = None,
 
 def check_inputs_fit(
     model: nn.Module, args: tuple | None, kwargs: Mapping[str, Any] | None = None, *, what: str = "the model"
-) -> None:
-    """Run ``model`` once on the example inputs; a failure becomes a ``BadInputError`` naming them.
+) -> Any:
+    """Run ``model`` once on the example inputs and return its output; a failure becomes a
+    ``BadInputError`` naming them.
 
     Commands call it before their expensive work, so inputs that do not fit the model (a wrong channel
     count or dtype, a keyword its forward does not take, more than memory holds) end in one line, not in a
@@ -195,7 +196,7 @@ def check_inputs_fit(
         args, kwargs = copy.deepcopy((args, kwargs))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            model(*args, **kwargs)
+            return model(*args, **kwargs)
     except Exception as exc:  # a model fails in its own ways; the user needs one sentence
         if is_out_of_memory(exc):
             raise BadInputError(

@@ -26,9 +26,11 @@ import torch
 
 from normswap.errors import BadInputError
 from normswap.load.json_io import parse_json
+from normswap.util.finite import refuse_nonfinite_tensor
 
 _MAX_HEADER = 100 * 1024 * 1024
 _COPY_CHUNK = 64 * 1024 * 1024
+_CHECKED_CHUNK = 16 * 1024 * 1024  # floating tensors are copied through memory, checked for NaN/Inf
 
 # safetensors dtype names <-> torch dtypes (the ones a checkpoint of normswap's models holds)
 DTYPES: dict[str, torch.dtype] = {
@@ -137,16 +139,27 @@ def read_tensor(path: str | Path, entry: TensorEntry, out: torch.Tensor | None =
     return out
 
 
+def read_model_tensor(
+    path: str | Path, name: str, entry: TensorEntry, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`read_tensor` for a model's stored tensor ``name``: one that holds NaN or Inf is the model
+    broken, refused here (:mod:`normswap.util.finite`) on every route that reads it, as the byte copies
+    of :meth:`ShardWriter.copy_bytes` refuse it."""
+    tensor = read_tensor(path, entry, out=out)
+    refuse_nonfinite_tensor(name, tensor)
+    return tensor
+
+
 def fill_tensor(path: str | Path, name: str, entry: TensorEntry, target: torch.Tensor) -> torch.Tensor:
     """Load one stored tensor into ``target`` (a model's parameter or buffer) and return it: read
     straight into its memory when its layout allows, else read and copied (cast) in; BadInputError for
-    a shape that differs from the stored one."""
+    a shape that differs from the stored one, BrokenModelError for NaN/Inf."""
     if tuple(target.shape) != entry.shape:
         raise BadInputError(f"{path}: {name} has shape {list(entry.shape)}, the model {list(target.shape)}")
     with torch.no_grad():
         if target.is_contiguous() and target.dtype == DTYPES[entry.dtype]:
-            return read_tensor(path, entry, out=target)
-        return target.copy_(read_tensor(path, entry))
+            return read_model_tensor(path, name, entry, out=target)
+        return target.copy_(read_model_tensor(path, name, entry))
 
 
 def read_rows(path: str | Path, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
@@ -209,15 +222,43 @@ class ShardWriter:
             raise ValueError(
                 f"{name}: the layout says {target.dtype} {list(target.shape)}, the source has another"
             )
+        dtype = DTYPES.get(entry.dtype)
+        floating = dtype is not None and dtype.is_floating_point
         with open(source, "rb") as handle:
             done = 0
             while done < entry.nbytes:
                 count = min(_COPY_CHUNK, entry.nbytes - done)
-                moved = self._copy_range(handle, entry.start + done, self.base + target.start + done, count)
+                if floating:  # through memory, so a NaN/Inf is refused, never copied into a model
+                    moved = self._copy_finite(handle, name, source, entry, done, count)
+                else:
+                    moved = self._copy_range(
+                        handle, entry.start + done, self.base + target.start + done, count
+                    )
                 if not moved:
                     raise BadInputError(f"{source} ends inside {name}")
                 done += moved
         self.pending.discard(name)
+
+    def _copy_finite(
+        self, handle: Any, name: str, source: Path, entry: TensorEntry, done: int, count: int
+    ) -> int:
+        """Copy up to ``count`` bytes of a floating tensor from offset ``done`` through this process,
+        refusing the model (:mod:`normswap.util.finite`) when they hold NaN or Inf; the sentence is the
+        whole tensor's. At most ``_CHECKED_CHUNK`` bytes at a time, read into one buffer and written from
+        it: the check adds that chunk and its mask to the stream's memory, nothing per tensor."""
+        count = min(count, _CHECKED_CHUNK)
+        buffer = bytearray(count)
+        handle.seek(entry.start + done)
+        moved = handle.readinto(buffer)
+        size = _element_size(entry.dtype)
+        if moved and moved % size == 0:
+            values = torch.frombuffer(buffer, dtype=DTYPES[entry.dtype], count=moved // size)
+            if not bool(torch.isfinite(values).all()):
+                refuse_nonfinite_tensor(name, read_tensor(source, entry))
+        view, target, written = memoryview(buffer)[:moved], self.base + self.entries[name].start + done, 0
+        while written < moved:  # pwrite may write less than asked
+            written += os.pwrite(self._fd, view[written:], target + written)
+        return moved
 
     def _copy_range(self, handle: Any, source_offset: int, target_offset: int, count: int) -> int:
         """Copy up to ``count`` bytes between the files; the kernel copies them where it can

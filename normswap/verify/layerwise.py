@@ -30,6 +30,7 @@ from torch import nn
 from normswap.util.modes import modes_restored
 from normswap.util.tolerance import exact_tolerance
 from normswap.verify.exact import ExactRun, ExactVerdict, judge_exact, run_widened, widened_model
+from normswap.verify.finite import refuse_nonfinite_outputs
 from normswap.verify.metrics import TensorComparison, compare_tensors, flatten_outputs
 
 DEFAULT_MIN_SQNR_DB = 40.0
@@ -196,6 +197,8 @@ def validate_models(
     ):
         for i, (args, kwargs) in enumerate(batches):
             ref_outputs.append(_call(original, "the original model", args, kwargs))
+            where = f"batch {i + 1} of {len(batches)}" if len(batches) > 1 else "the inputs"
+            refuse_nonfinite_outputs(ref_outputs[-1], where, "the original model")
             new_outputs.append(_call(converted, "the converted model", args, kwargs))
             if on_batch is not None:
                 on_batch(i)

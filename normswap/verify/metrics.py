@@ -19,29 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from normswap.util.finite import first_nonfinite
 from normswap.util.tolerance import exact_tolerance, within_exact_tolerance
 
 ORIGINAL = "the original's"
 CONVERTED = "the converted model's"
-
-
-def first_nonfinite(t: torch.Tensor) -> tuple[int, list[int], str] | None:
-    """(count, index of the first, "NaN"/"Inf"/"-Inf") of the non-finite values of ``t``; None if none
-    (integer and bool tensors are always finite)."""
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-        return None
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj())
-    bad = ~torch.isfinite(t)
-    count = int(bad.sum())
-    if count == 0:
-        return None
-    flat = int(bad.reshape(-1).to(torch.uint8).argmax())
-    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape)] if t.ndim else []
-    value = float(t.reshape(-1)[flat])
-    kind = "NaN" if math.isnan(value) else ("Inf" if value > 0 else "-Inf")
-    return count, index, kind
 
 
 def nonfinite_where(

@@ -15,7 +15,7 @@ from normswap_cli.app import app
 from typer.testing import CliRunner
 
 from normswap.api import ConvertConfig, convert
-from normswap.errors import CheckFailedError
+from normswap.errors import BrokenModelError, CheckFailedError
 from normswap.load import load_model
 from normswap.load.weight_files import find_weights
 
@@ -134,28 +134,20 @@ def test_a_wrong_fold_is_caught_by_its_check_and_nothing_is_written(tmp_path, mo
     assert [p.name for p in tmp_path.iterdir()] == ["resnet"]  # no temporary sibling left
 
 
-def test_statistics_without_an_affine_map_are_refused_as_in_memory(tmp_path):
+def test_statistics_without_an_affine_map_are_a_broken_model_on_both_routes(tmp_path):
+    """running_var + eps <= 0 makes the BatchNorm compute NaN on every input: the model is broken, and
+    both routes refuse it (normswap.util.finite), in memory through its outputs, streamed at the
+    statistics (the stream runs no whole model); nothing is written."""
     broken = "resnet.encoder.stages.1.layers.0.shortcut.normalization"
-    source, model = _directory(tmp_path, "resnet", break_statistics=broken)
-    streamed = stream(source, tmp_path / "streamed", fold_bn=True)
+    source, _ = _directory(tmp_path, "resnet", break_statistics=broken)
+    with pytest.raises(BrokenModelError, match=rf"its {broken}\.running_var \+ eps is not positive at \[0\]"):
+        stream(source, tmp_path / "streamed", fold_bn=True)
     loaded = load_model(str(source))
-    result = convert(loaded.model, ConvertConfig(fold_bn=True), loaded.example_args, loaded.example_kwargs)
-    memory = [(s.site, s.reason) for s in result.report.passes[0].skips]
-    assert (
-        [(s.site, s.reason) for s in streamed.report.skips]
-        == memory
-        == [
-            (
-                broken,
-                "BatchNorm statistics are not finite with running_var + eps > 0: it is no affine map to fold",
-            )
-        ]
-    )
-    # that BatchNorm stays, with its tensors, and the model it belongs to still loads
-    written = _tensors(tmp_path / "streamed")
-    assert torch.equal(written[f"{broken}.running_var"], model.get_submodule(broken).running_var)
-    back = load_model(str(tmp_path / "streamed")).model
-    assert isinstance(back.get_submodule(broken), torch.nn.BatchNorm2d)
+    with pytest.raises(BrokenModelError, match=r"the model is broken: its output.logits holds NaN"):
+        convert(loaded.model, ConvertConfig(fold_bn=True), loaded.example_args, loaded.example_kwargs)
+    assert not (tmp_path / "streamed").exists()
+    result = runner.invoke(app, ["convert", str(source), "--fold-bn", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "the model is broken" in result.output, result.output
 
 
 def test_the_cli_streams_a_fold_and_says_how_it_was_checked(tmp_path):

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normswap.errors import BrokenModelError
 from normswap.modules.recipes import build_from_recipe, module_recipe
 from normswap.passes.batchnorm.fold import FoldBatchNorm, FoldPlan
 from normswap.passes.batchnorm.group import FoldGroup, fold_group
@@ -40,6 +41,7 @@ from normswap.passes.batchnorm.match import bn_eps, bn_statistics_problem
 from normswap.passes.core.base import Change, PassContext
 from normswap.passes.core.edits import EditPlan, Tensors, plan_for
 from normswap.passes.swap.norm_act import is_identity, norm_act_tail
+from normswap.util.finite import NOTHING_COMPARED
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
 # The layer classes a recipe rebuilds: a subclass with a forward of its own would lose it.
@@ -106,9 +108,17 @@ def _group_of(
     # the check the model's values would have had in memory, on the stored statistics (two vectors)
     mean, var = group.stats["running_mean"], group.stats["running_var"]
     assert mean is not None and var is not None
-    problem = bn_statistics_problem(read(mean), read(var), group.eps)
+    variance = read(var)  # read() refuses NaN/Inf stored (normswap.util.finite)
+    problem = bn_statistics_problem(read(mean), variance, group.eps)
     if problem is not None:
-        return problem
+        # finite statistics with running_var + eps <= 0: the BatchNorm computes NaN or Inf on every input,
+        # which the in-memory route refuses through the model's outputs; the stream runs no whole model,
+        # so it refuses the model here, by the same rule and exit code
+        index = int((variance.double() + group.eps <= 0).nonzero()[0, 0])
+        raise BrokenModelError(
+            f"the model is broken: its {var} + eps is not positive at [{index}] ({float(variance[index])}), so "
+            f"{site.path} computes NaN or Inf there; {NOTHING_COMPARED}"
+        )
     recipe = module_recipe(layer)
     assert recipe is not None  # a class of STREAM_LAYERS has one
     return FoldedGroup(group, layer, {**recipe, "kwargs": {**recipe["kwargs"], "bias": True}})

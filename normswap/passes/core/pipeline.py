@@ -26,8 +26,10 @@ from torch.utils import _pytree as pytree
 from normswap.graph.capture import CapturedGraph
 from normswap.modules.copying import copy_model
 from normswap.passes.core.base import Pass, PassReport, RewriteKind, usable_capture
+from normswap.util.finite import refuse_broken_model
 from normswap.verify.compare import ModelComparison, compare_models, compare_outputs, run_model
 from normswap.verify.exact import ExactRun, judge_exact, run_widened, widened_model
+from normswap.verify.finite import refuse_nonfinite_outputs
 from normswap.verify.variants import (
     InputVariant,
     accepted_variants,
@@ -111,6 +113,8 @@ class Pipeline:
         # outputs of `current` on inputs[i]; valid while `current` is unchanged (passes without changes
         # keep it), so each input runs once per change, not twice per pass
         outputs: dict[int, Any] = {}
+        if check:  # a model holding NaN/Inf is refused before any work, as on every route
+            refuse_broken_model(original)
         if check and any(p.kind is RewriteKind.EXACT for p in self.passes):
             # the original decides which variants are free sizes; its outputs are the first reference
             step("running the model on input variants")
@@ -135,6 +139,7 @@ class Pipeline:
                         dropped.append({**inputs[i].to_dict(), "error": describe_error(exc)})
             if check and original_output is None:
                 original_output = outputs[0]  # the input model's, before any pass: the overall reference
+                refuse_nonfinite_outputs(original_output, f"the example inputs {inputs[0].describe()}")
             wanted = [i for i in live if exact or i == 0] if check else []
             # The model an exact pass is judged against, in a wider dtype, when the outputs move beyond the
             # table: a half-precision model is kept as it was (judged in fp32); an fp32 one is judged

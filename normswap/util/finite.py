@@ -1,0 +1,76 @@
+"""The one rule for a model that holds or computes NaN or Inf: it is broken, and every route refuses it.
+
+A rewrite cannot be checked against a model whose outputs hold NaN or Inf (nothing is compared there),
+and a model whose weights do would carry the NaN into whatever is written. So, before any work and
+before anything is written, every command and route refuses such a model the same way
+(:class:`normswap.errors.BrokenModelError`, exit 2) with one sentence naming the tensor, what it holds
+and where: the parameters of a model in memory, each stored tensor that a streamed route reads or copies,
+and the model's outputs on the example inputs wherever a route runs the model. Buffers are not refused
+for themselves (a causal mask legitimately holds -Inf); they count through the outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from normswap.errors import BrokenModelError
+
+NOTHING_COMPARED = "nothing can be compared there, and nothing was written"
+
+
+def first_nonfinite(t: torch.Tensor) -> tuple[int, list[int], str] | None:
+    """(count, index of the first, "NaN"/"Inf"/"-Inf") of the non-finite values of ``t``; None if none
+    (integer and bool tensors are always finite)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return None
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    bad = ~torch.isfinite(t)
+    count = int(bad.sum())
+    if count == 0:
+        return None
+    flat = int(bad.reshape(-1).to(torch.uint8).argmax())
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), t.shape)] if t.ndim else []
+    value = float(t.reshape(-1)[flat])
+    kind = "NaN" if math.isnan(value) else ("Inf" if value > 0 else "-Inf")
+    return count, index, kind
+
+
+def holds(found: tuple[int, list[int], str]) -> str:
+    """What :func:`first_nonfinite` found, in words: "NaN at [0, 3] (2 non-finite values)"."""
+    count, index, kind = found
+    return f"{kind} at {index} ({count} non-finite value{'s' if count != 1 else ''})"
+
+
+def refuse_nonfinite_tensor(name: str, tensor: torch.Tensor, model: str = "the model") -> None:
+    """Refuse ``model`` when its tensor ``name`` holds NaN or Inf (integer tensors never do)."""
+    found = first_nonfinite(tensor)
+    if found is not None:
+        raise BrokenModelError(f"{model} is broken: its {name} holds {holds(found)}; {NOTHING_COMPARED}")
+
+
+def refuse_nonfinite_parameters(named: Iterable[tuple[str, torch.Tensor]], model: str = "the model") -> None:
+    """Refuse ``model`` when one of its parameters holds NaN or Inf (meta ones are skipped)."""
+    for name, tensor in named:
+        if tensor.device.type != "meta":
+            refuse_nonfinite_tensor(name, tensor, model)
+
+
+def refuse_broken_model(module: nn.Module, model: str = "the model") -> None:
+    """:func:`refuse_nonfinite_parameters` over ``module``'s parameters (a tied one once)."""
+    refuse_nonfinite_parameters(module.named_parameters(), model)
+
+
+__all__ = [
+    "NOTHING_COMPARED",
+    "first_nonfinite",
+    "holds",
+    "refuse_broken_model",
+    "refuse_nonfinite_parameters",
+    "refuse_nonfinite_tensor",
+]

@@ -1,0 +1,219 @@
+"""One rule for a model that holds or computes NaN/Inf (normswap.util.finite): every command and every
+route refuses it the same way, exit 2, naming the tensor and where, before anything is written; a model
+whose only non-finite values are a buffer it uses legitimately (a -Inf attention mask) is not refused.
+
+Routes: a model file in memory (convert under every kind of rewrite, export, recalibrate, validate,
+inspect with inputs), a model directory in memory, streamed (the byte copies and the tensors an edit
+reads) and block by block, and the library's calls."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from hf_dirs import make_directory, wav2vec2_config
+from normswap_cli.app import app
+from safetensors.torch import load_file, save_file
+from torch import nn
+from typer.testing import CliRunner
+
+from normswap.api import ConvertConfig, convert
+from normswap.errors import BrokenModelError
+from normswap.passes import FoldBatchNorm, Pipeline
+
+runner = CliRunner()
+HERE = str(Path(__file__))
+INF_SENTENCE = "the model is broken: its conv.weight holds Inf at [0, 1, 2, 0] (1 non-finite value)"
+
+
+class ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.bn, self.head = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+def _conv_bn(inf: bool = True) -> nn.Module:
+    model = ConvBN()
+    model.train()
+    for _ in range(3):
+        model(torch.randn(4, 3, 12, 12))
+    model.eval()
+    if inf:
+        with torch.no_grad():
+            model.conv.weight[0, 1, 2, 0] = math.inf
+    return model
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1))
+
+
+def broken_factory() -> tuple[nn.Module, tuple]:
+    return _conv_bn(), (_x(),)
+
+
+def good_factory() -> tuple[nn.Module, tuple]:
+    return _conv_bn(inf=False), (_x(),)
+
+
+def overflowing_factory() -> tuple[nn.Module, tuple]:
+    """Finite weights whose output overflows fp32: the outputs rule, not the weights rule, refuses it."""
+    model = _conv_bn(inf=False)
+    with torch.no_grad():
+        model.head.weight.fill_(3e38)
+    return model, (_x(),)
+
+
+@pytest.fixture(scope="module")
+def broken_pt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("broken") / "inf.pt2"
+    torch.export.save(torch.export.export(_conv_bn(), (_x(),)), path)
+    return path
+
+
+def _refused(result, out: Path | None = None, sentence: str = INF_SENTENCE) -> None:
+    assert result.exit_code == 2, result.output
+    assert sentence in result.output, result.output
+    assert "nothing can be compared there, and nothing was written" in result.output
+    assert out is None or not out.exists()
+
+
+@pytest.mark.parametrize(
+    "rewrite", [["--fold-bn"], ["--to", "fused"], ["--to", "groupnorm", "--groups", "2"], ["--to", "rmsnorm"]]
+)
+def test_convert_refuses_a_broken_model_file_whatever_the_rewrite(broken_pt2, tmp_path, rewrite):
+    # before: --fold-bn exit 1 "exact rewrite changed the outputs", --to fused exit 0 writing the model
+    out = tmp_path / "out.pt2"
+    _refused(runner.invoke(app, ["convert", str(broken_pt2), *rewrite, "-o", str(out)]), out)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["export", "{model}", "-o", "{out}.onnx"],
+        ["recalibrate", "{model}", "--data", "{data}", "-o", "{out}.pt2"],
+        ["validate", "{model}", "{good}"],
+        ["inspect", "{model}", "--input-shape", "2,3,12,12"],
+    ],
+    ids=["export", "recalibrate", "validate", "inspect"],
+)
+def test_every_command_refuses_it_the_same_way(broken_pt2, tmp_path, argv):
+    data = tmp_path / "data.pt"
+    torch.save(torch.randn(8, 3, 12, 12), data)
+    fields = {"model": str(broken_pt2), "out": str(tmp_path / "out"), "data": str(data)}
+    fields["good"] = f"{HERE}:good_factory"
+    result = runner.invoke(app, [a.format(**fields) for a in argv])
+    if argv[0] == "inspect":  # inspect runs the model: its outputs are what it sees
+        _refused(result, sentence="the model is broken: its output holds -Inf at [0, 0]")
+    else:
+        _refused(result)
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_a_broken_converted_model_in_validate_is_refused_too(broken_pt2):
+    _refused(runner.invoke(app, ["validate", f"{HERE}:good_factory", str(broken_pt2)]))
+
+
+def test_finite_weights_that_compute_inf_are_refused_by_their_outputs(tmp_path):
+    out = tmp_path / "out.pt2"
+    result = runner.invoke(app, ["convert", f"{HERE}:overflowing_factory", "--fold-bn", "-o", str(out)])
+    _refused(result, out, "the model is broken: its output holds Inf at [0, 0]")
+    assert "on the example inputs 2x3x12x12" in result.output
+
+
+def test_the_library_refuses_it_in_memory():
+    with pytest.raises(BrokenModelError, match=r"its conv\.weight holds Inf at \[0, 1, 2, 0\]"):
+        convert(_conv_bn(), ConvertConfig(fold_bn=True), example_args=(_x(),))
+    with pytest.raises(BrokenModelError, match=r"its conv\.weight holds Inf"):
+        Pipeline([FoldBatchNorm()])(_conv_bn(), (_x(),))
+
+
+class MaskedAttention(nn.Module):
+    """A causal self-attention whose mask buffer holds -Inf, as hand-written transformers store it."""
+
+    def __init__(self, dim: int = 16, length: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.qkv, self.out = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.register_buffer("mask", torch.full((length, length), -math.inf).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + self.mask
+        return x + self.out(scores.softmax(-1) @ v)
+
+
+def masked_attention_factory() -> tuple[nn.Module, tuple]:
+    return MaskedAttention().eval(), (torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(2)),)
+
+
+def test_a_minus_inf_mask_buffer_is_not_a_broken_model(tmp_path):
+    out = tmp_path / "out.pt2"
+    result = runner.invoke(
+        app, ["convert", f"{HERE}:masked_attention_factory", "--to", "fused", "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert out.exists() and "broken" not in result.output
+
+
+# ---------------------------------------------------------------------------------------------------
+# model directories: in memory, streamed, block by block
+
+
+@pytest.fixture(scope="module")
+def w2v(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A wav2vec2 directory (weight norm in its positional conv), one copy with a NaN in a tensor no
+    rewrite touches, one with a NaN in the weight-norm tensor the streamed edit reads."""
+    root = tmp_path_factory.mktemp("w2v")
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2Model(wav2vec2_config()).eval()
+    made = {}
+    for name, tensor in (
+        ("untouched", "encoder.layers.0.feed_forward.intermediate_dense.weight"),
+        ("edited", "encoder.pos_conv_embed.conv.parametrizations.weight.original1"),
+    ):
+        path = root / name
+        model.save_pretrained(path, max_shard_size="30KB")
+        for shard in path.glob("*.safetensors"):
+            tensors = load_file(shard)
+            if tensor in tensors:
+                tensors[tensor].view(-1)[5] = math.nan
+                save_file(tensors, shard, metadata={"format": "pt"})
+        made[name] = path
+    return made
+
+
+@pytest.mark.parametrize("which", ["untouched", "edited"])
+@pytest.mark.parametrize("output", ["out_dir", "out.pt2"], ids=["streamed", "in memory"])
+def test_a_nan_in_a_directory_is_refused_on_both_routes(w2v, tmp_path, which, output):
+    # before: streamed exit 0 with the NaN copied as bytes; in memory exit 1 "exact rewrite changed"
+    out = tmp_path / output
+    result = runner.invoke(app, ["convert", str(w2v[which]), "--remove-weight-norm", "-o", str(out)])
+    name = {
+        "untouched": "encoder.layers.0.feed_forward.intermediate_dense.weight holds NaN at [0, 5]",
+        "edited": "encoder.pos_conv_embed.conv.parametrizations.weight.original1 holds NaN at [0, 0, 5]",
+    }[which]
+    _refused(result, out, f"the model is broken: its {name}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_block_by_block_refuses_it_too(tmp_path):
+    llama = make_directory(tmp_path, "llama")
+    for shard in llama.glob("*.safetensors"):
+        tensors = load_file(shard)
+        name = "model.layers.1.mlp.down_proj.weight"
+        if name in tensors:
+            tensors[name][0, 3] = math.inf
+            save_file(tensors, shard, metadata={"format": "pt"})
+    torch.save(torch.randint(0, 300, (8, 10)), tmp_path / "calib.pt")
+    out = tmp_path / "out"
+    args = ["convert", str(llama), "--to", "layernorm", "--calibrate", str(tmp_path / "calib.pt")]
+    result = runner.invoke(app, [*args, "--batch-size", "4", "--sequential", "-o", str(out)])
+    _refused(result, out, "the model is broken: its model.layers.1.mlp.down_proj.weight holds Inf at [0, 3]")

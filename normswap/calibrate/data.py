@@ -153,7 +153,7 @@ class CalibrationData:
                 self._check_against_example(inputs)
             elif _layout(inputs) != _layout(reference):
                 raise BadInputError(
-                    f"calibration batch {index} ({inputs.describe()}) is laid out differently from batch 0 "
+                    f"{self.name}: batch {index} ({inputs.describe()}) is laid out differently from batch 0 "
                     f"({reference.describe()})"
                 )
             yield inputs
@@ -206,7 +206,7 @@ class CalibrationData:
             ref = theirs.get(name)
             if ref is not None and ref.ndim != tensor.ndim:
                 raise BadInputError(
-                    f"calibration batch 0 has {name} of shape {tuple(tensor.shape)} ({tensor.ndim}-D) where "
+                    f"{self.name}: batch 0 has {name} of shape {tuple(tensor.shape)} ({tensor.ndim}-D) where "
                     f"the model's example input is {tuple(ref.shape)} ({ref.ndim}-D)"
                 )
 
@@ -238,12 +238,12 @@ def _guarded(source: Callable[[], Iterable[Any]], description: str) -> Iterator[
 def _check_batch(inputs: ModelInputs, index: int, source: str) -> None:
     tensors = inputs.tensors()
     if not tensors:
-        raise BadInputError(f"{source}: calibration batch {index} holds no tensors")
+        raise BadInputError(f"{source}: batch {index} holds no tensors")
     for name, tensor in tensors:
-        check_data_tensor(tensor, f"{source}: calibration batch {index}, {name}")
+        check_data_tensor(tensor, f"{source}: batch {index}, {name}")
         if tensor.ndim == 0:
             raise BadInputError(
-                f"{source}: calibration batch {index}, {name} is a scalar: it holds no samples"
+                f"{source}: batch {index}, {name} is a scalar: it holds no samples"
             )
 
 
@@ -463,7 +463,7 @@ def _check_ids(vocabulary: tuple[int, str], inputs: ModelInputs, index: int, sou
         label, ids = "args[0]", inputs.args[0]
     if not isinstance(ids, torch.Tensor):
         return
-    where = f"{source}: calibration batch {index}, {label}"
+    where = f"{source}: batch {index}, {label}"
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise BadInputError(
             f"{where} is {str(ids.dtype).removeprefix('torch.')}: token ids must be integers "

@@ -64,7 +64,7 @@ def check_data_tensor(tensor: torch.Tensor, where: str, *, rows_per_batch: int |
             first = int(bad.reshape(-1).nonzero()[0])
             value = tensor.reshape(-1)[first].item()
             index = position(first, tensor.shape)
-            batch = f" (calibration batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
+            batch = f" (batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
             raise BadInputError(
                 f"{where} holds {int(bad.sum())} NaN/Inf value(s), the first ({value}) at index {list(index)}"
                 f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows"

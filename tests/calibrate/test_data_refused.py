@@ -54,7 +54,7 @@ def _refused(argv: list[str], cwd: Path, *parts: str) -> str:
 
 
 NAN_AT = (
-    "holds 1 NaN/Inf value(s), the first (nan) at index [5, 1, 2, 3] (calibration batch 1): clean the data"
+    "holds 1 NaN/Inf value(s), the first (nan) at index [5, 1, 2, 3] (batch 1): clean the data"
 )
 
 
@@ -69,7 +69,7 @@ NAN_AT = (
         (["distill", CONV, CONV, *SHAPE, "--data", "good.pt", "--holdout", "nan.pt", "--steps", "1"], NAN_AT),
         (
             ["convert", "llama-float32", "--to", "layernorm", "--calibrate", "ids_inf.pt", "--sequential"],
-            "holds 1 NaN/Inf value(s), the first (inf) at index [6, 4] (calibration batch 1)",
+            "holds 1 NaN/Inf value(s), the first (inf) at index [6, 4] (batch 1)",
         ),
     ],
     ids=[
@@ -93,7 +93,7 @@ def test_a_nan_in_a_list_of_batches_is_named_by_its_batch(tmp_path, monkeypatch)
     bad = [_images()[:4], _images(1)[:4]]
     bad[1][2, 0, 0, 1] = float("-inf")
     torch.save(bad, tmp_path / "batches.pt")
-    line = "error: data file batches.pt: calibration batch 1, args[0] holds 1 NaN/Inf value(s), the first (-inf) at "
+    line = "error: data file batches.pt: batch 1, args[0] holds 1 NaN/Inf value(s), the first (-inf) at "
     _refused(
         ["recalibrate", CONV, *SHAPE, "--data", "batches.pt", "-o", "out.pt"],
         tmp_path,
@@ -122,11 +122,11 @@ def _expanded() -> torch.Tensor:
         ),
         (
             [torch.zeros(4, 3, 0, 8)],
-            "calibration batch 0, args[0] has shape (4, 3, 0, 8): it holds no values",
+            "batch 0, args[0] has shape (4, 3, 0, 8): it holds no values",
         ),
         (torch.zeros(8, 3, 0, 8), "data file bad.pt has shape (8, 3, 0, 8): it holds no values"),
         (_expanded(), "is an expanded view of shape (10000000, 3, 8, 8) over 768 bytes"),
-        ([_expanded()[:64]], "calibration batch 0, args[0] is an expanded view of shape (64, 3, 8, 8)"),
+        ([_expanded()[:64]], "batch 0, args[0] is an expanded view of shape (64, 3, 8, 8)"),
     ],
     ids=["parameter", "sparse", "meta", "empty-batch", "empty", "stride0", "stride0-batch"],
 )
@@ -203,7 +203,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_on_both_routes(files, tmp_
     _refused(
         [*argv, "--batch-size", "4", *route, "-o", str(tmp_path / "out")],
         tmp_path,
-        f"calibration batch 1, kwargs['input_ids'] {reason}, outside the model's vocabulary [0, 300)",
+        f"batch 1, kwargs['input_ids'] {reason}, outside the model's vocabulary [0, 300)",
     )
 
 
@@ -218,7 +218,7 @@ def test_batches_given_to_the_library_are_held_to_the_same_rule():
     bad[2, 0, 1, 1] = float("inf")
     config = normswap.ConvertConfig(to="groupnorm", groups=1, calibration_data=[good, bad])
     with pytest.raises(
-        BadInputError, match=r"calibration_data: calibration batch 1, args\[0\] holds 1 NaN/Inf"
+        BadInputError, match=r"calibration_data: batch 1, args\[0\] holds 1 NaN/Inf"
     ):
         normswap.convert(model, config, (good,))
 
@@ -265,6 +265,23 @@ def test_batches_given_as_objects_with_a_model_file_and_an_output(tmp_path):
     config = normswap.ConvertConfig(
         to="groupnorm", groups=1, calibration_data=[good, bad], output=tmp_path / "out.pt2"
     )
-    with pytest.raises(BadInputError, match=r"calibration_data: calibration batch 1, args\[0\] holds 1 NaN"):
+    with pytest.raises(BadInputError, match=r"calibration_data: batch 1, args\[0\] holds 1 NaN"):
         normswap.convert(CONV, config)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["recalibrate", CONV, *SHAPE, "--data", "good.pt", "--holdout", "rank3.pt", "-o", "out.pt"],
+        ["validate", CONV, CONV, *SHAPE, "--data", "rank3.pt"],
+    ],
+    ids=["holdout", "validate-data"],
+)
+def test_a_file_that_is_not_calibration_data_is_not_called_so(files, monkeypatch, argv):
+    """A held-out file and validate's --data are named as what they are: the batch of that file, not a
+    "calibration batch"."""
+    torch.save(torch.zeros(8, 3, 8), files / "rank3.pt")
+    monkeypatch.chdir(files)
+    line = _refused(argv, files, "data file rank3.pt: batch 0 has args[0] of shape (8, 3, 8) (3-D)")
+    assert "calibration" not in line

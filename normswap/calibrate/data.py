@@ -242,9 +242,7 @@ def _check_batch(inputs: ModelInputs, index: int, source: str) -> None:
     for name, tensor in tensors:
         check_data_tensor(tensor, f"{source}: batch {index}, {name}")
         if tensor.ndim == 0:
-            raise BadInputError(
-                f"{source}: batch {index}, {name} is a scalar: it holds no samples"
-            )
+            raise BadInputError(f"{source}: batch {index}, {name} is a scalar: it holds no samples")
 
 
 # ---------------------------------------------------------------------------------------------------

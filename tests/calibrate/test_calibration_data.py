@@ -158,9 +158,7 @@ def test_batches_that_do_not_fit_are_named(tmp_path):
     ):
         _read(load_calibration_data(tmp_path / "rank3.pt", example_args=EXAMPLE))
     torch.save([torch.zeros(4, 2), torch.zeros(0, 2)], tmp_path / "empty.pt")
-    with pytest.raises(
-        BadInputError, match=r"batch 1, args\[0\] has shape \(0, 2\): it holds no values"
-    ):
+    with pytest.raises(BadInputError, match=r"batch 1, args\[0\] has shape \(0, 2\): it holds no values"):
         _read(load_calibration_data(tmp_path / "empty.pt"))
 
 

@@ -53,9 +53,7 @@ def _refused(argv: list[str], cwd: Path, *parts: str) -> str:
     return lines[0]
 
 
-NAN_AT = (
-    "holds 1 NaN/Inf value(s), the first (nan) at index [5, 1, 2, 3] (batch 1): clean the data"
-)
+NAN_AT = "holds 1 NaN/Inf value(s), the first (nan) at index [5, 1, 2, 3] (batch 1): clean the data"
 
 
 @pytest.mark.parametrize(
@@ -217,9 +215,7 @@ def test_batches_given_to_the_library_are_held_to_the_same_rule():
     good, bad = _images(0)[:4], _images(1)[:4].clone()
     bad[2, 0, 1, 1] = float("inf")
     config = normswap.ConvertConfig(to="groupnorm", groups=1, calibration_data=[good, bad])
-    with pytest.raises(
-        BadInputError, match=r"calibration_data: batch 1, args\[0\] holds 1 NaN/Inf"
-    ):
+    with pytest.raises(BadInputError, match=r"calibration_data: batch 1, args\[0\] holds 1 NaN/Inf"):
         normswap.convert(model, config, (good,))
 
 

@@ -217,3 +217,24 @@ def test_block_by_block_refuses_it_too(tmp_path):
     args = ["convert", str(llama), "--to", "layernorm", "--calibrate", str(tmp_path / "calib.pt")]
     result = runner.invoke(app, [*args, "--batch-size", "4", "--sequential", "-o", str(out)])
     _refused(result, out, "the model is broken: its model.layers.1.mlp.down_proj.weight holds Inf at [0, 3]")
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e5m2, torch.complex64]
+)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_the_check_finds_every_kind_in_every_dtype(dtype, value):
+    """The one-pass min/max check (util.finite.all_finite) and the exact search agree, float8 and
+    complex included; a finite tensor of huge float64 values is finite (no sum to overflow)."""
+    from normswap.util.finite import all_finite, first_nonfinite
+
+    t = torch.randn(3, 5).to(dtype)
+    assert first_nonfinite(t) is None
+    t[2, 3] = value
+    found = first_nonfinite(t)
+    kind = "NaN" if math.isnan(value) else ("Inf" if value > 0 else "-Inf")
+    index = [2, 3, 0] if dtype.is_complex else [2, 3]
+    assert found == (1, index, kind)
+    if not dtype.is_complex:
+        assert not all_finite(t)
+    assert all_finite(torch.full((3,), 1e308, dtype=torch.float64))

@@ -26,7 +26,7 @@ import torch
 
 from normswap.errors import BadInputError
 from normswap.load.json_io import parse_json
-from normswap.util.finite import refuse_nonfinite_tensor
+from normswap.util.finite import all_finite, refuse_nonfinite_tensor
 
 _MAX_HEADER = 100 * 1024 * 1024
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -253,7 +253,7 @@ class ShardWriter:
         size = _element_size(entry.dtype)
         if moved and moved % size == 0:
             values = torch.frombuffer(buffer, dtype=DTYPES[entry.dtype], count=moved // size)
-            if not bool(torch.isfinite(values).all()):
+            if not all_finite(values):
                 refuse_nonfinite_tensor(name, read_tensor(source, entry))
         view, target, written = memoryview(buffer)[:moved], self.base + self.entries[name].start + done, 0
         while written < moved:  # pwrite may write less than asked

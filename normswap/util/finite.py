@@ -20,6 +20,7 @@ from torch import nn
 from normswap.errors import BrokenModelError
 
 NOTHING_COMPARED = "nothing can be compared there, and nothing was written"
+_NATIVE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def first_nonfinite(t: torch.Tensor) -> tuple[int, list[int], str] | None:
@@ -30,6 +31,10 @@ def first_nonfinite(t: torch.Tensor) -> tuple[int, list[int], str] | None:
     t = t.detach()
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
+    if t.dtype not in _NATIVE:  # float8 and the like: torch has no isfinite/aminmax for them
+        t = t.float()
+    if all_finite(t):
+        return None
     bad = ~torch.isfinite(t)
     count = int(bad.sum())
     if count == 0:
@@ -39,6 +44,18 @@ def first_nonfinite(t: torch.Tensor) -> tuple[int, list[int], str] | None:
     value = float(t.reshape(-1)[flat])
     kind = "NaN" if math.isnan(value) else ("Inf" if value > 0 else "-Inf")
     return count, index, kind
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a real floating tensor holds no NaN or Inf: its min and max in one pass (``aminmax``
+    propagates NaN), with no mask as large as the tensor; several times faster than ``isfinite`` on the
+    CPU, which counts where every weight of a checkpoint is checked as it is read."""
+    if t.numel() == 0:
+        return True
+    if t.dtype not in _NATIVE:
+        t = t.float()
+    low, high = torch.aminmax(t)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def holds(found: tuple[int, list[int], str]) -> str:
@@ -68,6 +85,7 @@ def refuse_broken_model(module: nn.Module, model: str = "the model") -> None:
 
 __all__ = [
     "NOTHING_COMPARED",
+    "all_finite",
     "first_nonfinite",
     "holds",
     "refuse_broken_model",

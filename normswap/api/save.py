@@ -242,7 +242,7 @@ def _write(
             format="onnx",
             onnx=checked,
             notes=capture_notes(model, args, kwargs),
-            messages=_shape_messages(path, checked.shapes, checked.fallbacks),
+            messages=_shape_messages(path, checked.shapes, checked.fallbacks, variants),
             shapes=checked.shapes,
         )
     needs: list[str] = []
@@ -272,7 +272,7 @@ def _write(
     )
     notes = capture_notes(model, args, kwargs) if label == "pt2" else []
     shapes = taken[0] if taken else None
-    messages = _shape_messages(path, shapes, fallbacks)
+    messages = _shape_messages(path, shapes, fallbacks, variants)
     if needs:
         imports = " and ".join(f"import {name}" for name in needs)
         messages.append(
@@ -303,14 +303,37 @@ def _shapes_to_check(
     return [InputVariant("example", args, kwargs), *probe.accepted]
 
 
-def _shape_messages(path: Path, shapes: WrittenShapes | None, fallbacks: list[str]) -> list[str]:
-    """What the terminal and the report say of the shapes a written program takes, and why it is fixed."""
+def _shape_messages(
+    path: Path, shapes: WrittenShapes | None, fallbacks: list[str], variants: list[InputVariant]
+) -> list[str]:
+    """What the terminal and the report say of the shapes a written program takes, and why one is fixed:
+    a fallback of normswap's says so (an export with free sizes that failed or ran past its budget);
+    without one, a size rejected while the batch and lengths are free is one torch.export fixed because
+    the model's code ties it to the example's (Swin pads to its window): an image size, or the length of
+    a 3-d input (``variants``, the shapes checked, say which)."""
     messages = [f"{path}: {reason}" for reason in fallbacks]
     if shapes is not None:
-        fixed = " (torch.export fixed the image size where the model's code ties it to the example's)"
-        fixed = fixed if shapes.rejected else ""
-        messages.append(f"{path} {shapes.summary()}{fixed if not shapes.rejected_free else ''}")
+        why = ""
+        if shapes.rejected and not shapes.rejected_free and not fallbacks:
+            fixed = _sizes_rejected(shapes, variants)
+            why = f" (torch.export fixed {fixed} where the model's code ties it to the example's)"
+        messages.append(f"{path} {shapes.summary()}{why}")
     return messages
+
+
+def _sizes_rejected(shapes: WrittenShapes, variants: list[InputVariant]) -> str:
+    """What the rejected variants change: "the image size", "the length" (a 3-d input's) or both."""
+    rejected = {r["shapes"] for r in shapes.rejected}
+    example = variants[0].shapes if variants else []
+    ranks = {
+        len(new)
+        for variant in variants
+        if variant.describe() in rejected
+        for new, old in zip(variant.shapes, example, strict=False)
+        if new != old
+    }
+    words = (("the image size", bool(ranks - {3}) or not ranks), ("the length", 3 in ranks))
+    return " and ".join(word for word, changed in words if changed)
 
 
 def _loaded_program(temp: Path, written_as: str) -> Callable[[tuple, dict[str, Any]], Any]:

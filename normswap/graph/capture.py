@@ -24,6 +24,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -250,15 +251,54 @@ def _free_dim(tensor: torch.Tensor, dim: int) -> Any:
     return torch.export.Dim.STATIC
 
 
-def _saved_free_dim(tensor: torch.Tensor, dim: int) -> Any:
-    """Which input dims a program to save may keep free: :func:`_free_dim`'s, and the height and width of
-    a floating image ``N x C x H x W`` (or a clip's ``N x C x T x H x W``), so a CNN's program takes any
-    image size. Export keeps a dim static wherever the model's code fixes it (a ViT's patch grid):
-    ``Dim.AUTO``. Paid once, when the program is written. A 3-d floating input is left as it was: its
-    last dim may be a hidden size (``N x L x D`` embeddings) as well as a length (``N x C x L``)."""
+def _saved_free_dim(tensor: torch.Tensor, dim: int, lengths: dict[int, set[int]] | None = None) -> Any:
+    """Which input dims a program to save may keep free: :func:`_free_dim`'s, the height and width of a
+    floating image ``N x C x H x W`` (or a clip's ``N x C x T x H x W``), so a CNN's program takes any image
+    size, and the ``lengths`` of 3-d floating inputs :func:`_length_dims` found. Export keeps a dim static
+    wherever the model's code fixes it (a ViT's patch grid): ``Dim.AUTO``. Paid once, when written."""
     if dim >= 2 and tensor.ndim in (4, 5) and tensor.is_floating_point():
         return torch.export.Dim.AUTO
+    if _is_3d(tensor) and tensor.shape[dim] in (lengths or {}).get(dim, ()):
+        return torch.export.Dim.AUTO
     return _free_dim(tensor, dim)
+
+
+def _length_dims(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Callable[[torch.Tensor, int], Any]:
+    """:func:`_saved_free_dim` with the lengths of 3-d floating inputs, found as the conversion's variants
+    find them (normswap.verify.variants), not guessed: dim 1 (``N x T x D``) or 2 (``N x C x L``) is free if
+    the model runs with it cut to a quarter or doubled (in each such input of the first one's size)."""
+    first = next((t for t in pytree.tree_leaves((args, kwargs)) if _is_3d(t)), None)
+    lengths: dict[int, set[int]] = {}  # dim -> the example's size (and the 2 a size 1 is grown to)
+    for dim, size in [(d, first.shape[d]) for d in (1, 2)] if first is not None else []:
+        for new in sorted({max(1, size // 4), 2 * size} - {size}):
+
+            def resize(t: Any, dim: int = dim, size: int = size, new: int = new) -> Any:
+                same = _is_3d(t) and t.shape[dim] == size  # cut to its first ``new`` or doubled
+                return torch.cat([t, t], dim).narrow(dim, 0, new) if same else t
+
+            if _runs(model, *pytree.tree_map(resize, (args, kwargs))):
+                lengths[dim] = {size, 2} if size == 1 else {size}
+                break
+    return partial(_saved_free_dim, lengths=lengths)
+
+
+def _is_3d(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim == 3 and value.is_floating_point()
+
+
+def _runs(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether ``model`` runs on these inputs; its mode, attributes and buffers are put back."""
+    saved = [(d, dict(d)) for m in model.modules() for d in (vars(m), m._buffers)]
+    try:
+        with modes_restored(model, inference=True), torch.no_grad(), _quiet_export():
+            model(*args, **kwargs)
+    except Exception:  # a shape the model rejects, in whatever way it rejects it
+        return False
+    finally:
+        for attrs, before in saved:
+            attrs.clear()
+            attrs.update(before)
+    return True
 
 
 def _unit_dims_grown(value: Any, free: Callable[[torch.Tensor, int], Any] = _free_dim) -> Any:
@@ -291,14 +331,13 @@ def export_program(
 ) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with the batch dim and the sequence dims of integer inputs dynamic where
     the model leaves them free (``Dim.AUTO``: export keeps a dim static where the code fixes it, see
-    :func:`_free_dim`), and image sizes too in a program to save (:func:`_saved_free_dim`, within a time
-    budget: :data:`IMAGE_SIZE_BUDGET`); a fully static export when that fails. Captured under :func:`capture_friendly`
-    unless ``friendly`` is False: the program of a Hugging Face model built with a default config then
-    returns no cache. ``grow_unit_dims`` (a program to save): the dynamic export traces inputs whose
-    free dims of size 1 are repeated to 2, so those dims stay dynamic (:func:`_unit_dims_grown`).
-    ``fallbacks`` hears why, when the dynamic export failed and the program is fixed at the example's
-    shapes: never a silent fallback (a saved program must say which shapes it takes). ``dynamic=False``:
-    the program fixed at the example's shapes, as the user asked (no fallback to report)."""
+    :func:`_free_dim`), and in a program to save (``grow_unit_dims``) image sizes and 3-d inputs' lengths
+    too (:func:`_length_dims`, within a time budget: :data:`IMAGE_SIZE_BUDGET`), traced on inputs whose
+    free dims of size 1 are repeated to 2, so they stay dynamic (:func:`_unit_dims_grown`). Captured under
+    :func:`capture_friendly` unless ``friendly`` is False (the program of a Hugging Face model built with a
+    default config then returns no cache). ``fallbacks`` hears why, when a dynamic export failed and the
+    program is fixed at the example's shapes: never a silent fallback (a saved program must say which
+    shapes it takes). ``dynamic=False``: fixed at the example's shapes, as the user asked."""
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
     settings = capture_friendly(model, args, kwargs) if friendly else contextlib.nullcontext()
     with settings, _quiet_export():
@@ -322,16 +361,19 @@ def export_program(
                     f"program is fixed at the example's shapes {format_shapes(input_shapes(args, kwargs))}"
                 )
             return program
-        if not (grow_unit_dims and _has_images(traced_args, traced_kwargs)):
+        free = _length_dims(model, args, kwargs) if grow_unit_dims else _free_dim
+        leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        found = {t.ndim == 3 for t in leaves for d in range(t.ndim) if free(t, d) is not _free_dim(t, d)}
+        if not found:  # nothing beyond the batch and token lengths to free
             return program
+        freed = " and ".join(("image sizes", "lengths")[i] for i in sorted(found))
         # Free image sizes make export reason about every pooling, window and unfold: seconds for a CNN,
         # minutes for Swin's padding. They are tried within a budget relative to the export just done.
         budget = max(IMAGE_SIZE_BUDGET[0], IMAGE_SIZE_BUDGET[1] * took)
-        why = None
-        image_args, image_kwargs = (_unit_dims_grown(v, _saved_free_dim) for v in (args, kwargs))
+        image_args, image_kwargs = (_unit_dims_grown(v, free) for v in (args, kwargs))
         try:
             with _time_limit(budget):
-                free_dims = input_dims(model, image_args, image_kwargs, _saved_free_dim)
+                free_dims = input_dims(model, image_args, image_kwargs, free)
                 return torch.export.export(
                     model, image_args, kwargs=image_kwargs, dynamic_shapes=free_dims, strict=False
                 )
@@ -340,7 +382,7 @@ def export_program(
         except Exception as exc:  # the image sizes alone may be what export cannot leave free
             why = f"failed ({_short_error(exc)})"
         if fallbacks is not None:
-            fallbacks.append(f"the export with free image sizes {why}, so they are fixed at the example's")
+            fallbacks.append(f"the export with free {freed} {why}, so they are fixed at the example's")
         return program
 
 
@@ -355,14 +397,9 @@ class _OutOfTime(BaseException):
 
 @contextlib.contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raise :class:`_OutOfTime` inside the block once ``seconds`` have passed, and again every second
-    until the block ends (a timer signal, so on the main thread only; elsewhere, or when a timer of
-    someone else's is running, the block runs without a limit). The handler and timer before it are put
-    back."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:  # the caller's own alarm: not ours to take
+    """Raise :class:`_OutOfTime` in the block after ``seconds``, then each second until it ends (a timer
+    signal: on the main thread, never over a timer the caller set; else no limit), then put the old back."""
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0]:
         yield
         return
 
@@ -376,12 +413,6 @@ def _time_limit(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
-
-
-def _has_images(args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether any input has a dim that only :func:`_saved_free_dim` frees (an image's height, ...)."""
-    leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-    return any(_saved_free_dim(t, d) is not _free_dim(t, d) for t in leaves for d in range(t.ndim))
 
 
 # Loggers through which a failing or dynamic export talks to the user: the failure is reported by

@@ -115,9 +115,9 @@ def test_adds_the_fused_op_cannot_take_are_skipped_with_the_reason():
     x = torch.randn(2, 3, 16)
     model, report = fuse_add_norm(_Broadcast(), (x,))
     assert not isinstance(model, fx.GraphModule)  # nothing fused: the model comes back as it was
-    # the batch dim is exported dynamic: a symbol in place of 2
+    # the batch dim and the length are exported dynamic: symbols in place of 2 and 3
     assert re.fullmatch(
-        r"the add broadcasts \(s\d+, 3, 16\) \+ \(16,\): the fused op adds two tensors of one shape",
+        r"the add broadcasts \(s\d+, s\d+, 16\) \+ \(16,\): the fused op adds two tensors of one shape",
         report.skips[0].reason,
     ), report.skips[0].reason
     _, report = fuse_add_norm(_Promote(), (x, x))

@@ -244,17 +244,21 @@ class ShardWriter:
     ) -> int:
         """Copy up to ``count`` bytes of a floating tensor from offset ``done`` through this process,
         refusing the model (:mod:`normswap.util.finite`) when they hold NaN or Inf; the sentence is the
-        whole tensor's. At most ``_CHECKED_CHUNK`` bytes at a time, read into one buffer and written from
-        it: the check adds that chunk and its mask to the stream's memory, nothing per tensor."""
+        whole tensor's. At most ``_CHECKED_CHUNK`` bytes at a time (a multiple of every element size),
+        read into one buffer, checked in one pass and written from it."""
         count = min(count, _CHECKED_CHUNK)
         buffer = bytearray(count)
         handle.seek(entry.start + done)
-        moved = handle.readinto(buffer)
-        size = _element_size(entry.dtype)
-        if moved and moved % size == 0:
-            values = torch.frombuffer(buffer, dtype=DTYPES[entry.dtype], count=moved // size)
-            if not all_finite(values):
-                refuse_nonfinite_tensor(name, read_tensor(source, entry))
+        moved = 0
+        while moved < count:  # a read may return less than asked; only the file's end stops it
+            got = handle.readinto(memoryview(buffer)[moved:])
+            if not got:
+                break
+            moved += got
+        whole = moved // _element_size(entry.dtype)  # a file ending inside an element: refused by the caller
+        values = torch.frombuffer(buffer, dtype=DTYPES[entry.dtype], count=whole) if whole else None
+        if values is not None and not all_finite(values):
+            refuse_nonfinite_tensor(name, read_tensor(source, entry))
         view, target, written = memoryview(buffer)[:moved], self.base + self.entries[name].start + done, 0
         while written < moved:  # pwrite may write less than asked
             written += os.pwrite(self._fd, view[written:], target + written)

@@ -110,15 +110,24 @@ def test_every_command_refuses_it_the_same_way(broken_pt2, tmp_path, argv):
     fields = {"model": str(broken_pt2), "out": str(tmp_path / "out"), "data": str(data)}
     fields["good"] = f"{HERE}:good_factory"
     result = runner.invoke(app, [a.format(**fields) for a in argv])
-    if argv[0] == "inspect":  # inspect runs the model: its outputs are what it sees
-        _refused(result, sentence="the model is broken: its output holds -Inf at [0, 0]")
+    if argv[0] == "validate":  # validate reads two models: the sentence names which one
+        _refused(
+            result, sentence=f"ORIGINAL {broken_pt2} is broken: its conv.weight holds Inf at [0, 1, 2, 0]"
+        )
     else:
         _refused(result)
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
 
 
 def test_a_broken_converted_model_in_validate_is_refused_too(broken_pt2):
-    _refused(runner.invoke(app, ["validate", f"{HERE}:good_factory", str(broken_pt2)]))
+    result = runner.invoke(app, ["validate", f"{HERE}:good_factory", str(broken_pt2)])
+    _refused(result, sentence=f"CONVERTED {broken_pt2} is broken: its conv.weight holds Inf")
+
+
+def test_an_original_that_computes_nan_in_validate_names_the_inputs(tmp_path):
+    result = runner.invoke(app, ["validate", f"{HERE}:overflowing_factory", f"{HERE}:good_factory"])
+    _refused(result, sentence="the original model is broken: its output holds Inf at [0, 0]")
+    assert "on the inputs 2x3x12x12" in result.output
 
 
 def test_finite_weights_that_compute_inf_are_refused_by_their_outputs(tmp_path):
@@ -238,3 +247,27 @@ def test_the_check_finds_every_kind_in_every_dtype(dtype, value):
     if not dtype.is_complex:
         assert not all_finite(t)
     assert all_finite(torch.full((3,), 1e308, dtype=torch.float64))
+
+
+def test_an_inf_in_a_stored_parameter_is_refused_streamed_and_in_memory(tmp_path):
+    """A parameter holds neither NaN nor Inf (a buffer may hold Inf): the stream knows which stored names
+    are parameters from the model it builds on the meta device."""
+    llama = make_directory(tmp_path, "llama")
+    name = "model.layers.0.mlp.up_proj.weight"
+    for shard in llama.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if name in tensors:
+            tensors[name][2, 1] = -math.inf
+            save_file(tensors, shard, metadata={"format": "pt"})
+    for output in (tmp_path / "out", tmp_path / "out.pt2"):
+        result = runner.invoke(app, ["convert", str(llama), "--fold-norm-affine", "-o", str(output)])
+        _refused(result, output, f"the model is broken: its {name} holds -Inf at [2, 1]")
+
+
+def test_inspect_of_a_directory_with_inputs_runs_on_its_meta_model(tmp_path):
+    """A directory's model is built on the meta device: the outputs rule has no values to read there, and
+    a forward that cannot run on meta tensors (GPT-2's .item()) is no verdict on the inputs."""
+    gpt2 = make_directory(tmp_path, "gpt2")
+    result = runner.invoke(app, ["inspect", str(gpt2), "--input-shape", "int64:1,8"])
+    assert result.exit_code == 0, result.output
+    assert "graph captured with export" in result.output

@@ -33,6 +33,7 @@ from normswap.errors import BadInputError, CheckFailedError
 from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
+    parameter_names,
     read_checkpoint_directory,
     stored_tensor_reader,
 )
@@ -136,15 +137,19 @@ def _stream(
     headers: dict[str, tuple[dict[str, TensorEntry], dict[str, str]]],
     plan: EditPlan,
     temp: Path,
+    parameters: frozenset[str],
 ) -> tuple[list[str], int, int, int]:
     """Write every output shard. Three things run at once (file I/O and torch's kernels release the GIL):
     untouched tensors are copied as bytes in one thread; edit groups are read ahead, computed here and
     written by pool threads, in order; the groups in flight (read, computed or being written) hold at
     most twice the largest group's bytes, so memory stays bounded by the largest group whatever the
-    model's size, and a group's reading overlaps the previous one's computing and writing."""
+    model's size, and a group's reading overlaps the previous one's computing and writing. Every tensor
+    read or copied is held to the NaN/Inf rule of :mod:`normswap.util.finite` (``parameters``: the stored
+    names that are parameters)."""
     layout = _layout(checkpoint, headers, plan)
     where = {name: shard for shard, rows in layout.items() for name, _, _ in rows}
-    with shard_writers(temp, layout, {shard: headers[shard][1] for shard in layout}) as writers:
+    metadata = {shard: headers[shard][1] for shard in layout}
+    with shard_writers(temp, layout, metadata, parameters) as writers:
         edited, byte_copies = plan.writes, plan.copies
         jobs = [
             (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
@@ -162,7 +167,9 @@ def _stream(
 
         def read_group(edit: TensorEdit) -> dict[str, torch.Tensor]:
             return {
-                n: read_model_tensor(checkpoint.path / checkpoint.weight_map[n], n, entry(n))
+                n: read_model_tensor(
+                    checkpoint.path / checkpoint.weight_map[n], n, entry(n), buffer=n not in parameters
+                )
                 for n in edit.reads
             }
 
@@ -272,7 +279,7 @@ def plan_checkpoint(
         kwargs,
         set(checkpoint.weight_map),
         config.rewrites()[0],
-        read=stored_tensor_reader(checkpoint),
+        read=stored_tensor_reader(checkpoint, parameter_names(model)),
         weight_norm=weight_norm,
     )
     return PlannedStream(checkpoint, headers, model, plan)
@@ -295,7 +302,8 @@ def write_checkpoint(
     try:
         with directory_output(output, overwrite=config.overwrite) as temp:
             say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
-            shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp)
+            parameters = parameter_names(planned.model)
+            shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp, parameters)
             stock_refused = finish_from_source(
                 checkpoint, temp, shards, config_changes=plan.config_changes, recorded=plan.recorded
             )

@@ -31,6 +31,7 @@ from normswap.errors import BadInputError, CheckFailedError
 from normswap.load.checkpoint_dir import (
     CheckpointDirectory,
     build_on_meta,
+    parameter_names,
     read_checkpoint_directory,
     transformers_config,
 )
@@ -272,6 +273,7 @@ def convert_checkpoint_sequential(
     args, kwargs = example_inputs(meta, checkpoint.config, device="cpu")
     # the meta model's embedding size is all the token-id check reads
     batches = [as_model_inputs(b) for b in calibration_batches(config, meta, args, kwargs)]
+    parameters = parameter_names(meta)
     del meta
     if not batches:
         raise BadInputError(f"--calibrate {config.calibration_data}: no batches to calibrate on")
@@ -324,7 +326,8 @@ def convert_checkpoint_sequential(
     store = ActivationStore(budget, destination=output)
     try:
         with directory_output(output, overwrite=config.overwrite) as temp:
-            with shard_writers(temp, layout, {shard: headers[shard][1] for shard in layout}) as writers:
+            metadata = {shard: headers[shard][1] for shard in layout}
+            with shard_writers(temp, layout, metadata, parameters) as writers:
                 jobs = [
                     (writers[shard], name, checkpoint.path / shard, headers[shard][0][name])
                     for shard, rows in layout.items()

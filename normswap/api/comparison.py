@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from normswap.api.sources import example_inputs, load_for_inference, read_data, required_inputs
-from normswap.errors import BadInputError
+from normswap.errors import BadInputError, BrokenModelError
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from normswap.load.model_file import LoadedModel
     from normswap.verify.blockwise import BlockwiseReport
     from normswap.verify.layerwise import ValidationReport
 
@@ -111,8 +112,8 @@ def validate(
         raise BadInputError(f"--plot {plot}: the plot is a PNG file")
     if plot is not None and importlib.util.find_spec("matplotlib") is None:
         raise BadInputError("--plot needs matplotlib: pip install 'normswap[plot]'")
-    reference = load_for_inference(original, weights, trust_pickle)
-    candidate = load_for_inference(converted, converted_weights, trust_pickle)
+    reference = _load("ORIGINAL", original, weights, trust_pickle)
+    candidate = _load("CONVERTED", converted, converted_weights, trust_pickle)
     if blockwise:
         pair = required_inputs(reference, inputs, input_shapes)
         return _blockwise(original, converted, centered, on_step, (reference.model, candidate.model, pair))
@@ -147,6 +148,16 @@ def validate(
     if plot is not None:
         _plot(result, plot)
     return result
+
+
+def _load(role: str, spec: str, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:
+    """One of the two models, a broken one named by its role: validate reads two."""
+    try:
+        return load_for_inference(spec, weights, trust_pickle)
+    except BrokenModelError as exc:
+        raise BrokenModelError(
+            str(exc).replace("the model is broken", f"{role} {spec} is broken", 1)
+        ) from None
 
 
 def _verdict(report: ValidationReport, exact: bool, min_sqnr: float | None) -> ComparisonVerdict:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from normswap.api.sources import check_inputs_fit, example_inputs, load_for_inference
+from normswap.errors import BadInputError
 
 if TYPE_CHECKING:
     from normswap.discover.cosine import CosineSite
@@ -68,7 +69,14 @@ def inspect(
     if directory and resolved is not None:
         args, kwargs = _on_meta(args), _on_meta(kwargs)
     if inputs is not None or input_shapes:
-        check_inputs_fit(loaded.model, args, kwargs)
+        try:
+            check_inputs_fit(loaded.model, args, kwargs)
+        except BadInputError as exc:
+            # A directory's model is built on the meta device, where some forwards cannot run at all
+            # (GPT-2's calls .item()): that says nothing of the inputs, and the capture below, which
+            # traces the model on them, says what does not fit. Any other failure is the inputs'.
+            if not (directory and "meta" in str(exc).lower()):
+                raise
     if on_step is not None:
         on_step("capturing a graph of the model")
     inventory = find_norms(loaded.model, args, kwargs)

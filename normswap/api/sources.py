@@ -47,8 +47,7 @@ def load_for_inference(
 
     loader = load_model_structure if structure_only else load_model
     loaded = loader(spec, weights=weights, trust_pickle=trust_pickle)
-    if not structure_only:
-        refuse_broken_model(loaded.model)
+    refuse_broken_model(loaded.model)  # a structure built on the meta device holds no values to refuse
     set_inference_mode(loaded.model)
     return loaded
 
@@ -115,13 +114,12 @@ def check_inputs_fit(model: nn.Module, args: Any, kwargs: Any, what: str = "the 
     """One run of the user's model on the example inputs, so inputs that do not fit fail in one line,
     and a model that computes NaN/Inf there is refused as broken (:mod:`normswap.util.finite`)."""
     from normswap.load.inputs import check_inputs_fit as check
-    from normswap.load.inputs import describe_inputs
+    from normswap.util.shapes import format_shapes, input_shapes
     from normswap.verify.finite import refuse_nonfinite_outputs
 
     output = check(model, args, kwargs, what=what)
-    refuse_nonfinite_outputs(
-        output, f"the example inputs {describe_inputs(tuple(args or ()), dict(kwargs or {}))}", what
-    )
+    shapes = format_shapes(input_shapes(tuple(args or ()), dict(kwargs or {})))
+    refuse_nonfinite_outputs(output, f"the example inputs {shapes}", what)
 
 
 def never_written(spec: str) -> Path | None:

@@ -89,6 +89,7 @@ def _fill(target: torch.Tensor, name: str, source: Any, where: str, device: torc
     shape = tuple(source.shape) if isinstance(source, torch.Tensor) else source[1].shape
     if tuple(target.shape) != shape:
         raise BadInputError(f"{where}: {name} has shape {list(shape)}, the model {list(target.shape)}")
+    buffer = not isinstance(target, nn.Parameter)  # the NaN/Inf rule of normswap.util.finite
     with torch.no_grad():
         if isinstance(target, DTensor):
             local = target.to_local()
@@ -97,11 +98,11 @@ def _fill(target: torch.Tensor, name: str, source: Any, where: str, device: torc
             )
             if local.numel():
                 rows = _rows(source, offset[0], offset[0] + local_shape[0])
-                refuse_nonfinite_tensor(f"{name} (rows from {offset[0]})", rows)
+                refuse_nonfinite_tensor(f"{name} (rows from {offset[0]})", rows, buffer=buffer)
                 local.copy_(rows.reshape(local.shape).to(device))
         else:
             whole = _rows(source, 0, None)
-            refuse_nonfinite_tensor(name, whole)
+            refuse_nonfinite_tensor(name, whole, buffer=buffer)
             target.copy_(whole.to(device))
 
 

@@ -68,7 +68,7 @@ class OnnxExport:
 
     @property
     def within_tolerance(self) -> bool:
-        return bool(self.outputs) and all(o.max_rel <= onnx_tolerance(o.dtype) for o in self.outputs)
+        return bool(self.outputs) and all(_agrees(o) for o in self.outputs)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -150,11 +150,20 @@ def _compare(expected: Any, got: list[torch.Tensor], at: str) -> list[TensorComp
     reference = _tensor_leaves(expected)
     if len(got) != len(reference):
         raise CheckFailedError(f"onnxruntime returned {len(got)} outputs, PyTorch {len(reference)}")
+    # every output: integer and bool ones (argmax, ids, masks) must be equal, as in every comparison
     return [
         compare_tensors(f"output[{i}] at {at}", ref, out.to(ref.dtype))
         for i, (ref, out) in enumerate(zip(reference, got, strict=True))
-        if ref.is_floating_point()
     ]
+
+
+def _agrees(output: TensorComparison) -> bool:
+    """An output of the file agrees with PyTorch's: within onnxruntime's tolerance for its dtype, or equal
+    for an integer or bool output."""
+    dtype = getattr(torch, output.dtype, None)
+    if isinstance(dtype, torch.dtype) and not (dtype.is_floating_point or dtype.is_complex):
+        return output.within_tolerance
+    return output.max_rel <= onnx_tolerance(output.dtype)
 
 
 def _checked(
@@ -188,7 +197,8 @@ def _checked(
             f"onnxruntime cannot run the exported file: {shapes.rejected[0]['error']}; nothing written"
         )
     if not result.within_tolerance:
-        worst = max(result.outputs, key=lambda o: o.max_rel, default=None)
+        failing = [o for o in result.outputs if not _agrees(o)]
+        worst = max(failing, key=lambda o: o.max_rel, default=None)
         what = (
             "no output was compared"
             if worst is None

@@ -269,6 +269,13 @@ def transformers_config(checkpoint: CheckpointDirectory) -> Any:
         ) from None
 
 
+def parameter_names(model: nn.Module) -> frozenset[str]:
+    """The names under which ``model`` stores parameters (every name of a tied one): what the NaN/Inf
+    rule of :mod:`normswap.util.finite` holds to the parameter rule when a directory is read tensor by
+    tensor."""
+    return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False))
+
+
 def build_on_meta(checkpoint: CheckpointDirectory) -> nn.Module:
     """The directory's model built from its config on the meta device (shapes and dtypes, no values),
     with normswap's recorded modules in place: what inspection and analysis need, no weight read."""
@@ -332,8 +339,11 @@ def stored_entries(directory: CheckpointDirectory) -> Iterator[tuple[str, Path, 
                 yield name, directory.path / shard, entry
 
 
-def stored_tensor_reader(directory: CheckpointDirectory) -> Callable[[str], torch.Tensor]:
-    """Reads one stored tensor of ``directory`` by its stored name (each shard's header read once)."""
+def stored_tensor_reader(
+    directory: CheckpointDirectory, parameters: frozenset[str] = frozenset()
+) -> Callable[[str], torch.Tensor]:
+    """Reads one stored tensor of ``directory`` by its stored name (each shard's header read once), held
+    to the NaN/Inf rule of :mod:`normswap.util.finite`: a parameter's (``parameters``) or a buffer's."""
     from normswap.load.safetensors_io import read_header, read_model_tensor
 
     headers: dict[str, dict[str, Any]] = {}
@@ -342,7 +352,9 @@ def stored_tensor_reader(directory: CheckpointDirectory) -> Callable[[str], torc
         shard = directory.weight_map[name]
         if shard not in headers:
             headers[shard] = read_header(directory.path / shard)[0]
-        return read_model_tensor(directory.path / shard, name, headers[shard][name])
+        return read_model_tensor(
+            directory.path / shard, name, headers[shard][name], buffer=name not in parameters
+        )
 
     return read
 

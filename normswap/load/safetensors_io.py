@@ -140,13 +140,14 @@ def read_tensor(path: str | Path, entry: TensorEntry, out: torch.Tensor | None =
 
 
 def read_model_tensor(
-    path: str | Path, name: str, entry: TensorEntry, out: torch.Tensor | None = None
+    path: str | Path, name: str, entry: TensorEntry, out: torch.Tensor | None = None, *, buffer: bool = True
 ) -> torch.Tensor:
-    """:func:`read_tensor` for a model's stored tensor ``name``: one that holds NaN or Inf is the model
-    broken, refused here (:mod:`normswap.util.finite`) on every route that reads it, as the byte copies
-    of :meth:`ShardWriter.copy_bytes` refuse it."""
+    """:func:`read_tensor` for a model's stored tensor ``name``, refused as the model broken when it holds
+    NaN, or Inf where it is not a ``buffer`` (:mod:`normswap.util.finite`), on every route that reads it,
+    as the byte copies of :meth:`ShardWriter.copy_bytes` refuse it. A reader that does not know which
+    stored names are parameters holds every tensor to the buffer rule."""
     tensor = read_tensor(path, entry, out=out)
-    refuse_nonfinite_tensor(name, tensor)
+    refuse_nonfinite_tensor(name, tensor, buffer=buffer)
     return tensor
 
 
@@ -156,10 +157,11 @@ def fill_tensor(path: str | Path, name: str, entry: TensorEntry, target: torch.T
     a shape that differs from the stored one, BrokenModelError for NaN/Inf."""
     if tuple(target.shape) != entry.shape:
         raise BadInputError(f"{path}: {name} has shape {list(entry.shape)}, the model {list(target.shape)}")
+    buffer = not isinstance(target, torch.nn.Parameter)
     with torch.no_grad():
         if target.is_contiguous() and target.dtype == DTYPES[entry.dtype]:
-            return read_model_tensor(path, name, entry, out=target)
-        return target.copy_(read_model_tensor(path, name, entry))
+            return read_model_tensor(path, name, entry, out=target, buffer=buffer)
+        return target.copy_(read_model_tensor(path, name, entry, buffer=buffer))
 
 
 def read_rows(path: str | Path, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
@@ -181,8 +183,15 @@ class ShardWriter:
     refuses a file with a range never filled (a check that every tensor was written, not a guess)."""
 
     def __init__(
-        self, path: Path, layout: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]
+        self,
+        path: Path,
+        layout: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str],
+        parameters: frozenset[str] = frozenset(),
     ) -> None:
+        """``parameters``: the stored names that are the model's parameters, held to the parameter rule of
+        :mod:`normswap.util.finite` as they are copied (the others to the buffer rule)."""
+        self.parameters = parameters
         header: dict[str, Any] = {"__metadata__": metadata}
         offset = 0
         self.entries: dict[str, TensorEntry] = {}
@@ -258,7 +267,7 @@ class ShardWriter:
         whole = moved // _element_size(entry.dtype)  # a file ending inside an element: refused by the caller
         values = torch.frombuffer(buffer, dtype=DTYPES[entry.dtype], count=whole) if whole else None
         if values is not None and not all_finite(values):
-            refuse_nonfinite_tensor(name, read_tensor(source, entry))
+            refuse_nonfinite_tensor(name, read_tensor(source, entry), buffer=name not in self.parameters)
         view, target, written = memoryview(buffer)[:moved], self.base + self.entries[name].start + done, 0
         while written < moved:  # pwrite may write less than asked
             written += os.pwrite(self._fd, view[written:], target + written)
@@ -299,6 +308,7 @@ def shard_writers(
     folder: Path,
     layout: Mapping[str, list[tuple[str, str, tuple[int, ...]]]],
     metadata: Mapping[str, dict[str, str]],
+    parameters: frozenset[str] = frozenset(),
 ) -> Iterator[dict[str, ShardWriter]]:
     """A :class:`ShardWriter` for each shard of ``layout`` (file name -> rows) in ``folder``, with that
     shard's ``metadata`` (``format: pt`` where it has none): each closed, and so checked complete, when the
@@ -306,7 +316,9 @@ def shard_writers(
     writers: dict[str, ShardWriter] = {}
     try:
         for shard, rows in layout.items():
-            writers[shard] = ShardWriter(folder / shard, rows, dict(metadata.get(shard) or {"format": "pt"}))
+            writers[shard] = ShardWriter(
+                folder / shard, rows, dict(metadata.get(shard) or {"format": "pt"}), parameters
+            )
         yield writers
         for writer in writers.values():
             writer.close()

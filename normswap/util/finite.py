@@ -4,15 +4,21 @@ A rewrite cannot be checked against a model whose outputs hold NaN or Inf (nothi
 and a model whose weights do would carry the NaN into whatever is written. So, before any work and
 before anything is written, every command and route refuses such a model the same way
 (:class:`normswap.errors.BrokenModelError`, exit 2) with one sentence naming the tensor, what it holds
-and where: the parameters of a model in memory, each stored tensor that a streamed route reads or copies,
-and the model's outputs on the example inputs wherever a route runs the model. Buffers are not refused
-for themselves (a causal mask legitimately holds -Inf); they count through the outputs.
+and where:
+
+- a parameter holding NaN or Inf;
+- a buffer holding NaN (a buffer may hold +-Inf: a causal mask's -Inf, a BatchNorm variance of +Inf whose
+  channel then computes its bias; it counts through the outputs);
+- the model's outputs on the example inputs, wherever a route runs the model.
+
+The same two tensor rules hold for a model in memory (its parameters and buffers), each stored tensor a
+streamed route reads or copies (told which stored names are parameters by the model built on the meta
+device) and each process's rows under torchrun.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -23,10 +29,10 @@ NOTHING_COMPARED = "nothing can be compared there, and nothing was written"
 _NATIVE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def first_nonfinite(t: torch.Tensor) -> tuple[int, list[int], str] | None:
-    """(count, index of the first, "NaN"/"Inf"/"-Inf") of the non-finite values of ``t``; None if none
-    (integer and bool tensors are always finite)."""
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+def first_nonfinite(t: torch.Tensor, *, nan_only: bool = False) -> tuple[int, list[int], str] | None:
+    """(count, index of the first, "NaN"/"Inf"/"-Inf") of the non-finite values of ``t`` (``nan_only``: of
+    its NaNs); None if none (integer and bool tensors are always finite, meta ones hold no values)."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0 or t.device.type == "meta":
         return None
     t = t.detach()
     if t.is_complex():
@@ -35,7 +41,7 @@ def first_nonfinite(t: torch.Tensor) -> tuple[int, list[int], str] | None:
         t = t.float()
     if all_finite(t):
         return None
-    bad = ~torch.isfinite(t)
+    bad = torch.isnan(t) if nan_only else ~torch.isfinite(t)
     count = int(bad.sum())
     if count == 0:
         return None
@@ -64,23 +70,21 @@ def holds(found: tuple[int, list[int], str]) -> str:
     return f"{kind} at {index} ({count} non-finite value{'s' if count != 1 else ''})"
 
 
-def refuse_nonfinite_tensor(name: str, tensor: torch.Tensor, model: str = "the model") -> None:
-    """Refuse ``model`` when its tensor ``name`` holds NaN or Inf (integer tensors never do)."""
-    found = first_nonfinite(tensor)
+def refuse_nonfinite_tensor(
+    name: str, tensor: torch.Tensor, model: str = "the model", *, buffer: bool = False
+) -> None:
+    """Refuse ``model`` when its tensor ``name`` holds NaN or Inf (a ``buffer``: NaN), per the rule above."""
+    found = first_nonfinite(tensor, nan_only=buffer)
     if found is not None:
         raise BrokenModelError(f"{model} is broken: its {name} holds {holds(found)}; {NOTHING_COMPARED}")
 
 
-def refuse_nonfinite_parameters(named: Iterable[tuple[str, torch.Tensor]], model: str = "the model") -> None:
-    """Refuse ``model`` when one of its parameters holds NaN or Inf (meta ones are skipped)."""
-    for name, tensor in named:
-        if tensor.device.type != "meta":
-            refuse_nonfinite_tensor(name, tensor, model)
-
-
 def refuse_broken_model(module: nn.Module, model: str = "the model") -> None:
-    """:func:`refuse_nonfinite_parameters` over ``module``'s parameters (a tied one once)."""
-    refuse_nonfinite_parameters(module.named_parameters(), model)
+    """The tensor rules over ``module``'s parameters and buffers (a tied one once; meta ones skipped)."""
+    for name, parameter in module.named_parameters():
+        refuse_nonfinite_tensor(name, parameter, model)
+    for name, buffer in module.named_buffers():
+        refuse_nonfinite_tensor(name, buffer, model, buffer=True)
 
 
 __all__ = [
@@ -89,6 +93,5 @@ __all__ = [
     "first_nonfinite",
     "holds",
     "refuse_broken_model",
-    "refuse_nonfinite_parameters",
     "refuse_nonfinite_tensor",
 ]

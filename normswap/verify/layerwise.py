@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from normswap.util.modes import modes_restored
+from normswap.util.shapes import format_shapes, input_shapes
 from normswap.util.tolerance import exact_tolerance
 from normswap.verify.exact import ExactRun, ExactVerdict, judge_exact, run_widened, widened_model
 from normswap.verify.finite import refuse_nonfinite_outputs
@@ -197,7 +198,10 @@ def validate_models(
     ):
         for i, (args, kwargs) in enumerate(batches):
             ref_outputs.append(_call(original, "the original model", args, kwargs))
-            where = f"batch {i + 1} of {len(batches)}" if len(batches) > 1 else "the inputs"
+            shapes = format_shapes(input_shapes(args, kwargs))
+            where = (
+                f"batch {i + 1} of {len(batches)} ({shapes})" if len(batches) > 1 else f"the inputs {shapes}"
+            )
             refuse_nonfinite_outputs(ref_outputs[-1], where, "the original model")
             new_outputs.append(_call(converted, "the converted model", args, kwargs))
             if on_batch is not None:

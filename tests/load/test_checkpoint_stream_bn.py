@@ -4,6 +4,7 @@ folded layer checked against the BatchNorm it replaces, and nothing written when
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def _models() -> dict[str, tuple[type, object, torch.dtype]]:
 
 
 def _directory(
-    tmp_path: Path, name: str, break_statistics: str | None = None
+    tmp_path: Path, name: str, break_statistics: str | None = None, variance: float = -1.0
 ) -> tuple[Path, torch.nn.Module]:
     cls, config, dtype = _models()[name]
     torch.manual_seed(0)
@@ -68,7 +69,9 @@ def _directory(
     _randomize_statistics(model)
     if break_statistics is not None:
         with torch.no_grad():
-            model.get_submodule(break_statistics).running_var[0] = -1.0  # var + eps < 0: no affine map
+            model.get_submodule(break_statistics).running_var[0] = (
+                variance  # -1: var + eps < 0, no affine map
+            )
     model = model.to(dtype)
     model.save_pretrained(tmp_path / name, max_shard_size="20KB")  # sharded, with an index
     return tmp_path / name, model
@@ -148,6 +151,25 @@ def test_statistics_without_an_affine_map_are_a_broken_model_on_both_routes(tmp_
     assert not (tmp_path / "streamed").exists()
     result = runner.invoke(app, ["convert", str(source), "--fold-bn", "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "the model is broken" in result.output, result.output
+
+
+def test_an_infinite_variance_is_skipped_alike_on_both_routes(tmp_path):
+    """running_var = +Inf is legitimate in a buffer (its channel computes its bias: the outputs are
+    finite), so no route refuses the model; neither folds that BatchNorm, for the same reason."""
+    skipped = "resnet.encoder.stages.1.layers.0.shortcut.normalization"
+    source, _ = _directory(tmp_path, "resnet", break_statistics=skipped, variance=math.inf)
+    streamed = stream(source, tmp_path / "streamed", fold_bn=True)
+    loaded = load_model(str(source))
+    result = convert(loaded.model, ConvertConfig(fold_bn=True), loaded.example_args, loaded.example_kwargs)
+    memory = [(s.site, s.reason) for s in result.report.passes[0].skips]
+    assert [(s.site, s.reason) for s in streamed.report.skips] == memory
+    assert memory == [
+        (
+            skipped,
+            "BatchNorm statistics are not finite with running_var + eps > 0: it is no affine map to fold",
+        )
+    ]
+    assert result.ok
 
 
 def test_the_cli_streams_a_fold_and_says_how_it_was_checked(tmp_path):

@@ -108,20 +108,32 @@ def _group_of(
     # the check the model's values would have had in memory, on the stored statistics (two vectors)
     mean, var = group.stats["running_mean"], group.stats["running_var"]
     assert mean is not None and var is not None
-    variance = read(var)  # read() refuses NaN/Inf stored (normswap.util.finite)
-    problem = bn_statistics_problem(read(mean), variance, group.eps)
-    if problem is not None:
-        # finite statistics with running_var + eps <= 0: the BatchNorm computes NaN or Inf on every input,
-        # which the in-memory route refuses through the model's outputs; the stream runs no whole model,
-        # so it refuses the model here, by the same rule and exit code
-        index = int((variance.double() + group.eps <= 0).nonzero()[0, 0])
-        raise BrokenModelError(
-            f"the model is broken: its {var} + eps is not positive at [{index}] ({float(variance[index])}), so "
-            f"{site.path} computes NaN or Inf there; {NOTHING_COMPARED}"
-        )
+    means, variance = read(mean), read(var)  # read() refuses a NaN (normswap.util.finite); +-Inf passes
+    _refuse_nonfinite_batchnorm(site.path, mean, means, var, variance, group.eps)
+    problem = bn_statistics_problem(means, variance, group.eps)
+    if problem is not None:  # a variance of +Inf: its channel computes its bias; no affine map to fold
+        return problem
     recipe = module_recipe(layer)
     assert recipe is not None  # a class of STREAM_LAYERS has one
     return FoldedGroup(group, layer, {**recipe, "kwargs": {**recipe["kwargs"], "bias": True}})
+
+
+def _refuse_nonfinite_batchnorm(
+    path: str, mean_name: str, mean: torch.Tensor, var_name: str, var: torch.Tensor, eps: float
+) -> None:
+    """A BatchNorm whose statistics make it compute NaN or Inf on every input (running_var + eps <= 0, or
+    an infinite mean) is the model broken, which the in-memory route finds in the model's outputs; the
+    stream runs no whole model, so it refuses the model here, by the same rule and exit code."""
+    low = (var.double() + eps <= 0).nonzero()
+    infinite = mean.double().isinf().nonzero()
+    if len(low) or len(infinite):
+        name, tensor, index = (var_name, var, low) if len(low) else (mean_name, mean, infinite)
+        at = int(index[0, 0])
+        what = "+ eps is not positive" if len(low) else "is infinite"
+        raise BrokenModelError(
+            f"the model is broken: its {name} {what} at [{at}] ({float(tensor[at])}), so {path} computes NaN "
+            f"or Inf there; {NOTHING_COMPARED}"
+        )
 
 
 def plan_batchnorm_folds(

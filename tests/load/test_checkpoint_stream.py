@@ -113,7 +113,7 @@ def test_a_wrong_tensor_is_caught_at_its_block_and_nothing_is_written(dirs, tmp_
 
     real = streaming._stream
 
-    def damaged(checkpoint, headers, plan, temp):
+    def damaged(checkpoint, headers, plan, temp, *rest):
         # one reader of block 1's attention gets a wrong value, as a bug in the fold math would give
         for edit in plan.edits:
             if edit.label == "fold model.layers.1.input_layernorm":
@@ -127,7 +127,7 @@ def test_a_wrong_tensor_is_caught_at_its_block_and_nothing_is_written(dirs, tmp_
                     return out
 
                 edit.compute = wrong
-        return real(checkpoint, headers, plan, temp)
+        return real(checkpoint, headers, plan, temp, *rest)
 
     monkeypatch.setattr(streaming, "_stream", damaged)
     out = tmp_path / "out"

@@ -271,3 +271,57 @@ def test_inspect_of_a_directory_with_inputs_runs_on_its_meta_model(tmp_path):
     result = runner.invoke(app, ["inspect", str(gpt2), "--input-shape", "int64:1,8"])
     assert result.exit_code == 0, result.output
     assert "graph captured with export" in result.output
+
+
+def nan_statistics_factory() -> tuple[nn.Module, tuple]:
+    model = _conv_bn(inf=False)
+    with torch.no_grad():
+        model.bn.running_var[3] = math.nan  # overflowed statistics: what recalibrate repairs
+    return model, (_x(),)
+
+
+def test_recalibrate_repairs_broken_statistics_and_refuses_a_broken_weight(broken_pt2, tmp_path):
+    """recalibrate re-estimates BatchNorm statistics without reading them: a NaN there is what it repairs
+    (the held-out outputs before it hold NaN, after it none), while a broken weight is still refused."""
+    data = tmp_path / "data.pt"
+    torch.save(torch.randn(16, 3, 12, 12, generator=torch.Generator().manual_seed(3)), data)
+    out = tmp_path / "repaired.pt2"
+    result = runner.invoke(
+        app,
+        [
+            "recalibrate",
+            f"{HERE}:nan_statistics_factory",
+            "--data",
+            str(data),
+            "--batch-size",
+            "4",
+            "-o",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    repaired = torch.export.load(out).module()
+    assert bool(torch.isfinite(repaired(_x())).all())
+    assert bool(torch.isfinite(repaired.get_buffer("bn.running_var")).all())
+    refused = runner.invoke(
+        app, ["recalibrate", str(broken_pt2), "--data", str(data), "-o", str(tmp_path / "x.pt2")]
+    )
+    _refused(refused, tmp_path / "x.pt2")
+
+
+def masked_logits_factory() -> tuple[nn.Module, tuple]:
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm(x)).masked_fill(torch.tensor([False, True, False, False]), -math.inf)
+
+    return Masked().eval(), (torch.randn(2, 8),)
+
+
+def test_inspect_compares_nothing_so_masked_logits_are_not_refused():
+    result = runner.invoke(app, ["inspect", f"{HERE}:masked_logits_factory", "--input-shape", "2,8"])
+    assert result.exit_code == 0, result.output
+    assert "layer 1" in result.output

@@ -70,7 +70,7 @@ def inspect(
         args, kwargs = _on_meta(args), _on_meta(kwargs)
     if inputs is not None or input_shapes:
         try:
-            check_inputs_fit(loaded.model, args, kwargs)
+            check_inputs_fit(loaded.model, args, kwargs, outputs_judged=False)
         except BadInputError as exc:
             # A directory's model is built on the meta device, where some forwards cannot run at all
             # (GPT-2's calls .item()): that says nothing of the inputs, and the capture below, which

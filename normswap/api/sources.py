@@ -35,11 +35,13 @@ def load_for_inference(
     weights: str | Path | None = None,
     trust_pickle: bool = False,
     structure_only: bool = False,
+    statistics_replaced: bool = False,
 ) -> LoadedModel:
     """MODEL (a .pt2, a model directory, a factory, or a .pt with ``trust_pickle``) in inference mode:
     BatchNorm uses its running statistics. ``structure_only``: a model directory is built on the meta
     device, no weight read (what ``inspect`` needs). A model whose parameters hold NaN or Inf is refused
-    as broken, whatever the command (:mod:`normswap.util.finite`)."""
+    as broken, whatever the command (:mod:`normswap.util.finite`), but for BatchNorm statistics a command
+    re-estimates without reading them (``statistics_replaced``: ``recalibrate``)."""
     from normswap.load import load_model
     from normswap.load.model_file import load_model_structure
     from normswap.util.finite import refuse_broken_model
@@ -47,7 +49,8 @@ def load_for_inference(
 
     loader = load_model_structure if structure_only else load_model
     loaded = loader(spec, weights=weights, trust_pickle=trust_pickle)
-    refuse_broken_model(loaded.model)  # a structure built on the meta device holds no values to refuse
+    # a structure built on the meta device holds no values to refuse
+    refuse_broken_model(loaded.model, statistics_replaced=statistics_replaced)
     set_inference_mode(loaded.model)
     return loaded
 
@@ -110,14 +113,20 @@ def required_inputs(
     return require_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
 
 
-def check_inputs_fit(model: nn.Module, args: Any, kwargs: Any, what: str = "the model") -> None:
+def check_inputs_fit(
+    model: nn.Module, args: Any, kwargs: Any, what: str = "the model", *, outputs_judged: bool = True
+) -> None:
     """One run of the user's model on the example inputs, so inputs that do not fit fail in one line,
-    and a model that computes NaN/Inf there is refused as broken (:mod:`normswap.util.finite`)."""
+    and a model that computes NaN/Inf there is refused as broken (:mod:`normswap.util.finite`) where
+    its outputs are ``outputs_judged``: not by ``inspect``, which compares nothing (masked logits hold
+    -Inf), nor ``recalibrate``, whose statistics are replaced before the model computes anything."""
     from normswap.load.inputs import check_inputs_fit as check
     from normswap.util.shapes import format_shapes, input_shapes
     from normswap.verify.finite import refuse_nonfinite_outputs
 
     output = check(model, args, kwargs, what=what)
+    if not outputs_judged:
+        return
     shapes = format_shapes(input_shapes(tuple(args or ()), dict(kwargs or {})))
     refuse_nonfinite_outputs(output, f"the example inputs {shapes}", what)
 

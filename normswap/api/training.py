@@ -83,13 +83,15 @@ class TrainingRun:
         }
 
 
-def _inputs_checked(loaded: LoadedModel, inputs: Any, input_shapes: Any) -> tuple[Any, Any, bool]:
+def _inputs_checked(
+    loaded: LoadedModel, inputs: Any, input_shapes: Any, outputs_judged: bool = True
+) -> tuple[Any, Any, bool]:
     """The example inputs (``None, None`` when unknown) and whether they are known; known ones are run
     once on the model, so minutes of training do not end in a refusal."""
     resolved = example_inputs(loaded, inputs, input_shapes)
     args, kwargs = resolved if resolved is not None else (None, None)
     if resolved is not None:
-        check_inputs_fit(loaded.model, args, kwargs)
+        check_inputs_fit(loaded.model, args, kwargs, outputs_judged=outputs_judged)
     return args, kwargs, resolved is not None
 
 
@@ -121,8 +123,9 @@ def recalibrate(
     from normswap.calibrate import recalibrate_batchnorm
 
     check_output_format(output)
-    loaded = load_for_inference(model, weights, trust_pickle)
-    args, kwargs, known = _inputs_checked(loaded, inputs, input_shapes)
+    # the statistics are re-estimated without being read: broken ones are what this command repairs
+    loaded = load_for_inference(model, weights, trust_pickle, statistics_replaced=True)
+    args, kwargs, known = _inputs_checked(loaded, inputs, input_shapes, outputs_judged=False)
     check_output_before_work(loaded.model, output, args, kwargs, on_step, dtype)
     calibration, held_out = read_data(data, holdout, args, kwargs, batch_size, normalize, model=loaded.model)
     if on_progress is not None:

@@ -50,7 +50,9 @@ from normswap.calibrate.data import ModelInputs, as_model_inputs
 from normswap.errors import BadInputError
 from normswap.errors import describe as _describe
 from normswap.passes.core.base import RewriteKind, Skip
+from normswap.util.finite import first_nonfinite, holds
 from normswap.verify import ModelComparison, compare_outputs
+from normswap.verify.metrics import flatten_outputs
 
 PASS_NAME = "recalibrate_batchnorm"
 
@@ -83,6 +85,9 @@ class RecalibrationReport:
     layers: list[LayerRecalibration] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
     holdout: ModelComparison | None = None
+    # where the held-out outputs with the new statistics hold NaN/Inf (None: finite); the old ones may
+    # hold them: broken statistics are what a recalibration repairs
+    holdout_after_nonfinite: str | None = None
     holdout_samples: int = 0
     holdout_source: str = ""
     notes: list[str] = field(default_factory=list)
@@ -91,10 +96,9 @@ class RecalibrationReport:
 
     @property
     def ok(self) -> bool:
-        """False when a statistic or a held-out output is not finite: the model must not be shipped."""
-        # the one NaN/Inf rule of comparisons (normswap.verify.metrics.nonfinite_where)
-        holdout_finite = self.holdout is None or self.holdout.nonfinite is None
-        return all(layer.finite for layer in self.layers) and holdout_finite
+        """False when a statistic or a held-out output of the recalibrated model is not finite: the model
+        must not be shipped."""
+        return all(layer.finite for layer in self.layers) and self.holdout_after_nonfinite is None
 
     @property
     def non_finite_layers(self) -> list[str]:
@@ -434,9 +438,14 @@ def recalibrate_batchnorm(
     if held_out is not None:
         report.holdout_samples = held_out.num_samples
         try:
-            report.holdout = _compare_on_holdout(
+            report.holdout, report.holdout_after_nonfinite = _compare_on_holdout(
                 target, layers, before, after, to_model(held_out, device, dtype)
             )
+            if report.holdout.nonfinite is not None and report.holdout_after_nonfinite is None:
+                report.notes.append(
+                    f"before recalibration {report.holdout.nonfinite}: the old statistics computed it, "
+                    "the new ones compute finite outputs"
+                )
         except BaseException:
             for path, bn in layers:
                 before[path].load_into(bn)
@@ -450,8 +459,9 @@ def _compare_on_holdout(
     before: dict[str, _Stats],
     after: dict[str, _Stats],
     inputs: ModelInputs,
-) -> ModelComparison:
-    """Eval-mode outputs with the new statistics against those with the old, on the same batch."""
+) -> tuple[ModelComparison, str | None]:
+    """Eval-mode outputs with the new statistics against those with the old, on the same batch, and
+    where the new ones hold NaN/Inf (None: finite)."""
     modes = ModelModes(model)
     try:
         modes.all_eval()
@@ -466,4 +476,8 @@ def _compare_on_holdout(
                     after.get(path, before[path]).load_into(bn)
     finally:
         modes.restore()
-    return compare_outputs(old, new)
+    after_nonfinite = next(
+        (f"{name} holds {holds(found)}" for name, t in flatten_outputs(new) if (found := first_nonfinite(t))),
+        None,
+    )
+    return compare_outputs(old, new), after_nonfinite

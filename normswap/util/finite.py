@@ -22,6 +22,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.errors import BrokenModelError
 
@@ -79,12 +80,23 @@ def refuse_nonfinite_tensor(
         raise BrokenModelError(f"{model} is broken: its {name} holds {holds(found)}; {NOTHING_COMPARED}")
 
 
-def refuse_broken_model(module: nn.Module, model: str = "the model") -> None:
-    """The tensor rules over ``module``'s parameters and buffers (a tied one once; meta ones skipped)."""
+def refuse_broken_model(
+    module: nn.Module, model: str = "the model", *, statistics_replaced: bool = False
+) -> None:
+    """The tensor rules over ``module``'s parameters and buffers (a tied one once; meta ones skipped).
+    ``statistics_replaced``: BatchNorm running statistics are left out, for a command that re-estimates
+    them without reading them (``recalibrate`` repairs statistics that overflowed)."""
     for name, parameter in module.named_parameters():
         refuse_nonfinite_tensor(name, parameter, model)
+    statistics = {
+        f"{path}.{stat}" if path else stat
+        for path, m in module.named_modules()
+        if statistics_replaced and isinstance(m, _BatchNorm)
+        for stat in ("running_mean", "running_var")
+    }
     for name, buffer in module.named_buffers():
-        refuse_nonfinite_tensor(name, buffer, model, buffer=True)
+        if name not in statistics:
+            refuse_nonfinite_tensor(name, buffer, model, buffer=True)
 
 
 __all__ = [

@@ -24,7 +24,7 @@ from torch import nn
 
 from normswap.calibrate.parallel import DataParallel
 from normswap.errors import BadInputError, BrokenModelError
-from normswap.util.finite import refuse_nonfinite_tensor
+from normswap.util.finite import NOTHING_COMPARED, refuse_nonfinite_tensor
 
 
 def _computed_buffers(checkpoint: Any) -> dict[str, torch.Tensor]:
@@ -141,18 +141,19 @@ def load_rows_sharded(
     placement = parallel.shard(model, trained=trained, mixed_precision=mixed_precision)
     model.to_empty(device=parallel.device)  # memory for its shards only
     targets = model.state_dict(keep_vars=True)
-    broken: BrokenModelError | None = None
+    failed: Exception | None = None
     for name, stored_tensor in stored.items():
-        if name in targets:
+        if name in targets and failed is None:
             try:
                 _fill(targets[name], name, stored_tensor, source, parallel.device)
-            except BrokenModelError as exc:  # each process reads its own rows: keep reading, then agree
-                broken = broken or exc
-    # Every process must hear of a NaN/Inf one of them read, or the others would wait in a collective.
-    if parallel.sum(1.0 if broken is not None else 0.0) > 0:
-        raise broken or BrokenModelError(
-            f"the model is broken: another process read NaN/Inf in the stored tensors of {source}; "
-            "nothing can be compared there, and nothing was written"
+            except Exception as exc:  # each process reads its own rows: stop reading, then agree
+                failed = exc
+    # Every process must hear of a failure one of them met (a NaN in its rows, a truncated shard), or
+    # the others would wait in the next collective.
+    if parallel.sum(1.0 if failed is not None else 0.0) > 0:
+        raise failed or BrokenModelError(
+            f"the model is broken: another process could not read its part of {source} (NaN/Inf or a "
+            f"damaged file); {NOTHING_COMPARED}"
         )
     with torch.no_grad():
         for name, value in computed.items():

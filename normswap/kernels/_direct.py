@@ -32,6 +32,9 @@ _I64_MAX = (1 << 63) - 1
 _MAX_KEYS = 1024  # compiled kernels kept per jit kernel; a model needs a handful, so this bounds a leak
 
 _enabled = os.environ.get("NORMSWAP_DIRECT_LAUNCH", "1") != "0"
+# ROCm's backend specializes tensors on more than their alignment (buffer ops on tensors under 2 GB):
+# the key here is proven against CUDA's rules only, so ROCm keeps Triton's own launch
+_HIP = torch.version.hip is not None
 
 
 def set_direct_launch(enabled: bool) -> bool:
@@ -103,7 +106,7 @@ class DirectKernel:
 
     def launch(self, grid: tuple[int, ...], *args: Any, **constants: Any) -> None:
         runtime, current_stream, current_device = self.runtime or _triton_runtime()
-        if not _enabled or self.kernel.pre_run_hooks or not _hooks_idle(runtime):
+        if not _enabled or _HIP or self.kernel.pre_run_hooks or not _hooks_idle(runtime):
             self.kernel[grid](*args, **constants)
             return
         device = current_device()
@@ -138,6 +141,9 @@ class DirectKernel:
         the positional ones was given by keyword (a parameter left to its default is not replayed)."""
         keyword_names = self.param_names[positional:]
         if any(name not in constants for name in keyword_names):
+            return
+        # a compile-time constant given by position would be keyed by its specialization facts only
+        if any(p.is_constexpr for p in self.kernel.params[:positional]):
             return
         if getattr(compiled, "function", None) is None or not hasattr(compiled, "packed_metadata"):
             return

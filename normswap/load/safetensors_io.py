@@ -26,7 +26,7 @@ import torch
 
 from normswap.errors import BadInputError
 from normswap.load.json_io import parse_json
-from normswap.util.finite import all_finite, refuse_nonfinite_tensor
+from normswap.util.finite import first_nonfinite, refuse_nonfinite_tensor
 
 _MAX_HEADER = 100 * 1024 * 1024
 _COPY_CHUNK = 64 * 1024 * 1024
@@ -266,8 +266,10 @@ class ShardWriter:
             moved += got
         whole = moved // _element_size(entry.dtype)  # a file ending inside an element: refused by the caller
         values = torch.frombuffer(buffer, dtype=DTYPES[entry.dtype], count=whole) if whole else None
-        if values is not None and not all_finite(values):
-            refuse_nonfinite_tensor(name, read_tensor(source, entry), buffer=name not in self.parameters)
+        buffer_rule = name not in self.parameters
+        # the whole tensor is read again only to word a refusal (a mask's legitimate -Inf reads nothing)
+        if values is not None and first_nonfinite(values, nan_only=buffer_rule) is not None:
+            refuse_nonfinite_tensor(name, read_tensor(source, entry), buffer=buffer_rule)
         view, target, written = memoryview(buffer)[:moved], self.base + self.entries[name].start + done, 0
         while written < moved:  # pwrite may write less than asked
             written += os.pwrite(self._fd, view[written:], target + written)

@@ -88,8 +88,8 @@ class _RecordingKernel:
     """Stands in for a jit kernel: ``kernel[grid](...)`` records the call and returns a compiled
     kernel whose launcher records what it is given."""
 
-    def __init__(self, params):
-        self.params = [SimpleNamespace(name=n) for n in params]
+    def __init__(self, params, constexprs=("FLAG", "BLOCK")):
+        self.params = [SimpleNamespace(name=n, is_constexpr=n in constexprs) for n in params]
         self.pre_run_hooks = []
         self.jit_launches = []
         self.runs = []
@@ -158,6 +158,16 @@ def test_an_empty_hook_chain_does_not_stop_direct_launches():
     for _ in range(3):
         wrapped[(1,)](torch.zeros(4), 16, 1.0, BLOCK=16, FLAG=False, num_warps=1)
     assert len(kernel.jit_launches) == 1 and wrapped.direct_launches == 2
+
+
+def test_a_constant_given_by_position_is_never_replayed():
+    """A tl.constexpr passed positionally would be keyed by its specialization facts (32 and 48 alike):
+    such a call always goes through Triton's launch."""
+    kernel = _RecordingKernel(["X", "BLOCK"])
+    wrapped = DirectKernel(kernel, _runtime())
+    for block in (32, 48, 32):
+        wrapped[(1,)](torch.zeros(4), block)
+    assert len(kernel.jit_launches) == 3 and not kernel.runs
 
 
 def test_a_parameter_left_to_its_default_is_never_replayed():

@@ -325,3 +325,33 @@ def test_inspect_compares_nothing_so_masked_logits_are_not_refused():
     result = runner.invoke(app, ["inspect", f"{HERE}:masked_logits_factory", "--input-shape", "2,8"])
     assert result.exit_code == 0, result.output
     assert "layer 1" in result.output
+
+
+def test_an_original_that_computes_nan_is_refused_streamed_as_in_memory(tmp_path):
+    """Finite float16 weights whose block overflows: in memory the outputs refuse the model; streamed,
+    the block-by-block verification runs the original and refuses it the same way (it used to fail the
+    check, exit 1, "nothing was compared there")."""
+    llama = make_directory(tmp_path, "llama", dtype=torch.float16)
+    for shard in llama.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if "model.layers.1.post_attention_layernorm.weight" in tensors:
+            tensors["model.layers.1.post_attention_layernorm.weight"][5] = 60000.0
+        if "model.layers.1.mlp.up_proj.weight" in tensors:
+            tensors["model.layers.1.mlp.up_proj.weight"][:, 5] = 4.0
+        save_file(tensors, shard, metadata={"format": "pt"})
+    streamed = runner.invoke(app, ["convert", str(llama), "--fold-norm-affine", "-o", str(tmp_path / "out")])
+    _refused(streamed, tmp_path / "out", "the model is broken: its block 1 output holds NaN")
+    memory = runner.invoke(app, ["convert", str(llama), "--fold-norm-affine", "-o", str(tmp_path / "o.pt2")])
+    _refused(memory, tmp_path / "o.pt2", "the model is broken: its output.logits holds NaN")
+
+
+def test_what_normswap_wrote_is_judged_by_its_comparison_not_refused(w2v):
+    """A directory normswap wrote is read unchecked by its verification (its NaN fails the check, exit
+    1); a directory the user gave is held to the rule."""
+    from normswap.load.checkpoint_dir import read_checkpoint_directory, stored_tensor_reader
+
+    directory = read_checkpoint_directory(w2v["untouched"])
+    name = "encoder.layers.0.feed_forward.intermediate_dense.weight"
+    assert math.isnan(float(stored_tensor_reader(directory, checked=False)(name)[0, 5]))
+    with pytest.raises(BrokenModelError, match=r"holds NaN at \[0, 5\]"):
+        stored_tensor_reader(directory)(name)

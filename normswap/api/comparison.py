@@ -239,7 +239,12 @@ def _blockwise(
         ]
         shapes = [f"{b}x{n}" for b, n in VERIFY_SHAPES]
         results = blockwise.verify_blockwise(
-            checkpoints["ORIGINAL"], checkpoints["CONVERTED"], inputs, relate, on_block=say
+            checkpoints["ORIGINAL"],
+            checkpoints["CONVERTED"],
+            inputs,
+            relate,
+            on_block=say,
+            converted_is_input=True,
         )
     failed = [r for r in results if not r.ok]
     return Validation(

@@ -44,6 +44,8 @@ from normswap.load.checkpoint_dir import (
 )
 from normswap.load.recorded import replace_recorded
 from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header
+from normswap.util.shapes import format_shapes, input_shapes
+from normswap.verify.finite import refuse_nonfinite_outputs
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
 Relate = Callable[[torch.Tensor], torch.Tensor]
@@ -173,7 +175,10 @@ def blockwise_problem(model: nn.Module) -> str | None:
 class BlockShell:
     """One model directory's model with one block, whose block takes any block's weights."""
 
-    def __init__(self, checkpoint: CheckpointDirectory, blocks: str) -> None:
+    def __init__(self, checkpoint: CheckpointDirectory, blocks: str, checked: bool = True) -> None:
+        """``checked``: the directory is held to the broken-model rule as it is read (a user's model;
+        normswap's own output is judged by the comparison instead)."""
+        self.checked = checked
         config = transformers_config(checkpoint)
         config = copy.deepcopy(config)
         config.num_hidden_layers = 1
@@ -219,7 +224,9 @@ class BlockShell:
                 if shard not in self._headers:
                     self._headers[shard] = read_header(self.checkpoint.path / shard)[0]
                 entry = self._headers[shard][name]
-                value = fill_tensor(self.checkpoint.path / shard, name, entry, targets[0])
+                value = fill_tensor(
+                    self.checkpoint.path / shard, name, entry, targets[0], checked=self.checked
+                )
                 for target in targets[1:]:
                     target.copy_(value)
 
@@ -335,7 +342,9 @@ def head_output(shell: Shell, args: tuple, kwargs: dict[str, Any], hidden: torch
 def _run_original(
     shell: Shell, count: int, inputs: list[tuple[tuple, dict[str, Any]]], say: Callable[[str], None]
 ) -> list[dict[str, Any]]:
-    """Every block's input and output, and the model's output, of the original on each input."""
+    """Every block's input and output, and the model's output, of the original on each input. An
+    original whose block computes NaN/Inf is broken, refused as the in-memory route refuses it through
+    the model's outputs (:mod:`normswap.util.finite`)."""
     shell.take_block(0)
     runs = []
     for args, kwargs in inputs:
@@ -346,13 +355,19 @@ def _run_original(
     for index in range(count):
         say(f"verifying: original block {index + 1}/{count}")
         block = shell.take_block(index)
-        for run in runs:
+        for run, (args, kwargs) in zip(runs, inputs, strict=True):
             in_args, in_kwargs = with_hidden(run["args"], run["kwargs"], run["hidden"][-1])
             with torch.no_grad():
                 run["hidden"].append(first_output(block(*in_args, **in_kwargs)))
+            refuse_nonfinite_outputs(run["hidden"][-1], _shapes(args, kwargs), prefix=f"block {index} output")
     for run, (args, kwargs) in zip(runs, inputs, strict=True):
         run["output"] = head_output(shell, args, kwargs, run["hidden"][-1])
+        refuse_nonfinite_outputs(run["output"], _shapes(args, kwargs))
     return runs
+
+
+def _shapes(args: tuple, kwargs: dict[str, Any]) -> str:
+    return f"the inputs {format_shapes(input_shapes(args, kwargs))}"
 
 
 def verify_blockwise(
@@ -362,9 +377,12 @@ def verify_blockwise(
     relate: Relate = identity,
     on_block: Callable[[str], None] | None = None,
     changed: list[str] | None = None,
+    converted_is_input: bool = False,
 ) -> list[BlockwiseReport]:
     """Compare ``converted`` with ``original`` stage by stage on each of ``inputs`` (``(args, kwargs)``
-    pairs), one report per input (see the module doc). ``changed``: the modules the rewrite changed; one
+    pairs), one report per input (see the module doc). ``converted_is_input``: a directory the user
+    gave (``validate``), held to the broken-model rule as the original is; else normswap's own output,
+    whose NaN fails the comparison. ``changed``: the modules the rewrite changed; one
     inside the last block whose change reaches past it (a post-LN model's last norm, its affine folded
     into the head) moves that block's output by design, so a last block that changed and whose output
     moved is checked through the head (its output fed to the converted head, logits against logits).
@@ -380,7 +398,7 @@ def verify_blockwise(
         changed = _changed_tensors(original, converted, last)
     return _compare(
         lambda: BlockShell(original, blocks),
-        lambda: BlockShell(converted, blocks),
+        lambda: BlockShell(converted, blocks, checked=converted_is_input),
         count,
         inputs,
         relate,
@@ -391,7 +409,10 @@ def verify_blockwise(
 
 def _changed_tensors(original: CheckpointDirectory, converted: CheckpointDirectory, prefix: str) -> list[str]:
     """The tensors under ``prefix`` (one block) that the two directories store differently."""
-    ours, theirs = stored_tensor_reader(original), stored_tensor_reader(converted)
+    ours, theirs = (
+        stored_tensor_reader(original, checked=False),
+        stored_tensor_reader(converted, checked=False),
+    )
     found = []
     for name in original.weight_map:
         if not name.startswith(prefix):

@@ -9,10 +9,12 @@ from normswap.util.finite import NOTHING_COMPARED, first_nonfinite, holds
 from normswap.verify.metrics import flatten_outputs
 
 
-def refuse_nonfinite_outputs(outputs: Any, inputs: str, model: str = "the model") -> None:
+def refuse_nonfinite_outputs(
+    outputs: Any, inputs: str, model: str = "the model", *, prefix: str = "output"
+) -> None:
     """Refuse ``model`` when its outputs on ``inputs`` (said in the sentence: "the example inputs
-    2x3x16x16") hold NaN or Inf."""
-    for name, tensor in flatten_outputs(outputs):
+    2x3x16x16") hold NaN or Inf; ``prefix`` names them ("block 3 output": one block's, streamed)."""
+    for name, tensor in flatten_outputs(outputs, prefix):
         found = first_nonfinite(tensor)
         if found is not None:
             raise BrokenModelError(

@@ -17,9 +17,9 @@ for folds; centering over the hidden dim for a recentered residual stream):
 3. the head (final norm, LM head) runs on the last activation in both: logits against logits.
 
 Every comparison is held to the exact tolerance of the dtype (:mod:`normswap.util.tolerance`); a NaN or
-Inf in either model's activation fails its stage and says where
-(:func:`normswap.verify.metrics.nonfinite_where`: a NaN in the original's is the original broken). Blocks
-are the children of the model's largest list of same-class modules (``model.layers``, ``transformer.h``).
+Inf in the converted model's activation fails its stage and says where, one in the original's refuses
+the original as broken (:mod:`normswap.util.finite`). Blocks are the children of the model's largest
+list of same-class modules (``model.layers``, ``transformer.h``).
 A block runs in the shell's block 0: layers configured differently by index (alternating sliding
 windows) run as block 0 is configured, in both models alike.
 """
@@ -342,9 +342,8 @@ def head_output(shell: Shell, args: tuple, kwargs: dict[str, Any], hidden: torch
 def _run_original(
     shell: Shell, count: int, inputs: list[tuple[tuple, dict[str, Any]]], say: Callable[[str], None]
 ) -> list[dict[str, Any]]:
-    """Every block's input and output, and the model's output, of the original on each input. An
-    original whose block computes NaN/Inf is broken, refused as the in-memory route refuses it through
-    the model's outputs (:mod:`normswap.util.finite`)."""
+    """Every block's input and output, and the model's output, of the original on each input; an
+    original whose block computes NaN/Inf is refused as broken, as the in-memory route refuses it."""
     shell.take_block(0)
     runs = []
     for args, kwargs in inputs:

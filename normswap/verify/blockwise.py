@@ -173,11 +173,10 @@ def blockwise_problem(model: nn.Module) -> str | None:
 
 
 class BlockShell:
-    """One model directory's model with one block, whose block takes any block's weights."""
+    """One model directory's model with one block, whose block takes any block's weights; ``checked``:
+    held to the broken-model rule as it is read (a user's model; normswap's output: by the comparison)."""
 
     def __init__(self, checkpoint: CheckpointDirectory, blocks: str, checked: bool = True) -> None:
-        """``checked``: the directory is held to the broken-model rule as it is read (a user's model;
-        normswap's own output is judged by the comparison instead)."""
         self.checked = checked
         config = transformers_config(checkpoint)
         config = copy.deepcopy(config)

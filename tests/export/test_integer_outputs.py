@@ -45,3 +45,19 @@ def test_an_integer_only_model_exports_and_its_outputs_are_compared(tmp_path):
         text = json.dumps(onnx)
         assert '"dtype": "int64"' in text and '"dtype": "bool"' in text, text[:2000]
         report.unlink()
+
+
+def test_an_integer_output_that_differs_fails_the_check():
+    """The rule the ONNX check applies per output: a float within onnxruntime's tolerance agrees; an
+    integer or bool output agrees only when equal, element for element."""
+    from normswap.export.onnx import _agrees
+    from normswap.verify.metrics import compare_tensors
+
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    assert _agrees(compare_tensors("ids", ids, ids.clone()))
+    assert not _agrees(compare_tensors("ids", ids, torch.tensor([3, 1, 4, 1, 6])))
+    mask = torch.tensor([True, False, True])
+    assert not _agrees(compare_tensors("mask", mask, ~mask))
+    x = torch.randn(64)
+    assert _agrees(compare_tensors("x", x, x * (1 + 1e-6)))
+    assert not _agrees(compare_tensors("x", x, x * 1.01))

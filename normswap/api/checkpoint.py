@@ -42,6 +42,7 @@ from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_model_tensor, shard_writers
 from normswap.load.save import directory_output
+from normswap.passes.batchnorm.stream import refuse_broken_batchnorms
 from normswap.passes.core.base import PassReport
 from normswap.passes.core.edits import EditPlan, TensorEdit
 from normswap.passes.streaming import plan_edits
@@ -273,13 +274,15 @@ def plan_checkpoint(
     )
     # a weight-norm pass reads parameters only: no graph, so no inputs (an audio model's are not made)
     args, kwargs = ((), {}) if weight_norm is not None else example_inputs(model, checkpoint.config)
+    read = stored_tensor_reader(checkpoint, parameter_names(model))
+    refuse_broken_batchnorms(model, set(checkpoint.weight_map), read)
     plan = plan_edits(
         model,
         args,
         kwargs,
         set(checkpoint.weight_map),
         config.rewrites()[0],
-        read=stored_tensor_reader(checkpoint, parameter_names(model)),
+        read=read,
         weight_norm=weight_norm,
     )
     return PlannedStream(checkpoint, headers, model, plan)

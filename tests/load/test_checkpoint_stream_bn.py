@@ -151,6 +151,12 @@ def test_statistics_without_an_affine_map_are_a_broken_model_on_both_routes(tmp_
     assert not (tmp_path / "streamed").exists()
     result = runner.invoke(app, ["convert", str(source), "--fold-bn", "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "the model is broken" in result.output, result.output
+    # whatever the rewrite: a stream that folds no BatchNorm refuses the model too (it used to copy it
+    # with exit 0, "nothing to change", where the in-memory route refused it)
+    other = runner.invoke(app, ["convert", str(source), "--fold-norm-affine", "-o", str(tmp_path / "out")])
+    assert other.exit_code == 2, other.output
+    assert f"its {broken}.running_var + eps is not positive at [0]" in other.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_infinite_variance_is_skipped_alike_on_both_routes(tmp_path):

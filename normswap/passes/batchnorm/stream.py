@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.errors import BrokenModelError
 from normswap.modules.recipes import build_from_recipe, module_recipe
@@ -108,9 +109,8 @@ def _group_of(
     # the check the model's values would have had in memory, on the stored statistics (two vectors)
     mean, var = group.stats["running_mean"], group.stats["running_var"]
     assert mean is not None and var is not None
-    means, variance = read(mean), read(var)  # read() refuses a NaN (normswap.util.finite); +-Inf passes
-    _refuse_nonfinite_batchnorm(site.path, mean, means, var, variance, group.eps)
-    problem = bn_statistics_problem(means, variance, group.eps)
+    # read() refuses a NaN (normswap.util.finite); refuse_broken_batchnorms refused what computes NaN/Inf
+    problem = bn_statistics_problem(read(mean), read(var), group.eps)
     if problem is not None:  # a variance of +Inf: its channel computes its bias; no affine map to fold
         return problem
     recipe = module_recipe(layer)
@@ -118,12 +118,20 @@ def _group_of(
     return FoldedGroup(group, layer, {**recipe, "kwargs": {**recipe["kwargs"], "bias": True}})
 
 
+def refuse_broken_batchnorms(model: nn.Module, stored: set[str], read: Callable[[str], torch.Tensor]) -> None:
+    """Every BatchNorm of ``model`` (a directory's model on the meta device) whose stored statistics make
+    it compute NaN or Inf on every input (running_var + eps <= 0, an infinite mean) is the model broken,
+    which the in-memory route finds in the model's outputs; a stream runs no whole model, so it refuses
+    the model here before any work, whatever the rewrite, by the same rule and exit code."""
+    for path, bn in model.named_modules():
+        names = [f"{path}.{stat}" if path else stat for stat in ("running_mean", "running_var")]
+        if isinstance(bn, _BatchNorm) and all(n in stored for n in names):
+            _refuse_nonfinite_batchnorm(path, names[0], read(names[0]), names[1], read(names[1]), bn.eps)
+
+
 def _refuse_nonfinite_batchnorm(
     path: str, mean_name: str, mean: torch.Tensor, var_name: str, var: torch.Tensor, eps: float
 ) -> None:
-    """A BatchNorm whose statistics make it compute NaN or Inf on every input (running_var + eps <= 0, or
-    an infinite mean) is the model broken, which the in-memory route finds in the model's outputs; the
-    stream runs no whole model, so it refuses the model here, by the same rule and exit code."""
     low = (var.double() + eps <= 0).nonzero()
     infinite = mean.double().isinf().nonzero()
     if len(low) or len(infinite):

@@ -355,3 +355,30 @@ def test_what_normswap_wrote_is_judged_by_its_comparison_not_refused(w2v):
     assert math.isnan(float(stored_tensor_reader(directory, checked=False)(name)[0, 5]))
     with pytest.raises(BrokenModelError, match=r"holds NaN at \[0, 5\]"):
         stored_tensor_reader(directory)(name)
+
+
+def test_the_stored_names_held_to_the_parameter_rule(tmp_path):
+    """The stream tells parameters from buffers among the stored names (through transformers' renamings):
+    a ResNet's BatchNorm statistics are buffers, its weights parameters; GPT-NeoX's stored head is one."""
+    from normswap.load.checkpoint_dir import build_on_meta, parameter_names, read_checkpoint_directory
+
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+    transformers.ResNetForImageClassification(config).save_pretrained(tmp_path / "resnet")
+    neox = transformers.GPTNeoXConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100
+    )
+    transformers.GPTNeoXForCausalLM(neox).save_pretrained(tmp_path / "neox")
+    for name, parameter, buffer in (
+        (
+            "resnet",
+            "resnet.embedder.embedder.convolution.weight",
+            "resnet.embedder.embedder.normalization.running_var",
+        ),
+        ("neox", "embed_out.weight", None),
+    ):
+        directory = read_checkpoint_directory(tmp_path / name)
+        names = parameter_names(build_on_meta(directory), directory)
+        assert parameter in names and parameter in directory.weight_map
+        if buffer is not None:
+            assert buffer in directory.weight_map and buffer not in names

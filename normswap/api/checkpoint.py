@@ -274,7 +274,7 @@ def plan_checkpoint(
     )
     # a weight-norm pass reads parameters only: no graph, so no inputs (an audio model's are not made)
     args, kwargs = ((), {}) if weight_norm is not None else example_inputs(model, checkpoint.config)
-    read = stored_tensor_reader(checkpoint, parameter_names(model))
+    read = stored_tensor_reader(checkpoint, parameter_names(model, checkpoint))
     refuse_broken_batchnorms(model, set(checkpoint.weight_map), read)
     plan = plan_edits(
         model,
@@ -305,7 +305,7 @@ def write_checkpoint(
     try:
         with directory_output(output, overwrite=config.overwrite) as temp:
             say(f"streaming {len(plan.edits)} edit groups into {len(checkpoint.shards)} shards")
-            parameters = parameter_names(planned.model)
+            parameters = parameter_names(planned.model, checkpoint)
             shards, copied, edited, largest = _stream(checkpoint, headers, plan, temp, parameters)
             stock_refused = finish_from_source(
                 checkpoint, temp, shards, config_changes=plan.config_changes, recorded=plan.recorded

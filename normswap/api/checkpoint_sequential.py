@@ -273,7 +273,7 @@ def convert_checkpoint_sequential(
     args, kwargs = example_inputs(meta, checkpoint.config, device="cpu")
     # the meta model's embedding size is all the token-id check reads
     batches = [as_model_inputs(b) for b in calibration_batches(config, meta, args, kwargs)]
-    parameters = parameter_names(meta)
+    parameters = parameter_names(meta, checkpoint)
     del meta
     if not batches:
         raise BadInputError(f"--calibrate {config.calibration_data}: no batches to calibrate on")

@@ -269,11 +269,17 @@ def transformers_config(checkpoint: CheckpointDirectory) -> Any:
         ) from None
 
 
-def parameter_names(model: nn.Module) -> frozenset[str]:
-    """The names under which ``model`` stores parameters (every name of a tied one): what the NaN/Inf
-    rule of :mod:`normswap.util.finite` holds to the parameter rule when a directory is read tensor by
-    tensor."""
-    return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False))
+def parameter_names(model: nn.Module, checkpoint: CheckpointDirectory) -> frozenset[str]:
+    """The stored names of ``checkpoint`` that are ``model``'s parameters (every name of a tied one,
+    through the renamings transformers' loader makes: GPT-NeoX stores its head as ``embed_out``): what
+    the NaN/Inf rule of :mod:`normswap.util.finite` holds to the parameter rule when a directory is read
+    tensor by tensor."""
+    from normswap.load.tensor_names import loaded_names
+
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    stored = list(checkpoint.weight_map)
+    renamed = loaded_names(model, stored) or {name: name for name in stored}
+    return frozenset(name for name in stored if renamed.get(name, name) in parameters)
 
 
 def build_on_meta(checkpoint: CheckpointDirectory) -> nn.Module:

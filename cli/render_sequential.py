@@ -23,6 +23,11 @@ def print_sequential(result: Any) -> None:
         out.print(
             f"  skipped {len(sites)}: {reason} ({', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''})"
         )
+    if fit is None:  # no norm to swap: the model was written as it was, its tensors copied as bytes
+        out.print(f"{result.copied_tensors} tensors copied as bytes into {len(result.shards)} shards")
+        out.print(f"  {how_it_loads(result.recorded_modules, result.stock_refused)}", soft_wrap=True)
+        final(f"wrote {result.path} (directory)")
+        return
     out.print(
         f"calibrated on {fit.batches} batches, {fit.blocks_path}; after each block, SQNR vs the original:"
     )

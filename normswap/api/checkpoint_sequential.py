@@ -52,11 +52,12 @@ _ACTIVATION_SHARE, _ACTIVATION_CAP = 0.25, 4 * 1024**3
 @dataclass
 class SequentialConversion:
     """What :func:`convert_checkpoint_sequential` did: the swap's report (every block's sites), the
-    calibration's (per block and per site, before and after), and how the output was written."""
+    calibration's (per block and per site, before and after; None when no norm could be swapped, the
+    model then written as it was), and how the output was written."""
 
     path: Path
     report: PassReport
-    calibration: SequentialCalibrationReport
+    calibration: SequentialCalibrationReport | None
     shards: list[str]
     copied_tensors: int
     written_tensors: int
@@ -72,7 +73,7 @@ class SequentialConversion:
             "route": "sequential",
             "stock_refused": self.stock_refused,
             "report": self.report.to_dict(),
-            "calibration": self.calibration.to_dict(),
+            "calibration": None if self.calibration is None else self.calibration.to_dict(),
             "shards": self.shards,
             "copied_tensors": self.copied_tensors,
             "written_tensors": self.written_tensors,
@@ -245,8 +246,9 @@ def convert_checkpoint_sequential(
 
     The fitted parameters are those of the in-memory ``convert`` with the same calibration data (the same
     fit, fed the same tensors). BadInputError for a conversion or model the route cannot take (a model
-    with no list of blocks of one class, flags other than the swap), CheckFailedError when nothing
-    could be swapped; nothing is written then, nor on any failure."""
+    with no list of blocks of one class, flags other than the swap); nothing is written then, nor on any
+    failure. A model with no norm to swap is written as it was (every tensor copied as bytes, nothing
+    calibrated), as the in-memory route writes it."""
     from normswap.api.convert import calibration_batches
     from normswap.calibrate.activations import ActivationStore
     from normswap.calibrate.data import ModelInputs, as_model_inputs
@@ -284,9 +286,6 @@ def convert_checkpoint_sequential(
     shell.take_block(0)
     say("deciding the swap on the model with one block")
     swap, plan = _plan_swap(shell.model, config, args, kwargs)
-    if not plan.sites:
-        first = plan.skips[0].reason if plan.skips else "no norm of another kind found"
-        raise CheckFailedError(f"no norm could be swapped ({first}); nothing written")
     shell_block = f"{blocks}.0."
     inside = [p[len(shell_block) :] for p in plan.sites if p.startswith(shell_block)]
     outside = [p for p in plan.sites if not p.startswith(shell_block)]
@@ -344,15 +343,17 @@ def convert_checkpoint_sequential(
                         write(f"{blocks}.{index}.{local}", block.get_submodule(local))
 
                 stop = threading.Event()
+                calibration = None
                 with ThreadPoolExecutor(max_workers=1, thread_name_prefix="normswap-copy") as pool:
                     copying = pool.submit(copy_all, jobs, stop)
                     try:
-                        calibration, outside_news = calibrate_blocks(
-                            shell, count, inside, outside, build, batches, ModelInputs(args, kwargs), store,
-                            write_block, say,
-                        )  # fmt: skip
-                        for path, module in outside_news.items():
-                            write(path, module)
+                        if plan.sites:  # otherwise the model is written as it was: nothing to calibrate
+                            calibration, outside_news = calibrate_blocks(
+                                shell, count, inside, outside, build, batches, ModelInputs(args, kwargs),
+                                store, write_block, say,
+                            )  # fmt: skip
+                            for path, module in outside_news.items():
+                                write(path, module)
                         say("waiting for the byte copies of the untouched tensors")
                         copying.result()
                     except BaseException:

@@ -185,3 +185,24 @@ def test_a_config_that_caches_keys_gives_the_same_result(dirs, tmp_path):
         convert_checkpoint_sequential(source, ConvertConfig(**_options(dirs), output=tmp_path / out))
     ours, theirs = _tensors(tmp_path / "cached-out"), _tensors(tmp_path / "plain")
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_nothing_to_swap_is_written_as_it_was_on_both_routes(dirs, tmp_path):
+    """No norm of the asked kind: block by block exits 0 and writes the model as it was, as in memory does
+    (it used to exit 1 there, 'no norm could be swapped')."""
+    args = ["convert", str(dirs["llama"]), "--to", "layernorm", "--from", "batch", "--calibrate"]
+    args += [str(dirs["calib"]), "--batch-size", "4"]
+    verdicts = {}
+    for route, extra in (("seq", ["--sequential"]), ("memory", [])):
+        report = tmp_path / f"{route}.json"
+        shown = runner.invoke(app, [*args, *extra, "-o", str(tmp_path / route), "--report", str(report)])
+        assert shown.exit_code == 0, shown.output
+        assert "nothing to change: no site to rewrite; the output is the model as it was" in shown.output
+        data = json.loads(report.read_text())
+        verdicts[route] = (data["verdict"], data["passes"][0]["changes"], data["passes"][0]["skips"])
+    assert verdicts["seq"] == verdicts["memory"] == ("ok", [], [])
+    source, seq, memory = _tensors(dirs["llama"]), _tensors(tmp_path / "seq"), _tensors(tmp_path / "memory")
+    assert set(seq) == set(source) == set(memory)
+    for key in source:
+        assert torch.equal(seq[key], source[key]) and torch.equal(memory[key], source[key]), key
+    assert json.loads((tmp_path / "seq.json").read_text())["calibration"] is None

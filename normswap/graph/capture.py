@@ -274,7 +274,10 @@ def _length_dims(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Calla
 
             def resize(t: Any, dim: int = dim, size: int = size, new: int = new) -> Any:
                 same = _is_3d(t) and t.shape[dim] == size  # cut to its first ``new`` or doubled
-                return torch.cat([t, t], dim).narrow(dim, 0, new) if same else t
+                if same:
+                    return torch.cat([t, t], dim).narrow(dim, 0, new)
+                # the other inputs as copies: a model that writes into its inputs keeps the example's
+                return t.clone() if isinstance(t, torch.Tensor) else t
 
             if _runs(model, *pytree.tree_map(resize, (args, kwargs))):
                 lengths[dim] = {size, 2} if size == 1 else {size}

@@ -227,3 +227,22 @@ def test_finding_the_length_leaves_the_model_as_it_was():
     ]
     assert model.training and model.bn.training and model.last is None
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_finding_the_length_leaves_the_inputs_as_they_were():
+    """A forward that writes into an input it is given (a mask scaled in place) is run on copies: the
+    example the conversion goes on with is the user's."""
+
+    class ScalesItsMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(4, 8, 3, padding=1)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            mask.mul_(2)
+            return self.conv(x) * mask
+
+    x, mask = torch.randn(2, 4, 32), torch.ones(2, 1, 1)
+    free = capture._length_dims(ScalesItsMask(), (x,), {"mask": mask})
+    assert free(x, 2) == torch.export.Dim.AUTO  # the probe ran (and would have doubled the mask twice)
+    assert torch.equal(mask, torch.ones(2, 1, 1))

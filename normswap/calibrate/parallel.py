@@ -140,6 +140,14 @@ class DataParallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every process's ``value`` (any picklable object), in rank order, on every process."""
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def barrier(self) -> None:
         import torch.distributed as dist
 

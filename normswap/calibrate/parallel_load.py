@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from normswap.calibrate.parallel import DataParallel
-from normswap.errors import BadInputError, BrokenModelError
-from normswap.util.finite import NOTHING_COMPARED, refuse_nonfinite_tensor
+from normswap.errors import BadInputError
+from normswap.util.finite import refuse_nonfinite_tensor
 
 
 def _computed_buffers(checkpoint: Any) -> dict[str, torch.Tensor]:
@@ -98,7 +98,7 @@ def _fill(target: torch.Tensor, name: str, source: Any, where: str, device: torc
             )
             if local.numel():
                 rows = _rows(source, offset[0], offset[0] + local_shape[0])
-                refuse_nonfinite_tensor(f"{name} (rows from {offset[0]})", rows, buffer=buffer)
+                refuse_nonfinite_tensor(name, rows, buffer=buffer, first_row=int(offset[0]))
                 local.copy_(rows.reshape(local.shape).to(device))
         else:
             whole = _rows(source, 0, None)
@@ -149,13 +149,22 @@ def load_rows_sharded(
             except Exception as exc:  # each process reads its own rows: stop reading, then agree
                 failed = exc
     # Every process must hear of a failure one of them met (a NaN in its rows, a truncated shard), or
-    # the others would wait in the next collective.
-    if parallel.sum(1.0 if failed is not None else 0.0) > 0:
-        raise failed or BrokenModelError(
-            f"the model is broken: another process could not read its part of {source} (NaN/Inf or a "
-            f"damaged file); {NOTHING_COMPARED}"
-        )
+    # the others would wait in the next collective; and with its reason, since torchrun stops the others
+    # as soon as one exits, and the one whose output the user reads may not be the one that found it.
+    reported = [f for f in parallel.gather(failed and _portable(failed)) if f is not None]
+    if reported:
+        raise failed or reported[0]
     with torch.no_grad():
         for name, value in computed.items():
             model.get_buffer(name).copy_(value.to(parallel.device))
     return f"{placement}, read shard by shard from {source}"
+
+
+def _portable(exc: Exception) -> Exception:
+    """``exc`` as an exception another process can unpickle with its reason: normswap's own errors as
+    they are (their exit code follows), anything else as a RuntimeError with its type and message."""
+    from normswap.errors import NormswapError
+
+    if isinstance(exc, NormswapError) and type(exc).__module__ == "normswap.errors":
+        return exc
+    return RuntimeError(f"{type(exc).__name__}: {exc}")

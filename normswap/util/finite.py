@@ -72,12 +72,21 @@ def holds(found: tuple[int, list[int], str]) -> str:
 
 
 def refuse_nonfinite_tensor(
-    name: str, tensor: torch.Tensor, model: str = "the model", *, buffer: bool = False
+    name: str, tensor: torch.Tensor, model: str = "the model", *, buffer: bool = False, first_row: int = 0
 ) -> None:
-    """Refuse ``model`` when its tensor ``name`` holds NaN or Inf (a ``buffer``: NaN), per the rule above."""
+    """Refuse ``model`` when its tensor ``name`` holds NaN or Inf (a ``buffer``: NaN), per the rule above.
+    ``first_row``: ``tensor`` is the rows of ``name`` from this one on (a process's shard), and the place
+    said is the whole tensor's."""
     found = first_nonfinite(tensor, nan_only=buffer)
-    if found is not None:
-        raise BrokenModelError(f"{model} is broken: its {name} holds {holds(found)}; {NOTHING_COMPARED}")
+    if found is None:
+        return
+    count, index, kind = found
+    where = ""
+    if first_row and index:
+        index = [index[0] + first_row, *index[1:]]
+        where = f" in rows {first_row}-{first_row + tensor.shape[0] - 1}"
+    what = holds((count, index, kind)).removesuffix(")") + where + ")"
+    raise BrokenModelError(f"{model} is broken: its {name} holds {what}; {NOTHING_COMPARED}")
 
 
 def refuse_broken_model(

@@ -356,3 +356,35 @@ def test_mixed_precision_and_activation_checkpointing_under_torchrun(llama_dyt, 
     assert result.exit_code == 2 and "--mixed-precision applies under torchrun" in " ".join(
         result.output.split()
     )
+
+
+def test_a_broken_teacher_is_refused_by_every_process(tmp_path):
+    """A NaN in rows of the teacher that only the second process reads: that process finds it, the first
+    is told (they agree before any collective, so none waits), and the run stops with the rule's sentence
+    and nothing written, as in one process."""
+    from safetensors.torch import save_file
+
+    from normswap.load import load_model
+
+    factory = tmp_path / "factory.py"
+    factory.write_text(_FACTORY)
+    spec = f"{factory}:build"
+    torch.manual_seed(0)
+    weights = {k: v.contiguous().clone() for k, v in load_model(spec).model.state_dict().items()}
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name][-1, 5] = float("nan")  # the last row: the second of two row shards
+    teacher = tmp_path / "teacher.safetensors"
+    save_file(weights, teacher)
+    data = tmp_path / "data.pt"
+    torch.save(torch.randint(0, 300, (10, 8), generator=torch.Generator().manual_seed(1)), data)
+    run = (
+        "distill", spec, spec, "--weights", str(teacher), "--data", str(data), "--batch-size", "5",
+        "--steps", "1",
+    )  # fmt: skip
+    one = runner.invoke(app, [*run, "-o", str(tmp_path / "one.pt")])
+    assert one.exit_code == 2 and f"its {name} holds NaN" in " ".join(one.output.split()), one.output
+    two = _torchrun(*run, "--shard-teacher", "-o", str(tmp_path / "two.pt"))
+    log, _ = two.communicate(timeout=240)
+    said = f"its {name} holds NaN at [63, 5] (1 non-finite value in rows 32-63)"
+    assert two.returncode != 0 and said in " ".join(log.split()), log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.pt", "factory.py", "teacher.safetensors"]

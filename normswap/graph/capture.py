@@ -246,9 +246,8 @@ def _free_dim(tensor: torch.Tensor, dim: int) -> Any:
     every dim of an integer input (token ids and masks: the sequence length). Image sizes stay static:
     symbolic heights and widths make export reason about every pooling and unfold (timm's MobileViT took
     35 s instead of 1), which the analysis of every pass would pay."""
-    if dim == 0 or not (tensor.is_floating_point() or tensor.is_complex()):
-        return torch.export.Dim.AUTO
-    return torch.export.Dim.STATIC
+    free = dim == 0 or not (tensor.is_floating_point() or tensor.is_complex())
+    return torch.export.Dim.AUTO if free else torch.export.Dim.STATIC
 
 
 def _saved_free_dim(tensor: torch.Tensor, dim: int, lengths: dict[int, set[int]] | None = None) -> Any:
@@ -256,9 +255,8 @@ def _saved_free_dim(tensor: torch.Tensor, dim: int, lengths: dict[int, set[int]]
     floating image ``N x C x H x W`` (or a clip's ``N x C x T x H x W``), so a CNN's program takes any image
     size, and the ``lengths`` of 3-d floating inputs :func:`_length_dims` found. Export keeps a dim static
     wherever the model's code fixes it (a ViT's patch grid): ``Dim.AUTO``. Paid once, when written."""
-    if dim >= 2 and tensor.ndim in (4, 5) and tensor.is_floating_point():
-        return torch.export.Dim.AUTO
-    if _is_3d(tensor) and tensor.shape[dim] in (lengths or {}).get(dim, ()):
+    image = dim >= 2 and tensor.ndim in (4, 5) and tensor.is_floating_point()
+    if image or (_is_3d(tensor) and tensor.shape[dim] in (lengths or {}).get(dim, ())):
         return torch.export.Dim.AUTO
     return _free_dim(tensor, dim)
 
@@ -273,10 +271,9 @@ def _length_dims(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Calla
         for new in sorted({max(1, size // 4), 2 * size} - {size}):
 
             def resize(t: Any, dim: int = dim, size: int = size, new: int = new) -> Any:
-                same = _is_3d(t) and t.shape[dim] == size  # cut to its first ``new`` or doubled
-                if same:
+                # cut to its first ``new`` or doubled; the others copied (a forward may write into them)
+                if _is_3d(t) and t.shape[dim] == size:
                     return torch.cat([t, t], dim).narrow(dim, 0, new)
-                # the other inputs as copies: a model that writes into its inputs keeps the example's
                 return t.clone() if isinstance(t, torch.Tensor) else t
 
             if _runs(model, *pytree.tree_map(resize, (args, kwargs))):

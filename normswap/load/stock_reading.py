@@ -86,17 +86,19 @@ def _function_difference(stock: nn.Module, recorded: nn.Module) -> str | None:
     None when they compute the same outputs from the same random tensors on the first probe input both
     take (an integer buffer, such as a count, is zero in both)."""
     generator = torch.Generator().manual_seed(0)
-    old = copy.deepcopy(stock).to_empty(device="cpu").float()
-    new = copy.deepcopy(recorded).to_empty(device="cpu").float()
+    # Cast on meta and give both modules the one set of random tensors (assigned, in eval mode, so no
+    # forward writes into what the other reads): one copy of an LM's embedding in memory, not three.
+    old = copy.deepcopy(stock).float().to_empty(device="cpu").eval()
+    new = copy.deepcopy(recorded).float().to_empty(device="cpu").eval()
     values = {}
     for name, tensor in old.state_dict().items():
         if tensor.is_floating_point():
-            values[name] = torch.randn(tensor.shape, generator=generator) * 0.5 + 1
+            values[name] = torch.randn(tensor.shape, generator=generator).mul_(0.5).add_(1)
         else:
             values[name] = torch.zeros_like(tensor)
     try:
-        old.load_state_dict(values)
-        new.load_state_dict(values)
+        old.load_state_dict(values, assign=True)
+        new.load_state_dict(values, assign=True)
     except RuntimeError:  # the same names, other shapes
         return "holds tensors of other shapes"
     with torch.no_grad():

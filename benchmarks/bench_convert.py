@@ -140,20 +140,37 @@ def _normswap(*argv: str) -> list[str]:
     return [sys.executable, "-c", "from normswap_cli.app import main; main()", *argv]
 
 
+# Linux records the peak RSS of the memory a process had before it exec'd into its ``ru_maxrss``; a child
+# started by vfork (as subprocess does) had its parent's, so a benchmark that wrote gigabytes of synthetic
+# weights saw its own peak in every child's. The command is started by this small launcher instead, whose
+# memory is the floor of what wait4 reports.
+_LAUNCHER = """
+import os, subprocess, sys
+child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(child.pid, 0)
+print(usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status))
+"""
+
+
 def _run_rss(command: list[str], env: dict[str, str] | None = None) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child, read with wait4 so that only this child counts."""
+    """Wall seconds and peak RSS (bytes) of one child, read with wait4 so that only this child counts
+    (started through :data:`_LAUNCHER`, so its parent's memory does not)."""
     start = time.perf_counter()
-    child = subprocess.Popen(
-        command, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    launcher = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, *command],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        check=False,
     )
-    assert child.stderr is not None
-    err = child.stderr.read().decode(errors="replace")
-    _, status, usage = os.wait4(child.pid, 0)
     seconds = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:8])} ... exited {child.returncode}: {err[-2000:]}")
-    return seconds, usage.ru_maxrss * 1024
+    err = launcher.stderr.decode(errors="replace")
+    try:
+        peak, returncode = (int(x) for x in launcher.stdout.decode().split()[-2:])
+    except ValueError:
+        raise RuntimeError(f"the launcher failed: {err[-2000:]}") from None
+    if returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:8])} ... exited {returncode}: {err[-2000:]}")
+    return seconds, peak
 
 
 def _alternate(commands: dict[str, tuple[list[str], dict[str, str]]], repeats: int) -> dict[str, Any]:

@@ -109,7 +109,7 @@ PYEOF
       ;;
     bwdhost)
       # Where the host time of an eager backward goes at one row: autograd's device thread, or our code.
-      timeout "${BWDHOST_TIMEOUT:-120}" $PY - <<'PYEOF' 2>&1 | tail -40
+      timeout "${BWDHOST_TIMEOUT:-120}" $PY - <<'PYEOF' 2>&1 | tail -110
 import cProfile, pstats, statistics, time
 import torch
 import torch.nn.functional as F
@@ -159,6 +159,19 @@ with kernel_route("triton"):
     for _ in range(500):
         rms_norm(x, w, None, 1e-6).backward(dy)
     pr.disable()
+    # Which kernels were launched straight through their compiled launcher, and which went through
+    # Triton's own binding every time (a specialization the direct launcher declined to replay)
+    from normswap.kernels._direct import _DIRECT
+    for kernel in _DIRECT.values():
+        name = getattr(kernel.kernel, "__name__", repr(kernel.kernel))
+        print(f"{name:32} launches {kernel.launches:7} direct {kernel.direct_launches:7}")
+    # A host-device synchronization inside the backward would serialize every call with the GPU
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(50):
+            rms_norm(x, w, None, 1e-6).backward(dy)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 pstats.Stats(pr).sort_stats("tottime").print_stats(16)
 PYEOF
       ;;

@@ -99,12 +99,15 @@ class DirectKernel:
         self.param_names = tuple(p.name for p in kernel.params)
         # key -> (compiled kernel, names of the parameters given by keyword, in signature order)
         self.compiled: dict[tuple[Any, ...], tuple[Any, tuple[str, ...]]] = {}
-        self.direct_launches = 0  # counted for the tests: a launch that went around Triton's binding
+        # counted for the tests and the host-time diagnosis: every launch, and those that went around
+        # Triton's binding
+        self.launches = self.direct_launches = 0
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid: tuple[int, ...], *args: Any, **constants: Any) -> None:
+        self.launches += 1
         runtime, current_stream, current_device = self.runtime or _triton_runtime()
         if not _enabled or _HIP or self.kernel.pre_run_hooks or not _hooks_idle(runtime):
             self.kernel[grid](*args, **constants)

@@ -137,6 +137,7 @@ def test_replays_in_signature_order(recording):
     finally:
         set_direct_launch(previous)
     assert len(kernel.jit_launches) == 3 and wrapped.direct_launches == 1
+    assert wrapped.launches == 4  # every launch counted, whichever way it went
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,7 @@ def test_exact_policy_refuses_a_post_ln_model_with_its_reason(tmp_path):
     assert not out.exists()
     data = result.to_dict()
     assert data["written"] is False and data["verdict"] == "not_exact_under_policy"
+    assert data["ok"] is False  # the report's "ok" is the verdict's (it said True: the exact checks passed)
 
 
 def test_exact_policy_refuses_an_architectural_swap_before_any_work():

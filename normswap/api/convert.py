@@ -123,6 +123,7 @@ class ConversionResult:
             "route": self.route,
             "written": self.saved is not None or self.written_directory is not None,
             **self.report.to_dict(),
+            "ok": self.ok,  # the conversion's verdict, not only its exact checks' (the report's own "ok")
             "verdict": self.verdict.value,
             "refusal": self.refusal,
         }

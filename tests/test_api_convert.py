@@ -162,6 +162,9 @@ def test_a_lossy_fallback_needs_consent():
         (ConvertConfig(to="fused", fuse_add=True, output="m"), "--fuse-add makes the model an exported"),
         (ConvertConfig(to="rmsnorm", exact=True, output="m.pt", portable=True), "--portable is for a .pt2"),
         (ConvertConfig(add_weight_norm="all", weight_norm_dim="x"), "--weight-norm-dim 'x': give output"),
+        # torch reads dim -1 as the whole weight, not the last dim: refused as an option, not a crash
+        (ConvertConfig(add_weight_norm="all", weight_norm_dim="-1"), "--weight-norm-dim '-1': dim must be"),
+        (ConvertConfig(add_weight_norm="all", weight_norm_dim=-1), "--weight-norm-dim -1: dim must be"),
     ],
 )
 def test_config_mistakes_are_bad_input(config, message):

@@ -258,7 +258,10 @@ class ConvertConfig:
                 dim = int(dim)
             except ValueError:
                 raise BadInputError(f"--weight-norm-dim {dim!r}: give output, an int or none") from None
-        return AddWeightNorm(targets=paths, dim=dim)
+        try:
+            return AddWeightNorm(targets=paths, dim=dim)
+        except ValueError as exc:  # a negative dim: torch would read -1 as the whole weight
+            raise BadInputError(f"--weight-norm-dim {self.weight_norm_dim!r}: {exc}") from None
 
     def _passes(self) -> list[Pass]:
         """The passes of the rewrites asked for (and of those they run also), in the order of their

@@ -48,7 +48,7 @@ def export_onnx(
     before the model is loaded or run; a disagreement raises :class:`~normswap.errors.CheckFailedError`
     and writes nothing.
     """
-    from normswap.api.save import save
+    from normswap.api.save import refuse_overflowing_cast, save
     from normswap.export.onnx import check_target
     from normswap.load import check_writable
     from normswap.util.dtypes import cast_floating, output_dtype
@@ -58,14 +58,14 @@ def export_onnx(
     check_target(target)  # before the model is loaded
     cast = None if dtype is None else output_dtype(dtype)  # an unknown name, before the model is read
     loaded = load_for_inference(model, weights, trust_pickle)
+    # the ONNX packages and a dtype onnxruntime can check (the one the file is cast to), before the model runs
+    check_writable(loaded.model, output, None, dtype=cast)
+    args, kwargs = required_inputs(loaded, inputs, input_shapes)
+    check_inputs_fit(loaded.model, args, kwargs)  # the user's model, in its own dtype
     if cast is not None:
         loaded.model.to(cast)  # normswap's own copy, read from the file a moment ago
-    # the ONNX packages and a dtype onnxruntime can check, before the model is run
-    check_writable(loaded.model, output, None)
-    args, kwargs = required_inputs(loaded, inputs, input_shapes)
-    if cast is not None:
         args, kwargs = cast_floating((args, kwargs), cast)
-    check_inputs_fit(loaded.model, args, kwargs)
+        refuse_overflowing_cast(loaded.model, args, kwargs, cast)
     if on_step is not None:
         on_step(f"exporting {output} to ONNX and checking it in onnxruntime")
     return save(

@@ -136,7 +136,7 @@ def save(
         # the user's model stays as it is: a copy is cast, and checked against the file written from it
         model = copy_model(model).to(dtype)
         example_args, example_kwargs = cast_floating((example_args, example_kwargs), dtype)
-        _check_cast_copy(model, example_args, example_kwargs, dtype)
+        refuse_overflowing_cast(model, example_args, example_kwargs, dtype)
     from normswap.load.checkpoint_write import is_directory_output
     from normswap.load.paths import check_output
 
@@ -166,12 +166,13 @@ def save(
     return saved
 
 
-def _check_cast_copy(
+def refuse_overflowing_cast(
     model: nn.Module, args: tuple | None, kwargs: dict[str, Any] | None, dtype: torch.dtype
 ) -> None:
-    """The cast copy computes finite outputs on the example, for every output kind (an ONNX file and a
-    directory compare theirs with it; a .pt2 or .pt is written from it as it is): a weight or an
-    activation past the dtype's range (1e5 in float16) is refused, not written."""
+    """The cast copy computes finite outputs on the example, for every output kind and command (an ONNX
+    file and a directory compare theirs with it; a .pt2 or .pt is written from it as it is): a weight or
+    an activation past the dtype's range (1e5 in float16) is refused, not written. What normswap cast is
+    its own: a failed check (exit 1), never the user's model called broken."""
     from normswap.verify.compare import run_model
     from normswap.verify.metrics import flatten_outputs
 

@@ -140,3 +140,32 @@ def test_a_cast_copy_past_the_dtypes_range_is_refused_by_every_output_kind(tmp_p
         normswap.save(model, out, (x,), dtype=torch.float16)
     assert list(tmp_path.iterdir()) == []
     assert model[2].weight.dtype == torch.float32  # the user's model is left as it was
+
+
+@pytest.mark.parametrize("command", ["export", "convert", "recalibrate"])
+def test_every_command_refuses_an_overflowing_cast_as_its_own_failed_check(tmp_path, command):
+    """The same cast past float16's range is a failed check of what normswap cast (exit 1) on every
+    command; export called the user's float32 model broken (exit 2)."""
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2)
+    )
+    with torch.no_grad():
+        model[3].weight[0, 0] = 1e5
+    program = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(model.eval(), (torch.randn(2, 3, 8, 8),)), program)
+    data = tmp_path / "data.pt"
+    torch.save(torch.randn(8, 3, 8, 8), data)
+    argv = {
+        "export": ["export", str(program)],
+        "convert": ["convert", str(program), "--fold-bn"],
+        "recalibrate": ["recalibrate", str(program), "--data", str(data), "--batch-size", "2"],
+    }[command]
+    result = CliRunner().invoke(app, [*argv, "--dtype", "float16", "-o", str(tmp_path / "out.onnx")])
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert "--dtype float16: the model cast to float16 computes" in said and "is broken" not in said
+    assert not (tmp_path / "out.onnx").exists()

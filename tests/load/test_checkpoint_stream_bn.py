@@ -167,12 +167,13 @@ def test_an_infinite_variance_is_skipped_alike_on_both_routes(tmp_path):
     streamed = stream(source, tmp_path / "streamed", fold_bn=True)
     loaded = load_model(str(source))
     result = convert(loaded.model, ConvertConfig(fold_bn=True), loaded.example_args, loaded.example_kwargs)
-    memory = [(s.site, s.reason) for s in result.report.passes[0].skips]
-    assert [(s.site, s.reason) for s in streamed.report.skips] == memory
+    memory = [(s.site, s.reason, s.cause) for s in result.report.passes[0].skips]
+    assert [(s.site, s.reason, s.cause) for s in streamed.report.skips] == memory  # the cause too
     assert memory == [
         (
             skipped,
             "BatchNorm statistics are not finite with running_var + eps > 0: it is no affine map to fold",
+            None,
         )
     ]
     assert result.ok

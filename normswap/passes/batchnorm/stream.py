@@ -39,7 +39,7 @@ from normswap.passes.batchnorm.fold import FoldBatchNorm, FoldPlan
 from normswap.passes.batchnorm.group import FoldGroup, fold_group
 from normswap.passes.batchnorm.layers import class_name, layer_text
 from normswap.passes.batchnorm.match import bn_eps, bn_statistics_problem
-from normswap.passes.core.base import Change, PassContext
+from normswap.passes.core.base import Change, PassContext, Skip
 from normswap.passes.core.edits import EditPlan, Tensors, plan_for
 from normswap.passes.swap.norm_act import is_identity, norm_act_tail
 from normswap.util.finite import NOTHING_COMPARED
@@ -94,7 +94,7 @@ def _unstreamable(plan: FoldPlan, layer: nn.Module | None) -> str | None:
 
 def _group_of(
     plan: FoldPlan, model: nn.Module, stored: set[str], read: Callable[[str], torch.Tensor]
-) -> FoldedGroup | str:
+) -> FoldedGroup | Skip | str:
     fold, site = plan.fold, plan.site
     layer = model.get_submodule(fold.layer) if fold.layer else None
     why = _unstreamable(plan, layer)
@@ -112,7 +112,7 @@ def _group_of(
     # read() refuses a NaN (normswap.util.finite); refuse_broken_batchnorms refused what computes NaN/Inf
     problem = bn_statistics_problem(read(mean), read(var), group.eps)
     if problem is not None:  # a variance of +Inf: its channel computes its bias; no affine map to fold
-        return problem
+        return Skip(FoldBatchNorm.name, site.path, problem)  # in memory's skip, its cause (none) too
     recipe = module_recipe(layer)
     assert recipe is not None  # a class of STREAM_LAYERS has one
     return FoldedGroup(group, layer, {**recipe, "kwargs": {**recipe["kwargs"], "bias": True}})
@@ -157,8 +157,11 @@ def plan_batchnorm_folds(
     plan = plan_for(rewrite)
     for site, checked in plan.decided(rewrite, ctx):
         folded = _group_of(checked, model, stored, read)
-        if not isinstance(folded, str) and folded.group.weight in plan.writes:
+        if isinstance(folded, FoldedGroup) and folded.group.weight in plan.writes:
             folded = f"{folded.group.layer} takes another BatchNorm's fold already; a stream writes each tensor once"
+        if isinstance(folded, Skip):
+            plan.cannot_stream(rewrite, site.path, folded.reason, folded.cause)
+            continue
         if isinstance(folded, str):
             plan.cannot_stream(rewrite, site.path, folded)
             continue

@@ -100,10 +100,13 @@ class EditPlan:
             else:
                 yield site, checked
 
-    def cannot_stream(self, rewrite: Pass, site: str, reason: str) -> None:
-        """A site the pass would change that the stream cannot write: skipped, with the reason."""
+    def cannot_stream(
+        self, rewrite: Pass, site: str, reason: str, cause: SkipCause | None = SkipCause.UNSUPPORTED
+    ) -> None:
+        """A site the pass would change that the stream cannot write: skipped, with the reason (and the
+        cause the in-memory check gives the same reason, where the stream judges a value it reads)."""
         assert self.report is not None
-        self.report.skips.append(Skip(rewrite.name, site, reason, SkipCause.UNSUPPORTED))
+        self.report.skips.append(Skip(rewrite.name, site, reason, cause))
 
 
 def apply_in_memory(model: nn.Module, edit: TensorEdit) -> list[str]:

@@ -345,8 +345,8 @@ def _print_directory(written: Any) -> None:
     if written.config_changes:
         changes = ", ".join(f"{k}={v}" for k, v in written.config_changes.items())
         out.print(f"  config.json: {changes}")
-    if written.copied:
-        out.print(f"  copied from the input: {', '.join(written.copied)}", soft_wrap=True)
+    if written.copied_files:
+        out.print(f"  copied from the input: {', '.join(written.copied_files)}", soft_wrap=True)
     if written.not_copied:
         out.print(
             f"  not copied (weights of the unconverted model, folders): {', '.join(written.not_copied)}"

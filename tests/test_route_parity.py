@@ -49,6 +49,12 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     convnext = transformers.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 2], num_stages=2, image_size=64)
     made["convnext"] = _saved(transformers.ConvNextModel(convnext), root / "convnext")
     made["wav2vec2"] = _saved(transformers.Wav2Vec2ForCTC(wav2vec2_config(vocab_size=20)), root / "wav2vec2")
+    # GPT-J: LayerNorms with a bias read by q/k/v projections without one (the fold gives them one)
+    gptj = transformers.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=300, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPTJForCausalLM(gptj).eval()
+    randomize_norms(model)
+    made["gptj"] = _saved(model, root / "gptj")
     return made
 
 
@@ -86,6 +92,8 @@ def _decisions(report: dict) -> list[tuple]:
     [
         ("gpt2", ["--fold-norm-affine"], 0),
         ("llama", ["--fold-norm-affine"], 0),
+        # the readers gain a bias on both routes (the stream refused the fold: "the config does not build")
+        ("gptj", ["--fold-norm-affine"], 0),
         ("gpt2", ["--to", "rmsnorm", "--exact"], 0),
         ("gpt2", ["--fold-bn"], 0),  # nothing to change: done, said, the model written as it was
         ("resnet", ["--fold-bn"], 0),
@@ -143,6 +151,13 @@ def test_streamed_and_in_memory_agree(dirs, tmp_path, name, options, exit_code):
     ours, theirs = _tensors(streamed_out), _tensors(memory_out)
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    # the same modules recorded, and the same judgement of what a stock loader would build
+    assert streamed["directory"]["stock_refused"] == memory["directory"]["stock_refused"]
+    common = ("path", "shards", "recorded_modules", "copied_files", "not_copied", "config_changes")
+    assert all(key in streamed["directory"] and key in memory["directory"] for key in common)
+    recorded = [json.loads((out / "normswap.json").read_text())["modules"] if (out / "normswap.json").exists()
+                else {} for out in (streamed_out, memory_out)]  # fmt: skip
+    assert recorded[0] == recorded[1]
 
 
 def test_a_run_with_nothing_to_change_says_so(dirs, tmp_path):

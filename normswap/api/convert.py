@@ -139,7 +139,7 @@ class ConversionResult:
             written.pop("route", None)
             if "calibration" in written:  # where the in-memory route's calibration is
                 data["calibration"] = written.pop("calibration")
-            data[self.route.replace(" ", "_")] = written
+            data["directory"] = written  # what was written, under one key whichever route wrote it
         if self.size is not None:
             data["size"] = {"before": self.size[0].to_dict(), "after": self.size[1].to_dict()}
         data["operators"] = None if self.operators is None else self.operators.to_dict()

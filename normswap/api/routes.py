@@ -106,8 +106,6 @@ def _streamed(
     """The streamed route's result, or the note saying why the directory converts in memory instead
     (a plan whose result the stream cannot verify)."""
     from normswap.api.checkpoint import in_memory_instead, plan_checkpoint, unverifiable, write_checkpoint
-    from normswap.load.checkpoint_dir import read_checkpoint_directory
-    from normswap.verify.size import stored_size
 
     planned = plan_checkpoint(checkpoint, config, say)
     why = unverifiable(planned)
@@ -124,8 +122,7 @@ def _streamed(
     except CheckFailedError as exc:  # the verification against the source: what exact failures are
         result.verdict, result.refusal = Verdict.EXACT_FAILURE, str(exc)
         return result
-    written = read_checkpoint_directory(result.written_directory.path)
-    result.size = (stored_size(checkpoint), stored_size(written))
+    result.size = _stored_sizes(source, result.written_directory.path)
     return result
 
 
@@ -145,4 +142,13 @@ def _block_by_block(
         notes=[note],
     )
     judge(result)
+    result.size = _stored_sizes(source, written.path)
     return result
+
+
+def _stored_sizes(source: str | Path, written: Path) -> tuple[Any, Any]:
+    """What the source directory and the written one store (values, bytes), read from their files."""
+    from normswap.load.checkpoint_dir import read_checkpoint_directory
+    from normswap.verify.size import stored_size
+
+    return stored_size(read_checkpoint_directory(source)), stored_size(read_checkpoint_directory(written))

@@ -129,7 +129,7 @@ def save_directory_sharded(
         shards=found["shards"],
         stock=found["refused"] is None,
         recorded_modules=dict(source.replaced_modules),
-        copied=copied,
+        copied_files=copied,
         not_copied=not_copied,
         stock_refused=found["refused"],
     )

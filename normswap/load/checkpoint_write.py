@@ -75,7 +75,7 @@ class WrittenDirectory:
     shards: list[str]
     stock: bool
     recorded_modules: dict[str, Any] = field(default_factory=dict)
-    copied: list[str] = field(default_factory=list)
+    copied_files: list[str] = field(default_factory=list)
     not_copied: list[str] = field(default_factory=list)
     config_changes: dict[str, Any] = field(default_factory=dict)
     neutral_affine: list[str] = field(default_factory=list)
@@ -90,7 +90,7 @@ class WrittenDirectory:
             "stock_from_pretrained": self.stock,
             "stock_refused": self.stock_refused,
             "recorded_modules": sorted(self.recorded_modules),
-            "copied": self.copied,
+            "copied_files": self.copied_files,
             "not_copied": self.not_copied,
             "config_changes": self.config_changes,
             "neutral_affine": self.neutral_affine,
@@ -318,7 +318,7 @@ def write_checkpoint_directory(
         stock_refused=stock_refused,
         recorded_modules=plan.recorded,
         neutral_affine=sorted(plan.neutral),
-        copied=copied,
+        copied_files=copied,
         not_copied=not_copied,
         config_changes=config_changes,
         reload_max_rel=reload_error,

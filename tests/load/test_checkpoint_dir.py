@@ -175,7 +175,7 @@ def test_fold_norm_affine_writes_a_directory_the_stock_loader_reads(dirs, tmp_pa
     saved = save(result, out, source=loaded.checkpoint)
     written = saved.directory
     assert written.stock and not (out / "normswap.json").exists()
-    assert written.copied == ["tokenizer.json"] and written.not_copied == ["original"]
+    assert written.copied_files == ["tokenizer.json"] and written.not_copied == ["original"]
     assert written.reload_max_rel is not None and written.reload_max_rel <= 1e-5
     assert len(written.shards) >= 2 and (out / "model.safetensors.index.json").is_file()
     from safetensors import safe_open

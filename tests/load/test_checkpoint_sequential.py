@@ -85,6 +85,9 @@ def test_the_cli_calibrates_block_by_block_and_reports_each_block(dirs, tmp_path
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     assert data["route"] == "block by block" and len(data["passes"][0]["changes"]) == 5
+    # the report's fields of every route: what was written under "directory", what it stores in "size"
+    assert data["directory"]["path"] == str(out) and data["directory"]["stock_refused"]
+    assert data["size"]["before"]["values"] > 0 and data["size"]["after"]["values"] > 0
     blocks = data["calibration"]["blocks"]
     assert [b["block"] for b in blocks] == [0, 1] and data["calibration"]["activations_spilled"] > 0
     assert data["calibration"]["model_sqnr_after_db"] > data["calibration"]["model_sqnr_before_db"]

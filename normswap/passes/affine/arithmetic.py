@@ -82,10 +82,10 @@ def fold_in_slices(
     return weight, new_b
 
 
-def fold_edit(plan: AffinePlan, stored: set[str], *, create_biases: bool = False) -> TensorEdit | str:
+def fold_edit(plan: AffinePlan, stored: set[str]) -> TensorEdit | str:
     """The fold of ``plan`` as one group, reading the tensors named in ``stored`` (a checkpoint's, or a
-    model's own); ``create_biases``: a reader without a bias gains one where the norm's shift needs it
-    (in memory), else such a plan is refused with the reason (a stream). Returns the group or why not."""
+    model's own); a reader without a bias gains one where the norm's shift needs it, on every route.
+    Returns the group or why not."""
     site = plan.site
     norm_w = f"{site.path}.{plan.weight_name}" if plan.weight_name else None
     norm_b = f"{site.path}.{plan.bias_name}" if plan.bias_name else None
@@ -96,10 +96,6 @@ def fold_edit(plan: AffinePlan, stored: set[str], *, create_biases: bool = False
         if weight not in stored:
             return f"{weight} is not in the checkpoint's files"
         if norm_b is not None and bias not in stored:
-            if not create_biases:
-                return (
-                    f"folding the norm's bias needs a bias in {reader.path}, which the config does not build"
-                )
             creates[bias] = (weight, (getattr(reader.module, reader.weight_name).shape[1 - in_dim],))
     reads = tuple(n for n in (norm_w, norm_b) if n) + tuple(
         n for w, b, _ in readers for n in (w, b) if n in stored

@@ -364,7 +364,7 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
         # the group a stream writes, run on the model's own tensors (a reader gains a bias it needs)
         tensors = {name for name, _ in ctx.model.named_parameters(remove_duplicate=False)}
         tensors |= {name for name, _ in ctx.model.named_buffers(remove_duplicate=False)}
-        edit = fold_edit(plan, tensors, create_biases=True)
+        edit = fold_edit(plan, tensors)
         assert not isinstance(edit, str), edit  # every tensor is the model's own, and biases may be made
         bias_added = [name.rpartition(".")[0] for name in apply_in_memory(ctx.model, edit)]
         into = [r.path for r in readers]

@@ -30,7 +30,7 @@ def plan_fold(model: nn.Module, ctx: Any, stored: set[str]) -> EditPlan:
     rewrite = FoldNormAffine()
     plan = plan_for(rewrite)
     for site, checked in plan.decided(rewrite, ctx, rewrite.prepare(ctx)):
-        edit = fold_edit(checked, stored, create_biases=True)
+        edit = fold_edit(checked, stored)
         if isinstance(edit, str):
             plan.cannot_stream(rewrite, site.path, edit)
             continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import model_zoo
+import pytest
 import torch
 from torch import nn
 
@@ -55,3 +56,55 @@ def test_fused_channel_norms_lift_back_to_channel_modules(tmp_path):
     assert set(gm.state_dict()) == set(model.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(gm(*args), fused(*args), rtol=0, atol=0)
+
+
+class _WeightNormed(nn.Module):
+    """Weight norm three ways, as real code writes it: the parametrization over a conv, the deprecated
+    hook over another, and one magnitude for a whole Linear weight (dim=None); a BatchNorm after the
+    first conv, with statistics of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 8, 3, padding=1, groups=2))
+        self.bn = nn.BatchNorm1d(8)
+        with torch.no_grad(), pytest.warns(FutureWarning):  # torch's deprecation of the hook form
+            self.c2 = nn.utils.weight_norm(nn.Conv1d(8, 8, 3))
+        self.head = nn.utils.parametrizations.weight_norm(nn.Linear(8, 3), dim=None)
+        with torch.no_grad():
+            self.bn.running_mean.normal_()
+            self.bn.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.c2(torch.relu(self.bn(self.c1(x))))).mean(-1))
+
+
+def test_weight_normed_layers_lift_as_torchs_own_with_their_weight_norm(tmp_path):
+    """A .pt2 computes a weight-normed layer's weight as ``_weight_norm(v, g, dim)`` on bare holders: it
+    is lifted to the torch.nn layer with the same weight norm over the same Parameters (bit for bit), so
+    the passes decide on it as on the eager model: --remove-weight-norm crashed there ('Module' object is
+    not iterable), --fold-bn turned the BatchNorm into a ChannelAffine, --add-weight-norm saw nothing."""
+    from normswap.passes import AddWeightNorm, RemoveWeightNorm
+
+    torch.manual_seed(0)
+    model, x = _WeightNormed().eval(), torch.randn(2, 4, 12)
+    gm = lift_exported_module(_exported_module(model, (x,), {}, tmp_path))
+    assert nn.utils.parametrize.is_parametrized(gm.c1, "weight") and gm.c1.groups == 2
+    assert (
+        gm.c1.parametrizations.weight.original1
+        is gm.state_dict(keep_vars=True)["c1.parametrizations.weight.original1"]
+    )
+    assert isinstance(gm.c2, nn.Conv1d) and {"weight_g", "weight_v"} <= set(dict(gm.c2.named_parameters()))
+    assert gm.head.parametrizations.weight[0].dim == -1
+    assert list(gm.state_dict()) == list(model.state_dict())
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    for rewrite in (RemoveWeightNorm(), AddWeightNorm(), FoldBatchNorm()):
+        _, eager = rewrite(model, (x,))
+        _, report = rewrite(gm, (x,))
+        assert [(c.site, c.description) for c in report.changes] == [
+            (c.site, c.description) for c in eager.changes
+        ]
+        assert [(s.site, s.reason) for s in report.skips] == [(s.site, s.reason) for s in eager.skips]
+    assert len(eager.skips) == 1 and "computed by a parametrization" in eager.skips[0].reason  # the fold
+    removed, report = RemoveWeightNorm()(gm, (x,))
+    assert len(report.changes) == 3
+    torch.testing.assert_close(removed(x), model(x), rtol=0, atol=1e-6 * model(x).abs().max().item())

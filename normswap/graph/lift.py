@@ -83,31 +83,30 @@ def _set_tensors(module: nn.Module, holder: nn.Module, names: dict[str, torch.Te
         module._buffers["num_batches_tracked"] = tracked
 
 
-def _conv(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
-    w, b = _get(gm, arg(n, 1, "weight")), _get(gm, arg(n, 2, "bias"))
-    if w is None:
-        return None
+def layer_of(n: fx.Node, weight_shape: torch.Size, bias: bool) -> nn.Module:
+    """The torch.nn Conv1d/2d/3d or Linear (on the meta device) that the aten conv or linear call ``n``
+    with a weight of ``weight_shape`` is."""
+    if op_name(n) == "linear":
+        return nn.Linear(weight_shape[1], weight_shape[0], bias=bias, device="meta")
     groups = int(arg(n, 6, "groups", 1))
-    m = _CONV[op_name(n)](
-        w.shape[1] * groups,
-        w.shape[0],
-        tuple(w.shape[2:]),
+    return _CONV[op_name(n)](
+        weight_shape[1] * groups,
+        weight_shape[0],
+        tuple(weight_shape[2:]),
         stride=arg(n, 3, "stride", 1),
         padding=arg(n, 4, "padding", 0),
         dilation=arg(n, 5, "dilation", 1),
         groups=groups,
-        bias=b is not None,
+        bias=bias,
         device="meta",
     )
-    _set_tensors(m, holder, {"weight": w, "bias": b})
-    return m
 
 
-def _linear(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
+def _layer(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module | None:
     w, b = _get(gm, arg(n, 1, "weight")), _get(gm, arg(n, 2, "bias"))
     if w is None:
         return None
-    m = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    m = layer_of(n, w.shape, b is not None)
     _set_tensors(m, holder, {"weight": w, "bias": b})
     return m
 
@@ -317,10 +316,10 @@ def _normalized_output(node: fx.Node) -> fx.Node | None:
 _TUPLE_OPS = frozenset({"rms_norm_fwd", "layer_norm_fwd"})
 
 _BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | None]] = {
-    "conv1d": _conv,
-    "conv2d": _conv,
-    "conv3d": _conv,
-    "linear": _linear,
+    "conv1d": _layer,
+    "conv2d": _layer,
+    "conv3d": _layer,
+    "linear": _layer,
     "embedding": _embedding,
     "addmm": _hf_conv1d,
     "batch_norm": _batch_norm,
@@ -393,7 +392,9 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
     """Replace op calls on parameters by calls of equivalent torch.nn modules, in place; returns ``gm``."""
     if not isinstance(gm, fx.GraphModule):
         return gm
-    lifted = int(_read_tied_weights_by_owner(gm))
+    from normswap.graph.lift_weight_norm import lift_weight_normed_layers
+
+    lifted = int(_read_tied_weights_by_owner(gm)) + lift_weight_normed_layers(gm)
     for node in list(gm.graph.nodes):
         builder = _BUILDERS.get(op_name(node) or "") if node.op == "call_function" else None
         if builder is None:

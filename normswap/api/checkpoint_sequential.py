@@ -35,7 +35,7 @@ from normswap.load.checkpoint_dir import (
     read_checkpoint_directory,
     transformers_config,
 )
-from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers
+from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers, unrecordable
 from normswap.load.config_inputs import example_inputs
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import NAMES, shard_writers
@@ -174,11 +174,8 @@ def _plan_swap(shell_model: nn.Module, config: ConvertConfig, args: tuple, kwarg
         assert site.module is not None  # the swap decides module sites only (as SwapNorm.apply asserts)
         prototype = build_layout_norm(swap.target_kind, site, site.module, decided.sample, swap.groups)
         recipe = module_recipe(prototype)
-        if recipe is None:
-            raise BadInputError(
-                f"{site.path}: its new norm ({type(prototype).__name__}) has no recipe to record in a model "
-                "directory; convert in memory and save as .pt2"
-            )
+        if recipe is None:  # the in-memory route's sentence, found on the model with one block
+            raise BadInputError(unrecordable(site.path, prototype))
         plan.sites[site.path] = site
         plan.recipes[site.path] = recipe
         plan.tensors[site.path] = [

@@ -233,6 +233,10 @@ def convert_model(
         converted, report = Pipeline(passes, exact_only=config.exact)(
             model, args, kwargs, captured=captured, on_step=say
         )
+        if report.ok and report.changed and _directory_output(config):  # before calibrating it
+            from normswap.load.checkpoint_write import check_directory_plan
+
+            check_directory_plan(converted)
         result = ConversionResult(
             model=converted,
             report=report,
@@ -284,6 +288,12 @@ def judge(result: ConversionResult, lossy: str | None = None) -> None:
             else "no site to rewrite"
         )
         result.notes.append(f"nothing to change: {why}; the output is the model as it was")
+
+
+def _directory_output(config: ConvertConfig) -> bool:
+    from normswap.load.checkpoint_write import is_directory_output
+
+    return config.output_path is not None and is_directory_output(config.output_path)
 
 
 def _check_writable(

@@ -203,10 +203,7 @@ def plan_directory(model: nn.Module, stock_model: nn.Module) -> DirectoryPlan:
                 continue
         recipe = module_recipe(module) if name else None
         if recipe is None:
-            raise BadInputError(
-                f"the converted model's {name or 'root'} ({type(module).__name__}) is not what its config "
-                "builds, and normswap cannot record it in a model directory: save as .pt2"
-            )
+            raise BadInputError(unrecordable(name, module))
         plan.recorded[name] = recipe
     gone = [n for n in stock if n not in present and not any(n.startswith(p + ".") for p in plan.recorded)]
     if gone:
@@ -215,6 +212,21 @@ def plan_directory(model: nn.Module, stock_model: nn.Module) -> DirectoryPlan:
             "directory cannot say so; save as .pt2"
         )
     return plan
+
+
+def unrecordable(name: str, module: nn.Module) -> str:
+    """Why the converted model's ``module`` at ``name``, not what its config builds, cannot be written into
+    a model directory (its class has no recipe): one sentence for every route that finds it."""
+    return (
+        f"the converted model's {name or 'root'} ({type(module).__name__}) is not what its config builds, "
+        "and normswap cannot record it in a model directory: save as .pt2; nothing written"
+    )
+
+
+def check_directory_plan(model: nn.Module) -> None:
+    """Refuse, as soon as the converted ``model`` exists (before calibrating it or writing anything), a model
+    a directory cannot hold: the check :func:`write_checkpoint_directory` makes first."""
+    plan_directory(model, stock_on_meta(type(model), model.config))
 
 
 def check_directory_output(model: nn.Module, path: str | Path) -> None:

@@ -126,7 +126,7 @@ def test_an_existing_output_is_never_written_over(dirs, tmp_path):
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        ({"to": "dyt"}, "model.layers.0.input_layernorm: its new norm (DyT) has no recipe"),
+        ({"to": "dyt"}, "the converted model's model.layers.0.input_layernorm (DyT) is not what its config"),
         ({"to": "rmsnorm"}, "--to rmsnorm and crmsnorm recenter the residual stream"),
         ({"to": "cosine"}, "--to cosine: the sequential route swaps norms for an architectural kind"),
         ({"to": "crmsnorm"}, "--calibrate fits swapped norms: give an architectural --to KIND"),
@@ -209,3 +209,30 @@ def test_nothing_to_swap_is_written_as_it_was_on_both_routes(dirs, tmp_path):
     for key in source:
         assert torch.equal(seq[key], source[key]) and torch.equal(memory[key], source[key]), key
     assert json.loads((tmp_path / "seq.json").read_text())["calibration"] is None
+
+
+def test_a_swap_a_directory_cannot_hold_is_refused_before_calibrating_on_both_routes(dirs, tmp_path):
+    """--to dyt into a model directory: block by block refused it before any work, in memory after the
+    whole calibration (and in other words); now both refuse it as soon as the swap is decided, alike."""
+    args = [
+        "convert",
+        str(dirs["llama"]),
+        "--to",
+        "dyt",
+        "--calibrate",
+        str(dirs["calib"]),
+        "--batch-size",
+        "4",
+    ]
+    said = {}
+    for route, extra in (("seq", ["--sequential"]), ("memory", [])):
+        shown = runner.invoke(app, [*args, *extra, "-o", str(tmp_path / route)])
+        assert shown.exit_code == 2, shown.output
+        assert "calibration:" not in shown.output  # refused before it calibrated anything
+        said[route] = " ".join(shown.output.split())
+    expected = (
+        "the converted model's model.layers.0.input_layernorm (DyT) is not what its config builds, and "
+        "normswap cannot record it in a model directory: save as .pt2; nothing written"
+    )
+    assert expected in said["seq"] and expected in said["memory"]
+    assert list(tmp_path.iterdir()) == []

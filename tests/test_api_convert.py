@@ -165,6 +165,9 @@ def test_a_lossy_fallback_needs_consent():
         # torch reads dim -1 as the whole weight, not the last dim: refused as an option, not a crash
         (ConvertConfig(add_weight_norm="all", weight_norm_dim="-1"), "--weight-norm-dim '-1': dim must be"),
         (ConvertConfig(add_weight_norm="all", weight_norm_dim=-1), "--weight-norm-dim -1: dim must be"),
+        # accepted and ignored, where --layers without --to cosine is refused
+        (ConvertConfig(fold_bn=True, calibration_batches=2), "--calibrate-batches read the --calibrate data"),
+        (ConvertConfig(fold_bn=True, batch_size=4), "--batch-size read the --calibrate data: give"),
     ],
 )
 def test_config_mistakes_are_bad_input(config, message):

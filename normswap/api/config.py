@@ -126,6 +126,17 @@ class ConvertConfig:
         has_swap = any(p.name in ("swap_norm", "cosine_layers") for p in passes)
         if self.calibration_data is not None and not has_swap:
             raise BadInputError("--calibrate fits swapped norms: give an architectural --to KIND")
+        if self.calibration_data is None:  # options of the calibration data, not of the conversion
+            given = [
+                o
+                for o, v in (
+                    ("--calibrate-batches", self.calibration_batches),
+                    ("--batch-size", self.batch_size),
+                )
+                if v is not None
+            ]
+            if given:
+                raise BadInputError(f"{' and '.join(given)} read the --calibrate data: give --calibrate DATA")
         if self.allow_lossy and self.exact:
             raise BadInputError("--allow-lossy and --exact contradict each other: give one")
         if self.allow_lossy and self.to != "rmsnorm":

@@ -206,7 +206,7 @@ def bench(model: str, layers: int, root: Path, check_logits: bool, small: bool =
     assert report_json["route"] == "streamed", report_json["route"]
     # convert --report: the passes' changes and skips, and what the stream wrote under "streamed"
     data = {
-        **report_json["streamed"],
+        **report_json["directory"],
         "report": {
             "changes": [c for p in report_json["passes"] for c in p["changes"]],
             "skips": [s for p in report_json["passes"] for s in p["skips"]],

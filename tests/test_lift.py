@@ -108,3 +108,27 @@ def test_weight_normed_layers_lift_as_torchs_own_with_their_weight_norm(tmp_path
     removed, report = RemoveWeightNorm()(gm, (x,))
     assert len(report.changes) == 3
     torch.testing.assert_close(removed(x), model(x), rtol=0, atol=1e-6 * model(x).abs().max().item())
+
+
+def test_a_weight_norm_the_lift_leaves_as_ops_is_skipped_with_its_reason(tmp_path):
+    """A weight-normed ConvTranspose is not lifted (no ConvTranspose is): --remove-weight-norm crashed on
+    its bare holder ('Module' object is not iterable, exit 3); it is skipped, saying why. A lifted hook
+    form copies (its computed weight is a leaf: the Python API deep-copies models)."""
+    import copy
+
+    from normswap.passes import RemoveWeightNorm
+
+    torch.manual_seed(0)
+    with pytest.warns(FutureWarning):
+        hook = nn.utils.weight_norm(nn.Conv1d(4, 4, 3))
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.ConvTranspose1d(4, 4, 3)), hook).eval()
+    x = torch.randn(2, 4, 9)
+    gm = lift_exported_module(_exported_module(model, (x,), {}, tmp_path))
+    torch.testing.assert_close(copy.deepcopy(gm)(x), model(x), rtol=0, atol=0)
+    removed, report = RemoveWeightNorm()(gm, (x,))
+    assert [c.site for c in report.changes] == ["1"]
+    assert [(s.site, s.reason.split(":")[0]) for s in report.skips] == [
+        ("0", "the program computes this weight norm with ops normswap does not lift back into a layer "
+              "(a ConvTranspose, a layer called twice, a decomposed program)")
+    ]  # fmt: skip
+    torch.testing.assert_close(removed(x), model(x), rtol=0, atol=1e-6 * model(x).abs().max().item())

@@ -50,7 +50,9 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made["convnext"] = _saved(transformers.ConvNextModel(convnext), root / "convnext")
     made["wav2vec2"] = _saved(transformers.Wav2Vec2ForCTC(wav2vec2_config(vocab_size=20)), root / "wav2vec2")
     # GPT-J: LayerNorms with a bias read by q/k/v projections without one (the fold gives them one)
-    gptj = transformers.GPTJConfig(n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=300, use_cache=False)
+    gptj = transformers.GPTJConfig(
+        n_layer=2, n_embd=64, n_head=4, rotary_dim=8, vocab_size=300, use_cache=False
+    )
     torch.manual_seed(0)
     model = transformers.GPTJForCausalLM(gptj).eval()
     randomize_norms(model)

@@ -80,6 +80,7 @@ class SequentialConversion:
             "recorded_modules": sorted(self.recorded_modules),
             "copied_files": self.copied_files,
             "not_copied": self.not_copied,
+            "config_changes": {},  # a swap block by block changes no config key
         }
 
 

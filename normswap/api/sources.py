@@ -179,12 +179,20 @@ def check_output_before_work(
     pickle."""
     from normswap.graph.capture import capture_graph
     from normswap.load import SAVE_FORMATS, check_writable
-    from normswap.load.checkpoint_write import check_directory_output, is_directory_output
+    from normswap.load.checkpoint_write import (
+        check_directory_output,
+        check_directory_plan,
+        is_directory_output,
+    )
     from normswap.util.dtypes import output_dtype
     from normswap.util.fake_weights import fake_weights
 
     if is_directory_output(output):  # written with save_pretrained and loaded back: no export to try
         check_directory_output(model, output)
+        # training changes no module's class: a student a directory cannot hold is refused now, as convert
+        # refuses it (a student still on the meta device, read into shards later, is judged when written)
+        if not any(t.is_meta for t in model.parameters()):
+            check_directory_plan(model)
         return
     captured = None
     if SAVE_FORMATS.get(output.suffix.lower()) != "pickle" and (args is not None or kwargs):

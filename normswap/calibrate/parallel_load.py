@@ -151,7 +151,9 @@ def load_rows_sharded(
     # Every process must hear of a failure one of them met (a NaN in its rows, a truncated shard), or
     # the others would wait in the next collective; and with its reason, since torchrun stops the others
     # as soon as one exits, and the one whose output the user reads may not be the one that found it.
-    reported = [f for f in parallel.gather(failed and _portable(failed)) if f is not None]
+    reported = [
+        f for f in parallel.gather(failed and _portable(failed, parallel.rank, source)) if f is not None
+    ]
     if reported:
         raise failed or reported[0]
     with torch.no_grad():
@@ -160,11 +162,12 @@ def load_rows_sharded(
     return f"{placement}, read shard by shard from {source}"
 
 
-def _portable(exc: Exception) -> Exception:
+def _portable(exc: Exception, rank: int, source: str) -> Exception:
     """``exc`` as an exception another process can unpickle with its reason: normswap's own errors as
-    they are (their exit code follows), anything else as a RuntimeError with its type and message."""
-    from normswap.errors import NormswapError
+    they are (their exit code follows); a failed read (a truncated shard, a file error) as the input's
+    fault, naming the process that met it."""
+    from normswap.errors import NormswapError, describe
 
     if isinstance(exc, NormswapError) and type(exc).__module__ == "normswap.errors":
         return exc
-    return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return BadInputError(f"process {rank} could not read its part of {source}: {describe(exc)}")

@@ -61,7 +61,8 @@ def _weight_normed(layer: nn.Module, form: str, v: torch.Tensor, g: torch.Tensor
         nn.utils.weight_norm(layer, "weight", dim=None if dim == -1 else dim)
     layer.weight_g, layer.weight_v = g, v
     hook = next(h for h in layer._forward_pre_hooks.values() if isinstance(h, WeightNorm))
-    layer.weight = hook.compute_weight(layer)  # the hook's plain attribute, until the next forward
+    with torch.no_grad():  # a leaf, as a copy of the model needs: the hook recomputes it on each forward
+        layer.weight = hook.compute_weight(layer)
 
 
 def lift_weight_normed_layers(gm: fx.GraphModule) -> int:

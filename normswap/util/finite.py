@@ -72,7 +72,12 @@ def holds(found: tuple[int, list[int], str]) -> str:
 
 
 def refuse_nonfinite_tensor(
-    name: str, tensor: torch.Tensor, model: str = "the model", *, buffer: bool = False, first_row: int = 0
+    name: str,
+    tensor: torch.Tensor,
+    model: str = "the model",
+    *,
+    buffer: bool = False,
+    first_row: int | None = None,
 ) -> None:
     """Refuse ``model`` when its tensor ``name`` holds NaN or Inf (a ``buffer``: NaN), per the rule above.
     ``first_row``: ``tensor`` is the rows of ``name`` from this one on (a process's shard), and the place
@@ -82,7 +87,7 @@ def refuse_nonfinite_tensor(
         return
     count, index, kind = found
     where = ""
-    if first_row and index:
+    if first_row is not None and index:
         index = [index[0] + first_row, *index[1:]]
         where = f" in rows {first_row}-{first_row + tensor.shape[0] - 1}"
     what = holds((count, index, kind)).removesuffix(")") + where + ")"

@@ -483,3 +483,46 @@ def test_activation_checkpointing_trains_the_same_model_and_leaves_it_as_it_was(
             steps=1,
             activation_checkpointing=True,
         )
+
+
+_DYT_FACTORIES = """
+import torch, transformers
+from normswap.modules.layout import DyT
+
+def build():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=300, use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config).eval(), (torch.randint(0, 300, (2, 8)),)
+
+def build_dyt():
+    model, inputs = build()
+    for block in model.model.layers:
+        block.input_layernorm = DyT(32)
+    return model, inputs
+"""
+
+
+def test_a_student_a_directory_cannot_hold_is_refused_before_training(tmp_path, monkeypatch):
+    """distill -o DIR with a DyT student: refused after all its steps; now before the first, with the
+    sentence convert says for the same model."""
+    import normswap.calibrate.distill as engine
+
+    def trains(*args, **kwargs):
+        raise AssertionError("training started before the output was judged")
+
+    monkeypatch.setattr(engine, "distill", trains)
+    factories = tmp_path / "dyt.py"
+    factories.write_text(_DYT_FACTORIES)
+    data = tmp_path / "tokens.pt"
+    torch.save(torch.randint(0, 300, (12, 8), generator=torch.Generator().manual_seed(0)), data)
+    result = _run(
+        "distill", f"{factories}:build", f"{factories}:build_dyt", "--data", str(data), "--batch-size", "4",
+        "--steps", "40", "-o", str(tmp_path / "out"),
+    )  # fmt: skip
+    _one_line_error(
+        result, "the converted model's model.layers.0.input_layernorm (DyT) is not what its config"
+    )
+    assert not (tmp_path / "out").exists()

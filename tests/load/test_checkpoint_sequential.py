@@ -87,6 +87,8 @@ def test_the_cli_calibrates_block_by_block_and_reports_each_block(dirs, tmp_path
     assert data["route"] == "block by block" and len(data["passes"][0]["changes"]) == 5
     # the report's fields of every route: what was written under "directory", what it stores in "size"
     assert data["directory"]["path"] == str(out) and data["directory"]["stock_refused"]
+    common = ("path", "shards", "recorded_modules", "copied_files", "not_copied", "config_changes")
+    assert all(key in data["directory"] for key in common)  # the keys every route's directory has
     assert data["size"]["before"]["values"] > 0 and data["size"]["after"]["values"] > 0
     blocks = data["calibration"]["blocks"]
     assert [b["block"] for b in blocks] == [0, 1] and data["calibration"]["activations_spilled"] > 0

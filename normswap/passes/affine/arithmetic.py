@@ -6,7 +6,7 @@ One group is one norm with the linears that read it: ``W' = W diag(g)``, ``c' = 
 norm's weight becomes the neutral value (1, or 0 for a ``(1 + w)`` norm) and its bias 0, so a model
 directory keeps the norm's class and loads with stock ``from_pretrained`` (in memory the pass then
 replaces the norm by one without affine). A reader without a bias that the norm's shift needs gains one
-in memory; a stream refuses it (the config builds none).
+on both routes (the stream records that layer's class with its bias).
 """
 
 from __future__ import annotations

@@ -72,6 +72,8 @@ class LayerSite:
     module_path: str
     module: nn.Module
     name: str = "weight"
+    # a bare holder of a program's weight-norm tensors that no layer computes from (not lifted to a layer)
+    unlifted: bool = False
 
 
 # --- the math ---------------------------------------------------------------------------------------
@@ -302,11 +304,15 @@ class RemoveWeightNorm(Pass[LayerSite, RemovePlan, None]):
             if named is None and not _matches(self.targets, module, path):
                 continue
             names = [h.name for _, h in weight_norm_hooks(module)]
-            names += [
-                n
-                for n in (getattr(module, "parametrizations", None) or {})
-                if any(_is_weight_norm(p) for p in module.parametrizations[n])
-            ]
+            if parametrize.is_parametrized(module):
+                names += [
+                    n
+                    for n in module.parametrizations
+                    if any(_is_weight_norm(p) for p in module.parametrizations[n])
+                ]
+            elif type(module) is nn.Module and _holds_weight_norm_tensors(module):
+                sites.append(LayerSite(path, path, module, "weight", unlifted=True))
+                continue
             if not names and named is not None:
                 sites.append(LayerSite(path, path, module, ""))
             for n in names:
@@ -314,6 +320,12 @@ class RemoveWeightNorm(Pass[LayerSite, RemovePlan, None]):
         return sites
 
     def check(self, site: LayerSite, ctx: PassContext, state: None) -> RemovePlan | str:
+        if site.unlifted:
+            return (
+                "the program computes this weight norm with ops normswap does not lift back into a layer "
+                "(a ConvTranspose, a layer called twice, a decomposed program): convert the model it was "
+                "exported from"
+            )
         if not site.name:
             return f"{type(site.module).__name__} has no weight norm"
         stacked = _parametrization_names(site.module, site.name)
@@ -416,6 +428,16 @@ def _closure_value(function: Any, var: str) -> Any:
             except ValueError:  # an empty cell
                 return None
     return None
+
+
+def _holds_weight_norm_tensors(module: nn.Module) -> bool:
+    """Whether a bare module holds a program's weight-norm tensors: ``parametrizations.*.original0/1``
+    or ``*_g``/``*_v`` pairs, under the names torch's two forms give them."""
+    names = {n for n, _ in module.named_parameters()}
+    pairs = [n.removesuffix("_g") for n in names if n.endswith("_g") and "." not in n]
+    if any(f"{p}_v" in names for p in pairs):
+        return True
+    return any(n.startswith("parametrizations.") and n.endswith(".original0") for n in names)
 
 
 def _parametrizations(module: nn.Module, name: str) -> list[nn.Module]:

@@ -362,9 +362,16 @@ def _processes() -> Iterator[DataParallel | None]:
     parallel = DataParallel.from_environment() if launched_by_torchrun() else None
     try:
         yield parallel
-    finally:
-        if parallel is not None:
+    except BaseException:
+        if parallel is not None:  # no barrier: another process may never reach it
             parallel.close()
+        raise
+    if parallel is not None:
+        # every process done (process 0 writes the result last) before any tears its process group down:
+        # a process leaving while another was still in its last collective ended, once in a few full test
+        # runs under load, in an abort at exit ("terminate called without an active exception")
+        parallel.barrier()
+        parallel.close()
 
 
 def _load_teacher(

@@ -43,7 +43,8 @@ def _torchrun(*args: str, processes: int = 2, shown: str | None = None, **popen:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
     command += [f"--local-ranks-filter={shown}"] if shown is not None else []
     command += ["-m", "normswap_cli", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # faulthandler: an abort at exit prints every thread's Python stack (one was seen under load)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     return subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
     )
@@ -210,7 +211,8 @@ def _two_nodes(*args: str, port: int) -> list[str]:
     machines of a cluster would."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
     command += ["--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=normswap-test"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # faulthandler: an abort at exit prints every thread's Python stack (one was seen under load)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     nodes = [
         subprocess.Popen(
             [*command, "-m", "normswap_cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

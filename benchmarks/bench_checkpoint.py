@@ -204,7 +204,7 @@ def bench(model: str, layers: int, root: Path, check_logits: bool, small: bool =
     )
     report_json = json.loads(report.read_text())
     assert report_json["route"] == "streamed", report_json["route"]
-    # convert --report: the passes' changes and skips, and what the stream wrote under "streamed"
+    # convert --report: the passes' changes and skips, and what the stream wrote under "directory"
     data = {
         **report_json["directory"],
         "report": {

@@ -79,15 +79,15 @@ def bench(
     row.update(
         convert_s=seconds,
         peak_rss=peak,
-        changed=len(data["report"]["changes"]),
+        changed=sum(len(p["changes"]) for p in data["passes"]),
         model_sqnr_before_db=fit["model_sqnr_before_db"],
         model_sqnr_after_db=fit["model_sqnr_after_db"],
         example_sqnr_after_db=fit["example"]["sqnr_db"],
         blocks=[{k: b[k] for k in ("block", "sqnr_before_db", "sqnr_after_db")} for b in fit["blocks"]],
         activations_peak_held=fit["activations_peak_held"],
         activations_spilled=fit["activations_spilled"],
-        written_tensors=data["written_tensors"],
-        copied_tensors=data["copied_tensors"],
+        written_tensors=data["directory"]["written_tensors"],
+        copied_tensors=data["directory"]["copied_tensors"],
     )
     print(
         f"llama {layers} layers (hidden {hidden}), {total / 1e9:.2f} GB: {seconds:.0f} s, peak RSS {peak / 1e9:.2f} GB, "

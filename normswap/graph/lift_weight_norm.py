@@ -86,7 +86,8 @@ def lift_weight_normed_layers(gm: fx.GraphModule) -> int:
         bias = gm.get_parameter(str(bias_node.target)) if bias_node is not None else None
         if v.is_meta:
             continue  # a program read without its weights: nothing to build the weight norm from
-        layer = layer_of(call, v.shape, bias is not None).to_empty(device=v.device).to(v.dtype)
+        # built on meta: every tensor it holds is replaced by the program's own below (no weight allocated)
+        layer = layer_of(call, v.shape, bias is not None)
         if bias is not None:
             layer.bias = bias
         _weight_normed(layer, form, v, g, int(arg(node, 2, "dim", 0)))

@@ -79,11 +79,40 @@ for _command in (inspect, convert, export, validate, recalibrate, distill):
 
 def main() -> None:
     """Console-script entry point."""
+    code = _run()
+    if _one_of_several_processes():
+        # A torchrun worker leaves without the interpreter's finalization: gloo's worker threads outlive
+        # destroy_process_group, and one that touches a Python object while the interpreter is torn down
+        # is killed inside C++ code that cannot unwind, which aborts the process ("terminate called
+        # without an active exception", pytorch/pytorch#190489): a finished run, its files written, would
+        # fail under torchrun now and then. Every file is closed by now; only the stdio buffers remain.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _run() -> int:
+    """Run the command line; its exit status."""
     try:
-        app()
+        app()  # standalone mode: ends in SystemExit
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        render.err.print(str(exc.code))
+        return 1
     except KeyboardInterrupt:
         render.err.print("interrupted")
-        sys.exit(130)
+        return 130
+    return 0
+
+
+def _one_of_several_processes() -> bool:
+    """True in a process that torchrun started as one of several (the variable torchrun sets)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

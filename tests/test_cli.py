@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -34,6 +35,32 @@ def test_help_does_not_import_torch_triton_or_onnx():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_torchrun_worker_leaves_without_finalization_and_keeps_its_exit_status(tmp_path):
+    """Under torchrun (WORLD_SIZE > 1) the command exits with os._exit after flushing its output: gloo's
+    threads touching Python during the interpreter's finalization abort a finished run now and then.
+    Alone, it finalizes as usual. The exit status and the printed lines survive either way."""
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('finalized'))\n"
+        "from normswap_cli.app import main\n"
+        "sys.argv = ['normswap', *sys.argv[1:]]\n"
+        "main()\n"
+    )
+    missing = str(tmp_path / "missing.pt2")
+    for world_size, finalized in (("2", False), ("1", True)):
+        env = {**os.environ, "WORLD_SIZE": world_size}
+        shown = subprocess.run(
+            [sys.executable, "-c", code, "--version"], capture_output=True, text=True, env=env
+        )
+        assert shown.returncode == 0 and shown.stdout.startswith("normswap "), shown
+        assert ("finalized" in shown.stdout) is finalized
+        refused = subprocess.run(
+            [sys.executable, "-c", code, "inspect", missing], capture_output=True, text=True, env=env
+        )
+        assert refused.returncode == 2, refused
+        assert "missing.pt2" in refused.stderr and ("finalized" in refused.stdout) is finalized
 
 
 def test_convert_fold_bn_resnet18_leaves_no_batchnorm(tmp_path):

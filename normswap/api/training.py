@@ -367,9 +367,9 @@ def _processes() -> Iterator[DataParallel | None]:
             parallel.close()
         raise
     if parallel is not None:
-        # every process done (process 0 writes the result last) before any tears its process group down:
-        # a process leaving while another was still in its last collective ended, once in a few full test
-        # runs under load, in an abort at exit ("terminate called without an active exception")
+        # every process done (process 0 writes the result last) before any tears its process group down,
+        # so none leaves while another is still in its last collective (the command then exits without
+        # the interpreter's finalization: normswap_cli.app.main says why)
         parallel.barrier()
         parallel.close()
 

@@ -11,8 +11,8 @@ A key's rule says, per row length, from how many rows the kernel takes over: the
 count from which the kernel is not clearly slower (by more than ``CLEAR_LOSS``) at that and every larger
 measured count, and never more
 than a shorter row needs (noise at a few rows otherwise gives rules that zigzag over the lengths). Row
-lengths beyond the grid take the kernel. ``--from-json`` re-derives the rules from a run's timings. Written: every timing and the rules as JSON (``--out``); ``--python``
-prints the rules as the literal for ``BUILTIN_RULES``. Keys run in order of how often models hit them
+lengths beyond the grid take the kernel. ``--from-json`` re-derives the rules from a run's timings. Written: every timing and the rules as JSON (``--out``); ``--rules FILE``
+writes the rules alone as the file normswap ships (``normswap/kernels/route_rules.json``). Keys run in order of how often models hit them
 and the JSON is rewritten after each key, so a run stopped by a time limit keeps what it measured.
 
     python benchmarks/tune_routes.py --out gpu_out/routes.json
@@ -173,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         default=["bf16", "fp32"],
         help="keys of these dtypes only",
     )
-    p.add_argument("--python", action="store_true", help="print the rules as a Python literal")
+    p.add_argument(
+        "--rules",
+        type=Path,
+        help="write the rules alone here, as normswap/kernels/route_rules.json holds them",
+    )
     p.add_argument("--from-json", type=Path, help="derive the rules from this run's timings; measure nothing")
     args = p.parse_args(argv)
     if args.from_json is not None:
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         result["rules"] = {k: rule_from([t for t in result["timings"] if t["key"] == k]) for k in keys}
         result["meta"]["rules_from"] = "tune_routes.py --from-json (monotone in the row length)"
         args.out.write_text(json.dumps(result, indent=1))
-        _print_python(result["rules"])
+        if args.rules is not None:
+            write_rules(args.rules, result, args.out)
         return 0
 
     import torch
@@ -243,17 +248,20 @@ def main(argv: list[str] | None = None) -> int:
             + ")",
             flush=True,
         )
-    if args.python:
-        _print_python(result["rules"])
+    if args.rules is not None:
+        write_rules(args.rules, result, args.out)
     return 0
 
 
-def _print_python(rules: dict) -> None:
-    print("BUILTIN_RULES: dict[str, RouteRule] = {")
-    for key, rule in rules.items():
-        shown = ", ".join(f"({n}, {'NEVER' if m == NEVER else m})" for n, m in rule)
-        print(f"    {key!r}: ({shown}{',' if len(rule) == 1 else ''}),")
-    print("}")
+def write_rules(path: Path, result: dict, timings: Path) -> None:
+    """The rules of ``result`` (with its meta, and where its timings are) as normswap loads them
+    (``normswap.kernels._routes.load_rules``): one key per line, so a re-tune diffs by key."""
+    meta = {**result["meta"], "timings": str(timings)}
+    lines = [
+        f"  {json.dumps(key)}: {json.dumps([list(pair) for pair in rule])}"
+        for key, rule in result["rules"].items()
+    ]
+    path.write_text(f'{{\n "meta": {json.dumps(meta)},\n "rules": {{\n' + ",\n".join(lines) + "\n }\n}\n")
 
 
 if __name__ == "__main__":

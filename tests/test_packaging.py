@@ -19,3 +19,18 @@ def test_every_subpackage_is_listed_in_pyproject():
     }
     assert found <= listed, sorted(found - listed)
     assert config["package-dir"]["normswap_cli"] == "cli" and "normswap_cli" in listed
+
+
+def test_every_data_file_of_the_package_is_installed():
+    """A file normswap reads at run time (the kernels' route rules, py.typed) must be package data, or an
+    install from a wheel lacks it."""
+    from fnmatch import fnmatch
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = [
+        path.relative_to(ROOT / "normswap").as_posix()
+        for path in (ROOT / "normswap").rglob("*")
+        if path.is_file() and path.suffix not in (".py", ".pyc")
+    ]
+    assert "kernels/route_rules.json" in data
+    assert [f for f in data if not any(fnmatch(f, p) for p in patterns["normswap"])] == []

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from normswap.kernels._routes import BUILTIN_RULES, NEVER, load_rules
+from normswap.kernels._routes import BUILTIN_RULES, BUILTIN_RULES_FILE, NEVER, load_rules
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_routes.py"
 RESULTS = SCRIPT.parent / "results" / "routes_h200.json"
@@ -55,11 +55,15 @@ def test_a_clear_loss_at_many_rows_and_monotone_lengths():
     assert tuner.rule_from(timings) == [(512, NEVER), (8192, NEVER)]
 
 
-def test_builtin_rules_are_the_committed_runs_rules():
-    """The table in normswap is what the tuner derives from the committed H200 timings."""
+def test_builtin_rules_are_the_committed_runs_rules(tmp_path):
+    """The rules normswap ships are what the tuner derives from the committed H200 timings, in the file
+    the tuner's --rules writes."""
     tuner = _tuner()
     result = json.loads(RESULTS.read_text())
     keys = dict.fromkeys(t["key"] for t in result["timings"])
     derived = {k: tuple(tuner.rule_from([t for t in result["timings"] if t["key"] == k])) for k in keys}
     assert derived == dict(BUILTIN_RULES)
     assert load_rules(RESULTS) == dict(BUILTIN_RULES)
+    written = tmp_path / "route_rules.json"
+    tuner.write_rules(written, result, Path("benchmarks/results/routes_h200.json"))
+    assert written.read_text() == BUILTIN_RULES_FILE.read_text()

@@ -45,190 +45,11 @@ RouteRule = Sequence[tuple[int, int]]
 # min_rows for "never the kernel at this length": torch's route at every row count.
 NEVER = 1 << 62
 
-# Measured on an NVIDIA H200 with torch 2.11 and triton 3.6 (benchmarks/results/routes_h200.json, made by
-# `python benchmarks/tune_routes.py --out routes.json --python`); regenerate with the tuner's --python
-# output. Keys: see route_key. An empty rule: the kernel at every measured shape.
-BUILTIN_RULES: dict[str, RouteRule] = {
-    "rms:composed:half:infer": (),
-    "layer:native:half:infer": (
-        (512, NEVER),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "rms:native:half:infer": (
-        (512, NEVER),
-        (1024, NEVER),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "rms+add:composed:half:infer": (),
-    "layer+add:native:half:infer": (
-        (512, 32768),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 4096),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "rms+add:native:half:infer": (
-        (512, 32768),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 4096),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "layer:composed:half:infer": (),
-    "layer+add:composed:half:infer": (),
-    "rms:composed:half:train": ((512, 4096), (1024, 4096), (2048, 4096), (4096, 16), (8192, 16), (16384, 16)),
-    "layer:native:half:train": (
-        (512, NEVER),
-        (1024, NEVER),
-        (2048, NEVER),
-        (4096, 32768),
-        (8192, 32768),
-        (16384, 32768),
-    ),
-    "rms:native:half:train": (
-        (512, NEVER),
-        (1024, NEVER),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 32768),
-        (16384, 4096),
-    ),
-    "rms+add:composed:half:train": ((512, 16), (1024, 16), (2048, 16), (4096, 16), (8192, 16), (16384, 16)),
-    "layer+add:native:half:train": (
-        (512, NEVER),
-        (1024, NEVER),
-        (2048, NEVER),
-        (4096, 32768),
-        (8192, 32768),
-        (16384, 4096),
-    ),
-    "rms+add:native:half:train": (
-        (512, NEVER),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 32768),
-        (16384, 32768),
-    ),
-    "layer:composed:half:train": (),
-    "layer+add:composed:half:train": (),
-    "rms:composed:fp32:infer": (
-        (512, 4096),
-        (1024, 4096),
-        (2048, 4096),
-        (4096, 4096),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "layer:native:fp32:infer": (
-        (512, 32768),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "rms:native:fp32:infer": (
-        (512, NEVER),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "rms+add:composed:fp32:infer": (),
-    "layer+add:native:fp32:infer": (
-        (512, 32768),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 4096),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "rms+add:native:fp32:infer": (
-        (512, 32768),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 4096),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "layer:composed:fp32:infer": (),
-    "layer+add:composed:fp32:infer": (
-        (512, 4096),
-        (1024, 4096),
-        (2048, 4096),
-        (4096, 4096),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "rms:composed:fp32:train": (
-        (512, 4096),
-        (1024, 4096),
-        (2048, 4096),
-        (4096, 256),
-        (8192, 256),
-        (16384, 256),
-    ),
-    "layer:native:fp32:train": (
-        (512, NEVER),
-        (1024, NEVER),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 32768),
-        (16384, 4096),
-    ),
-    "rms:native:fp32:train": (
-        (512, NEVER),
-        (1024, NEVER),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 32768),
-        (16384, 4096),
-    ),
-    "rms+add:composed:fp32:train": (
-        (512, 32768),
-        (1024, 32768),
-        (2048, 4096),
-        (4096, 4096),
-        (8192, 256),
-        (16384, 256),
-    ),
-    "layer+add:native:fp32:train": (
-        (512, NEVER),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "rms+add:native:fp32:train": (
-        (512, NEVER),
-        (1024, 32768),
-        (2048, 32768),
-        (4096, 32768),
-        (8192, 4096),
-        (16384, 4096),
-    ),
-    "layer:composed:fp32:train": (
-        (512, 32768),
-        (1024, 32768),
-        (2048, 16),
-        (4096, 16),
-        (8192, 16),
-        (16384, 16),
-    ),
-    "layer+add:composed:fp32:train": ((512, 4096), (1024, 4096)),
-}
+# Measured on an NVIDIA H200 with torch 2.11 and triton 3.6: the rules of benchmarks/results/routes_h200.json,
+# shipped as route_rules.json (`python benchmarks/tune_routes.py --out routes.json --rules
+# normswap/kernels/route_rules.json` writes both). Keys: see route_key. An empty rule: the kernel at every
+# measured shape. Read after load_rules below.
+BUILTIN_RULES_FILE = Path(__file__).with_name("route_rules.json")
 
 
 def route_key(kind: str, residual: bool, native: bool, itemsize: int, train: bool) -> str:
@@ -301,6 +122,9 @@ def load_rules(path: str | Path) -> dict[str, RouteRule]:
             raise ValueError(f"{path}: rule {key!r} must list n_max in ascending order, once each")
         checked[str(key)] = rule
     return checked
+
+
+BUILTIN_RULES: dict[str, RouteRule] = load_rules(BUILTIN_RULES_FILE)
 
 
 @contextlib.contextmanager
@@ -387,6 +211,7 @@ def torch_route(
 
 __all__ = [
     "BUILTIN_RULES",
+    "BUILTIN_RULES_FILE",
     "NEVER",
     "ROUTES",
     "Route",

@@ -44,10 +44,10 @@ def test_gpt2_pt2_layernorms_become_swappable(tmp_path):
 
 def test_fused_channel_norms_lift_back_to_channel_modules(tmp_path):
     from normswap.modules.fused import FusedChannelLayerNorm
-    from normswap.passes import fuse_norm
+    from normswap.passes import FuseNorm
 
     model, args, kwargs = model_zoo.convnext_tiny()
-    fused, _ = fuse_norm(model, args, kwargs)
+    fused, _ = FuseNorm()(model, args, kwargs)
     gm = lift_exported_module(_exported_module(fused, args, kwargs, tmp_path))
     stem = gm.get_submodule("stem.1")
     # movedim -> fused op -> movedim back is one module again, over the same dim as before

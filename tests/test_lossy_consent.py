@@ -16,7 +16,7 @@ import torch
 from normswap_cli.app import app
 from typer.testing import CliRunner
 
-from normswap.passes.recenter.layernorm import recenter_layernorm
+from normswap.passes.recenter.layernorm import RecenterLayerNorm
 
 pytest.importorskip("transformers")
 
@@ -196,14 +196,14 @@ def test_skip_causes_tell_architecture_from_capture(factory):
     from normswap.passes.core.base import SkipCause
 
     model, args, kwargs = model_zoo.bert()
-    _, report = recenter_layernorm(model, args, kwargs)
+    _, report = RecenterLayerNorm()(model, args, kwargs)
     assert {s.cause for s in report.skips} == {SkipCause.ARCHITECTURE}
 
     spec = importlib.util.spec_from_file_location("_consent_models", factory)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     guarded, guarded_args = module.guarded()
-    _, report = recenter_layernorm(guarded, guarded_args)
+    _, report = RecenterLayerNorm()(guarded, guarded_args)
     assert len(report.skips) == 5 and {s.cause for s in report.skips} == {SkipCause.CAPTURE}
     assert report.to_dict()["skips"][0]["cause"] == "capture"
 
@@ -262,13 +262,13 @@ def test_stream_analysis_limits_are_unsupported_and_what_the_graph_shows_is_arch
     from normswap.passes.core.base import SkipCause
 
     model, args = _factory_model(factory, "shifted")
-    _, report = recenter_layernorm(model, args)
+    _, report = RecenterLayerNorm()(model, args)
     assert report.changes == [] and len(report.skips) == 5
     assert {s.cause for s in report.skips} == {SkipCause.UNSUPPORTED}
     assert "(roll) writes into the residual stream, and normswap does not know" in report.skips[0].reason
 
     model, args = _factory_model(factory, "gelu_writer")
-    _, report = recenter_layernorm(model, args)
+    _, report = RecenterLayerNorm()(model, args)
     assert report.changes == [] and len(report.skips) == 5
     assert {s.cause for s in report.skips} == {SkipCause.ARCHITECTURE}
     assert "(gelu) writes into the residual stream and is not a linear map" in report.skips[0].reason

@@ -26,7 +26,7 @@ from normswap.modules.semantics import (
     default_rms_eps,
     parse_target,
 )
-from normswap.passes import SwapNorm, fuse_norm, swap_norm
+from normswap.passes import FuseNorm, SwapNorm, swap_norm
 from normswap.util.tolerance import kernel_tolerance
 
 HALF = [torch.bfloat16, torch.float16]
@@ -82,7 +82,7 @@ def test_rmsnorm_without_eps_records_the_eps_torch_applies(dtype):
 def test_fuse_norm_takes_a_half_precision_rmsnorm_without_eps(dtype):
     model, x = _rms_model(dtype), _small_rows(dtype)
     eps = find_norms(model, (x,)).by_path("1").eps
-    converted, report = fuse_norm(model, (x,))
+    converted, report = FuseNorm()(model, (x,))
     assert report.skips == [] and [c.site for c in report.changes] == ["1"]
     fused = converted[1]
     assert type(fused) is FusedRMSNorm and fused.eps == eps == default_rms_eps(dtype)
@@ -206,7 +206,7 @@ def test_hand_written_names_come_from_the_record_without_a_second_capture(monkey
         return export(module, *args, **kwargs)
 
     monkeypatch.setattr(torch.export, "export", counting_export)
-    converted, report = fuse_norm(model, (x,))
+    converted, report = FuseNorm()(model, (x,))
     # one capture, of (a copy of) the whole model, by discovery: the norm's module is not captured again
     assert [type(m) for m in captured] == [nn.Sequential]
     assert [c.site for c in report.changes] == ["1"] and report.skips == []

@@ -22,7 +22,7 @@ from torch import nn
 import normswap
 from normswap.kernels.onnx_translation import translation_table
 from normswap.modules.fused import FusedAddLayerNorm, FusedAddRMSNorm, FusedLayerNorm, FusedRMSNorm
-from normswap.passes import fuse_norm
+from normswap.passes import FuseNorm
 from normswap.util.tolerance import kernel_tolerance
 
 # What the two RMSNorm forms leave in the graph: the standard op, or its written-out body.
@@ -122,7 +122,7 @@ def test_bf16_graphs_agree_in_the_reference_evaluator(opset):
 )
 def test_converted_hf_models_in_onnxruntime(name, opset):
     model, args, kwargs = getattr(model_zoo, name)()
-    converted, report = fuse_norm(model, args, kwargs)
+    converted, report = FuseNorm()(model, args, kwargs)
     assert len(report.changes) == 5
     proto = _export(converted, args, kwargs, opset)
     types = _op_types(proto)

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from normswap.graph.analysis import module_path
 from normswap.graph.ops import PASS_THROUGH_OPS, op_name, real_users
-from normswap.passes.core.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
+from normswap.passes.core.base import Change, Needs, Pass, PassContext, RewriteKind
 from normswap.passes.core.graph_rewrite import GRAPH_MODULE
 
 
@@ -203,14 +203,3 @@ def _check_rms_norm_call(site: DeferSite) -> DeferPlan | str:
     if isinstance(linears, str):
         return linears
     return DeferPlan(site, x, node, linears, float(eps) if eps is not None else torch.finfo(value.dtype).eps)
-
-
-def defer_rms(
-    model: nn.Module,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
-    *,
-    inplace: bool = False,
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`DeferRMS`."""
-    return DeferRMS()(model, example_args, example_kwargs, inplace=inplace)

@@ -64,7 +64,7 @@ from normswap.modules.norms import LayerNorm as RefLayerNorm
 from normswap.modules.norms import RMSNorm as RefRMSNorm
 from normswap.modules.norms import mark_folded_affine
 from normswap.passes.affine.arithmetic import fold_edit
-from normswap.passes.core.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
+from normswap.passes.core.base import Change, Pass, PassContext, RewriteKind, replace_submodule
 from normswap.passes.core.edits import apply_in_memory
 
 _TORCH_NORMS: tuple[type[nn.Module], ...] = (nn.LayerNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
@@ -437,14 +437,3 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
             if reason is not None:
                 return reason
         return AffinePlan(site, weight_name, bias_name, tuple(readers))
-
-
-def fold_norm_affine(
-    model: nn.Module,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
-    *,
-    inplace: bool = False,
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`FoldNormAffine`."""
-    return FoldNormAffine()(model, example_args, example_kwargs, inplace=inplace)

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import fx, nn
+from torch import fx
 
 from normswap.graph.analysis import module_path
-from normswap.passes.core.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
+from normswap.passes.core.base import Change, Needs, Pass, PassContext, RewriteKind
 from normswap.passes.core.graph_rewrite import GRAPH_MODULE, op_overload_name
 
 _NORM_TO_ADD_NORM = {
@@ -81,17 +81,6 @@ class FuseAddNorm(Pass[AddNormSite, AddNormPlan, None]):
 
     def apply(self, plan: AddNormPlan, ctx: PassContext, state: None) -> Change:
         return _fuse(plan.site.norm, plan.add, plan.site.path)
-
-
-def fuse_add_norm(
-    model: nn.Module,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
-    *,
-    inplace: bool = False,
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`FuseAddNorm`."""
-    return FuseAddNorm()(model, example_args, example_kwargs, inplace=inplace)
 
 
 def _why_not(norm: fx.Node) -> str | None:

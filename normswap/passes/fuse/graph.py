@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
@@ -39,7 +39,7 @@ from normswap.graph.capture import CapturedGraph
 from normswap.graph.ops import CAST_OPS, arg, op_name, tensor_meta
 from normswap.graph.patterns import find_norm_patterns
 from normswap.kernels import fused_norm
-from normswap.passes.core.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
+from normswap.passes.core.base import Change, Needs, Pass, PassContext, RewriteKind
 from normswap.passes.core.graph_rewrite import GRAPH_MODULE
 from normswap.passes.fuse.legality import Measured, fused_call, measure
 
@@ -124,17 +124,6 @@ class FuseGraphNorm(Pass[GraphNorm, GraphNormPlan, GraphNormRun]):
             f"{GRAPH_MODULE}); {plan.measured.summary}",
             {"source": norm.source, **call, **plan.measured.details(), "output": GRAPH_MODULE},
         )
-
-
-def fuse_graph_norm(
-    model: nn.Module,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
-    *,
-    inplace: bool = False,
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`FuseGraphNorm`."""
-    return FuseGraphNorm()(model, example_args, example_kwargs, inplace=inplace)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -45,7 +45,6 @@ from normswap.passes.core.base import (
     Change,
     Pass,
     PassContext,
-    PassReport,
     RecordedInputs,
     RewriteKind,
     replace_submodule,
@@ -114,17 +113,6 @@ class FuseNorm(Pass[NormSite, FusePlan, FuseNormRun]):
             what += f" (module {path}: its forward is this {site.source} {site.kind} norm)"
         what += f"; {plan.measured.summary}"
         return Change(self.name, site.path, self.kind, what, details)
-
-
-def fuse_norm(
-    model: nn.Module,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
-    *,
-    inplace: bool = False,
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`FuseNorm`."""
-    return FuseNorm()(model, example_args, example_kwargs, inplace=inplace)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -258,14 +258,3 @@ def lossy_after_failure(reports: list[PassReport]) -> list[Skip]:
         elif report.kind is not RewriteKind.EXACT:
             lossy += [failed.pop(c.site) for c in report.changes if c.site in failed]
     return lossy
-
-
-def recenter_layernorm(
-    model: nn.Module,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
-    *,
-    inplace: bool = False,
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`RecenterLayerNorm`."""
-    return RecenterLayerNorm()(model, example_args, example_kwargs, inplace=inplace)

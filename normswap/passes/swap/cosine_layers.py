@@ -45,7 +45,6 @@ from normswap.passes.core.base import (
     Change,
     Pass,
     PassContext,
-    PassReport,
     RecordedInputs,
     Refusal,
     RewriteKind,
@@ -345,15 +344,3 @@ def _reader_sqnr(ctx: PassContext, path: str, new: nn.Module, readers: Sequence[
     replace_submodule(ctx.model, path, new)
     after = outputs()
     return min((sqnr_db(b, a) for b, a in zip(before, after, strict=True)), default=math.inf)
-
-
-def cosine_layers(
-    model: nn.Module,
-    example_args: tuple | None = None,
-    example_kwargs: dict | None = None,
-    *,
-    layers: Sequence[str] | None = None,
-    inplace: bool = False,
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`CosineLayers`."""
-    return CosineLayers(layers)(model, example_args, example_kwargs, inplace=inplace)

@@ -44,7 +44,7 @@ from torch.nn.utils import parametrize
 
 from normswap.errors import BadInputError
 from normswap.modules.copying import weight_norm_hooks
-from normswap.passes.core.base import Change, Needs, Pass, PassContext, PassReport, RewriteKind
+from normswap.passes.core.base import Change, Needs, Pass, PassContext, RewriteKind
 from normswap.util.tolerance import exact_tolerance
 
 CONV_TRANSPOSE = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -449,21 +449,3 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = float(b64.abs().max()) if b64.numel() else 0.0
     diff = float((a64 - b64).abs().max()) if a64.numel() else 0.0
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
-
-
-def add_weight_norm(
-    model: nn.Module,
-    targets: Targets = None,
-    dim: WeightNormDim = "output",
-    *,
-    inplace: bool = False,
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`AddWeightNorm`."""
-    return AddWeightNorm(targets, dim)(model, inplace=inplace)
-
-
-def remove_weight_norm(
-    model: nn.Module, targets: Targets = None, *, inplace: bool = False
-) -> tuple[nn.Module, PassReport]:
-    """Functional form of :class:`RemoveWeightNorm`."""
-    return RemoveWeightNorm(targets)(model, inplace=inplace)

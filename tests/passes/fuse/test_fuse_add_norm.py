@@ -12,7 +12,7 @@ from torch import fx, nn
 from normswap.kernels import triton_on_cpu
 from normswap.kernels.onnx_translation import translation_table
 from normswap.modules.fused import FusedLayerNorm, FusedRMSNorm
-from normswap.passes import FuseAddNorm, FuseNorm, Pipeline, fuse_add_norm, fuse_norm
+from normswap.passes import FuseAddNorm, FuseNorm, Pipeline
 from normswap.util.tolerance import kernel_tolerance
 from tests.kernels.conftest import interpreter  # noqa: F401 (a fixture)
 
@@ -113,14 +113,14 @@ class _Promote(nn.Module):
 
 def test_adds_the_fused_op_cannot_take_are_skipped_with_the_reason():
     x = torch.randn(2, 3, 16)
-    model, report = fuse_add_norm(_Broadcast(), (x,))
+    model, report = FuseAddNorm()(_Broadcast(), (x,))
     assert not isinstance(model, fx.GraphModule)  # nothing fused: the model comes back as it was
     # the batch dim and the length are exported dynamic: symbols in place of 2 and 3
     assert re.fullmatch(
         r"the add broadcasts \(s\d+, s\d+, 16\) \+ \(16,\): the fused op adds two tensors of one shape",
         report.skips[0].reason,
     ), report.skips[0].reason
-    _, report = fuse_add_norm(_Promote(), (x, x))
+    _, report = FuseAddNorm()(_Promote(), (x, x))
     assert report.skips[0].reason == (
         "the add promotes torch.float32 + torch.float64: the fused op adds two tensors of one dtype"
     )
@@ -128,16 +128,16 @@ def test_adds_the_fused_op_cannot_take_are_skipped_with_the_reason():
 
 def test_without_inputs_nothing_is_captured():
     model = nn.Sequential(FusedRMSNorm(8))
-    out, report = fuse_add_norm(model)
+    out, report = FuseAddNorm()(model)
     assert out is model and report.changes == []
     assert report.skips[0].reason == "no example inputs: fusing adds into norms needs a captured graph"
 
 
 def test_input_model_is_untouched():
     model, args, kwargs = model_zoo.gpt2(layers=1)
-    fused, _ = fuse_norm(model, args, kwargs)
+    fused, _ = FuseNorm()(model, args, kwargs)
     before = {k: v.clone() for k, v in fused.state_dict().items()}
-    out, _ = fuse_add_norm(fused, args, kwargs)
+    out, _ = FuseAddNorm()(fused, args, kwargs)
     with torch.no_grad():
         for p in out.parameters():
             p.add_(1.0)

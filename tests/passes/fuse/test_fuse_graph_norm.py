@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from normswap.kernels import triton_on_cpu
-from normswap.passes import FuseGraphNorm, FuseNorm, Pipeline, fuse_graph_norm
+from normswap.passes import FuseGraphNorm, FuseNorm, Pipeline
 from normswap.util.tolerance import kernel_tolerance
 from tests.kernels.conftest import interpreter  # noqa: F401 (a fixture)
 
@@ -77,7 +77,7 @@ def test_casting_modes_channel_norms_and_default_eps(dtype):
     torch.manual_seed(0)
     model = _Block().to(dtype).eval()
     inputs = _block_inputs(dtype)
-    converted, report = fuse_graph_norm(model, inputs)
+    converted, report = FuseGraphNorm()(model, inputs)
     assert report.skips == []
     calls = [
         (c.details["casting"], c.details["weight_offset"], c.details["channel_dim"], c.details["eps"])
@@ -102,7 +102,7 @@ def test_through_the_triton_kernels_in_bf16():
     torch.manual_seed(0)
     model = _Block().to(torch.bfloat16).eval()
     inputs = _block_inputs(torch.bfloat16)
-    converted, report = fuse_graph_norm(model, inputs)
+    converted, report = FuseGraphNorm()(model, inputs)
     assert len(report.changes) == 4
     atol, rtol = kernel_tolerance(torch.bfloat16)
     with triton_on_cpu(), torch.no_grad():
@@ -113,7 +113,7 @@ def test_gradients_match_the_original():
     torch.manual_seed(0)
     model = _Block()
     inputs = _block_inputs(torch.float32)
-    converted, _ = fuse_graph_norm(model, inputs)
+    converted, _ = FuseGraphNorm()(model, inputs)
     grads = []
     for m in (model, converted):
         m.zero_grad()
@@ -142,13 +142,13 @@ class _Refused(nn.Module):
 def test_refusals_carry_their_reason():
     model = _Refused()
     inputs = (torch.randn(2, 8), torch.randn(2, 4, 3, 3))
-    converted, report = fuse_graph_norm(model, inputs)
+    converted, report = FuseGraphNorm()(model, inputs)
     assert converted is model and report.changes == []
     assert sorted(s.reason for s in report.skips) == [
         "batch norm: the fused kernels normalize features, not over positions",
         "its weight is computed in the forward, not a stored tensor",
     ]
-    _, report = fuse_graph_norm(model)
+    _, report = FuseGraphNorm()(model)
     assert [s.reason for s in report.skips] == [
         "no example inputs: fusing norms inside other forwards needs a captured graph"
     ]
@@ -162,14 +162,14 @@ def test_a_model_that_does_not_export_is_returned_with_the_reason():
             return x
 
     model = DataDependent()
-    converted, report = fuse_graph_norm(model, (torch.randn(2, 4),))
+    converted, report = FuseGraphNorm()(model, (torch.randn(2, 4),))
     assert converted is model
     assert report.skips[0].reason.startswith("torch.export failed:")
 
 
 def test_the_fused_graph_takes_other_batch_sizes():
     model = model_zoo.HandWrittenNet()
-    converted, report = fuse_graph_norm(model, (torch.randn(3, 16),))
+    converted, report = FuseGraphNorm()(model, (torch.randn(3, 16),))
     assert len(report.changes) == 4
     x = torch.randn(5, 16)
     torch.testing.assert_close(converted(x), model(x), atol=1e-5, rtol=1e-5)
@@ -188,7 +188,7 @@ def test_measuring_leaves_no_trace_on_the_model_or_the_inputs():
     model = Net().train()
     x = torch.randn(4, 8)
     given = x.clone()
-    converted, report = fuse_graph_norm(model, (x,))
+    converted, report = FuseGraphNorm()(model, (x,))
     assert len(report.changes) == 1
     torch.testing.assert_close(x, given)  # the example input is what the caller gave
     assert int(converted.bn.num_batches_tracked) == 0

@@ -15,7 +15,7 @@ from torch import nn
 from normswap.discover import NormSemantics, NormSite
 from normswap.kernels import triton_on_cpu
 from normswap.modules.fused import FusedLayerNorm, FusedRMSNorm
-from normswap.passes import FuseNorm, Pipeline, build_context, fuse_norm
+from normswap.passes import FuseNorm, Pipeline, build_context
 from normswap.util.tolerance import kernel_tolerance
 from tests.kernels.conftest import interpreter  # noqa: F401 (a fixture)
 
@@ -106,14 +106,14 @@ def test_converted_models_through_the_triton_kernels(name, dtype):
     """The same comparison with the fused modules running the Triton kernels (interpreter on CPU)."""
     model, args, kwargs = MODELS[name][0]()
     model = model.to(dtype)
-    converted, _ = fuse_norm(model, args, kwargs)
+    converted, _ = FuseNorm()(model, args, kwargs)
     with triton_on_cpu():
         _assert_logits_close(model, converted, args, kwargs)
 
 
 def test_t5_rmsnorm_is_fused():
     model, args, kwargs = t5_encoder()
-    converted, report = fuse_norm(model, args, kwargs)
+    converted, report = FuseNorm()(model, args, kwargs)
     assert {type(converted.get_submodule(c.site)) for c in report.changes} == {FusedRMSNorm}
     assert len(report.changes) == 5 and report.skips == []
     _assert_logits_close(model, converted, args, kwargs)
@@ -121,7 +121,7 @@ def test_t5_rmsnorm_is_fused():
 
 def test_export_of_the_converted_model_keeps_the_ops():
     model, args, kwargs = model_zoo.llama()
-    converted, _ = fuse_norm(model, args, kwargs)
+    converted, _ = FuseNorm()(model, args, kwargs)
     ep = torch.export.export(converted, args, kwargs, strict=False)
     targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     assert targets.count("normswap.rms_norm_fwd.default") == 5
@@ -131,14 +131,14 @@ def test_export_of_the_converted_model_keeps_the_ops():
 
 def test_compile_without_graph_breaks():
     model, args, kwargs = model_zoo.gpt2(layers=1)
-    converted, _ = fuse_norm(model, args, kwargs)
+    converted, _ = FuseNorm()(model, args, kwargs)
     explained = torch._dynamo.explain(converted)(*args, **kwargs)
     assert explained.graph_break_count == 0, explained.break_reasons
 
 
 def test_autograd_through_the_converted_model():
     model, args, kwargs = model_zoo.llama()
-    converted, _ = fuse_norm(model, args, kwargs)
+    converted, _ = FuseNorm()(model, args, kwargs)
     grads = []
     for m in (model, converted):
         m.train()
@@ -153,7 +153,7 @@ def test_autograd_through_the_converted_model():
 def test_hand_written_norms_keep_their_parameter_names():
     model = model_zoo.HandWrittenNet()
     x = torch.randn(2, 16)
-    converted, report = fuse_norm(model, (x,))
+    converted, report = FuseNorm()(model, (x,))
     assert {c.site: c.description.split(";")[0] for c in report.changes} == {
         "ln": "HandLayerNorm -> FusedLayerNorm",
         "rms": "HandRMSNorm -> FusedRMSNorm",
@@ -196,7 +196,7 @@ def _timm_norms() -> nn.Module:
 def test_timm_norms_over_the_last_dim_and_over_channels():
     model = _timm_norms()
     x = torch.randn(2, 24, 5, 7) * 3 + 1
-    converted, report = fuse_norm(model, (x,))
+    converted, report = FuseNorm()(model, (x,))
     described = {c.site: c.description.split(";")[0] for c in report.changes}
     assert described == {
         "ln2d": "LayerNorm2d -> FusedChannelLayerNorm",
@@ -218,7 +218,7 @@ def test_timm_norms_over_the_last_dim_and_over_channels():
 
 def test_channel_norm_gradients_match_timm():
     model = _timm_norms().train()
-    converted, _ = fuse_norm(model, (torch.randn(2, 24, 5, 7),))
+    converted, _ = FuseNorm()(model, (torch.randn(2, 24, 5, 7),))
     x = torch.randn(2, 24, 5, 7, requires_grad=True)
     grads = []
     for m in (model, converted):
@@ -235,7 +235,7 @@ def test_channel_norm_gradients_match_timm():
 def test_channel_norms_through_the_triton_kernels():
     model = _timm_norms().to(torch.bfloat16)
     x = torch.randn(2, 24, 5, 7, dtype=torch.bfloat16)
-    converted, report = fuse_norm(model, (x,))
+    converted, report = FuseNorm()(model, (x,))
     assert len(report.changes) == 4
     with triton_on_cpu(), torch.no_grad():
         got, want = converted(x), model(x)
@@ -245,7 +245,7 @@ def test_channel_norms_through_the_triton_kernels():
 
 def test_timm_convnext_fuses_every_norm():
     model, args, kwargs = model_zoo.convnext_tiny()
-    converted, report = fuse_norm(model, args, kwargs)
+    converted, report = FuseNorm()(model, args, kwargs)
     assert report.skips == []
     classes = [type(converted.get_submodule(c.details["module"])).__name__ for c in report.changes]
     # the stem's, 3 downsamples' and the head's are LayerNorm2d over NCHW channels; the blocks' run on NHWC
@@ -258,7 +258,7 @@ def test_timm_convnext_fuses_every_norm():
 def test_norm_over_several_trailing_dims_is_fused():
     model = model_zoo.randomize_norms(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm((4, 8), eps=1e-3)))
     x = torch.randn(3, 4, 8)
-    converted, report = fuse_norm(model, (x,))
+    converted, report = FuseNorm()(model, (x,))
     assert isinstance(converted[1], FusedLayerNorm) and converted[1].normalized_shape == (4, 8)
     assert report.changes[0].details["max_abs_diff"] < 1e-5
     torch.testing.assert_close(converted(x), model(x))
@@ -270,7 +270,7 @@ def test_refusals_carry_their_reason():
         nn.BatchNorm2d(4),
         nn.GroupNorm(2, 4),
     ).eval()
-    _, report = fuse_norm(model, (torch.randn(1, 3, 5, 5),))
+    _, report = FuseNorm()(model, (torch.randn(1, 3, 5, 5),))
     assert report.changes == []
     assert {s.site: s.reason for s in report.skips} == {
         "1": "batch norm: the fused kernels normalize features, not over positions",
@@ -285,7 +285,7 @@ class _NormWithExtraState(model_zoo.HandRMSNorm):
 
 
 def test_module_with_state_beyond_the_norm_is_refused():
-    _, report = fuse_norm(nn.Sequential(_NormWithExtraState(8)), (torch.randn(2, 8),))
+    _, report = FuseNorm()(nn.Sequential(_NormWithExtraState(8)), (torch.randn(2, 8),))
     assert report.skips[0].reason == (
         "holds state its norm does not use (calls): the fused module would drop it"
     )
@@ -326,14 +326,14 @@ def test_check_refuses_what_it_cannot_reproduce(overrides, reason):
 
 def test_without_inputs_the_site_is_measured_on_a_random_input():
     model = model_zoo.randomize_norms(nn.Sequential(nn.LayerNorm(16)))
-    _, report = fuse_norm(model)
+    _, report = FuseNorm()(model)
     assert report.changes[0].details["measured_on"] == "a random input"
 
 
 def test_a_converted_model_is_left_alone():
     model, args, kwargs = model_zoo.gpt2(layers=1)
-    converted, _ = fuse_norm(model, args, kwargs)
-    _, again = fuse_norm(converted, args, kwargs)
+    converted, _ = FuseNorm()(model, args, kwargs)
+    _, again = FuseNorm()(converted, args, kwargs)
     assert again.changes == [] and {s.reason for s in again.skips} == {"already a fused module"}
 
 
@@ -358,7 +358,7 @@ class _ToChannelsLastNorm(nn.LayerNorm):
 def test_channel_norms_the_fused_module_cannot_reproduce_are_refused():
     x = torch.randn(2, 3, 5, 6)
     model = nn.Sequential(nn.Conv2d(3, 8, 1), _ShapedChannelRMS(), _ToChannelsLastNorm(8)).eval()
-    _, report = fuse_norm(model, (x,))
+    _, report = FuseNorm()(model, (x,))
     assert report.changes == []
     assert {s.site: s.reason for s in report.skips} == {
         "1": "normalizes dim -3 with affine tensors of shape (1, 8, 1, 1): the fused channel norm keeps them "
@@ -376,7 +376,7 @@ def test_fused_channel_norms_are_found_over_their_channel_dim():
 
     model = nn.Sequential(nn.Conv2d(3, 8, 1), timm.layers.LayerNorm2d(8)).eval()
     x = torch.randn(2, 3, 5, 8)  # W == C: a swap over the wrong dim would run, and be wrong
-    fused, _ = fuse_norm(model, (x,))
+    fused, _ = FuseNorm()(model, (x,))
     assert find_norms(fused, (x,)).by_path("1").normalized_dims == (-3,)
     want = swap_norm(model, "rmsnorm", (x,))[0]
     got = swap_norm(fused, "rmsnorm", (x,))[0]
@@ -394,7 +394,7 @@ def test_an_affine_reshaped_above_the_inputs_rank_is_not_the_norms():
 
     model = nn.Sequential(nn.Identity(), UnbatchedChannelRMS()).eval()
     x = torch.randn(8, 5, 6)
-    converted, report = fuse_norm(model, (x,))
+    converted, report = FuseNorm()(model, (x,))
     assert report.changes == []
     # discovery left the multiply outside the norm, so the module is more than the norm
     assert report.skips[0].reason.startswith(

@@ -132,3 +132,38 @@ def test_a_weight_norm_the_lift_leaves_as_ops_is_skipped_with_its_reason(tmp_pat
               "(a ConvTranspose, a layer called twice, a decomposed program)")
     ]  # fmt: skip
     torch.testing.assert_close(removed(x), model(x), rtol=0, atol=1e-6 * model(x).abs().max().item())
+
+
+@pytest.mark.parametrize("width", [8, 16])  # 16: as wide as the 16 channels, where no shape error warns
+def test_a_channels_first_layernorm_pt2_swaps_as_its_module_does(tmp_path, width):
+    """timm's LayerNorm2d exports as permute -> layer_norm -> permute: the three lift into one channel
+    LayerNorm, bit for bit, and each swap of the .pt2 computes what the same swap of the module computes
+    (the layer_norm alone was lifted: swaps crashed, or at width == channels normalized the wrong dim)."""
+    from timm.layers import LayerNorm2d
+
+    from normswap.modules.norms import ChannelLayerNorm
+    from normswap.passes import FuseNorm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), LayerNorm2d(16), nn.Conv2d(16, 4, 1)).eval()
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.normal_(0, 0.1)
+    args = (torch.randn(2, 3, width, width),)
+    program = _exported_module(model, args, {}, tmp_path)
+    with torch.no_grad():
+        expected = program(*args)
+    lifted = lift_exported_module(program)
+    assert (
+        isinstance(lifted.get_submodule("1"), ChannelLayerNorm)
+        and lifted.get_submodule("1").channel_dim == -3
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(lifted(*args), expected, rtol=0, atol=0)
+    for rewrite in (SwapNorm("rmsnorm"), SwapNorm("batchnorm"), SwapNorm("groupnorm", groups=4), FuseNorm()):
+        from_module, module_report = rewrite(model, args)
+        from_pt2, pt2_report = rewrite(lifted, args)
+        assert len(module_report.changes) == len(pt2_report.changes) == 1, (rewrite, pt2_report.skips)
+        with torch.no_grad():
+            expected = from_module(*args)
+            torch.testing.assert_close(from_pt2(*args), expected, rtol=0, atol=1e-5 * expected.abs().max())

@@ -256,10 +256,10 @@ def _fused_norm(gm: fx.GraphModule, n: fx.Node, holder: nn.Module) -> nn.Module 
 
 
 def _channel_wrap(node: fx.Node, output: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
-    """(input, back-permute, channel dim) when a fused norm op normalizes ``x.movedim(d, -1)`` and its
-    only reader moves the dim back: the layout :class:`normswap.modules.fused.FusedChannelLayerNorm`
-    and ``FusedChannelRMSNorm`` export to."""
-    if op_name(node) not in _TUPLE_OPS:
+    """(input, back-permute, channel dim) when a norm op normalizes ``x.movedim(d, -1)`` and its only
+    reader moves the dim back: the layout that timm's and torchvision's LayerNorm2d, and normswap's
+    channel norms (fused or not), export to."""
+    if op_name(node) not in _TUPLE_OPS | {"layer_norm", "rms_norm"}:
         return None
     moved, readers = node.args[0], list(output.users)
     if not isinstance(moved, fx.Node) or len(moved.users) != 1 or len(readers) != 1:
@@ -294,11 +294,29 @@ def _as_permutation(node: fx.Node) -> list[int] | None:
 
 
 def _channel_module(module: nn.Module, channel_dim: int) -> nn.Module:
-    from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm
-    from normswap.modules.norms import RMSNorm
+    """``module`` (lifted from the op) over dim ``channel_dim``: a fused op's fused channel norm, torch's
+    LayerNorm or RMSNorm as normswap's plain channel norm over the same Parameters."""
+    from normswap.modules.fused import FusedChannelLayerNorm, FusedChannelRMSNorm, FusedNorm
+    from normswap.modules.norms import ChannelLayerNorm, ChannelRMSNorm, RMSNorm
 
-    cls = FusedChannelRMSNorm if isinstance(module, RMSNorm) else FusedChannelLayerNorm
-    return cls.from_channel_norm(module, None, channel_dim)
+    if isinstance(module, FusedNorm):
+        cls = FusedChannelRMSNorm if isinstance(module, RMSNorm) else FusedChannelLayerNorm
+        return cls.from_channel_norm(module, None, channel_dim)
+    plain: nn.Module
+    if isinstance(module, nn.LayerNorm):
+        plain = ChannelLayerNorm(
+            module.normalized_shape,
+            module.eps,
+            module.elementwise_affine,
+            module.bias is not None,
+            device="meta",
+        )
+        plain.bias = module.bias
+    else:
+        assert isinstance(module, nn.RMSNorm)
+        plain = ChannelRMSNorm(module.normalized_shape, module.eps, module.elementwise_affine, device="meta")
+    plain.weight, plain.channel_dim = module.weight, channel_dim
+    return plain
 
 
 def _normalized_output(node: fx.Node) -> fx.Node | None:

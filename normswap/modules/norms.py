@@ -118,6 +118,32 @@ class LayerNorm(_AffineNorm):
         )
 
 
+class ChannelLayerNorm(nn.LayerNorm):
+    """torch's LayerNorm over the one dim ``channel_dim`` (-3: the C of NCHW), computed as timm's and
+    torchvision's LayerNorm2d compute it: moved to last, normalized, moved back. What such a norm in a
+    ``.pt2`` lifts to (:mod:`normswap.graph.lift`), so the program's norm is read as the module's was."""
+
+    channel_dim: int = -3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.movedim(self.channel_dim, -1)).movedim(-1, self.channel_dim)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, channel_dim={self.channel_dim}"
+
+
+class ChannelRMSNorm(nn.RMSNorm):
+    """torch's RMSNorm over the one dim ``channel_dim``, as :class:`ChannelLayerNorm` (timm's RmsNorm2d)."""
+
+    channel_dim: int = -3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.movedim(self.channel_dim, -1)).movedim(-1, self.channel_dim)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, channel_dim={self.channel_dim}"
+
+
 # A norm whose affine was folded into its readers is weightless in memory; a model directory keeps the
 # stock class (what the config builds), with the stored values under which it computes the same: weight 1
 # (0 for a (1 + w) norm), bias 0. The fold's one edit computes them (passes/affine/arithmetic.fold_edit);

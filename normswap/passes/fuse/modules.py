@@ -184,7 +184,7 @@ def _site_difference(
         ref = original(x)
         try:
             out = fused(x)
-        except RuntimeError:  # the semantics read off the module do not even fit its input
+        except (RuntimeError, ValueError):  # the semantics read off the module do not fit its input
             out = None
     return measure(ref, out, "module", where)
 

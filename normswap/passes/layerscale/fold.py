@@ -195,8 +195,13 @@ class FoldLayerScale(Pass[ScaleSite, LayerScalePlan, None]):
             )
         owner, _, attr = site.path.rpartition(".")
         # a Hugging Face model keeps its modules (its directory then loads with stock from_pretrained, whose
-        # key conversions expect every module of the architecture): its scale becomes ones
-        replace = _only_the_scale(ctx, owner, attr) and not _transformers_model(ctx.model)
+        # key conversions expect every module of the architecture): its scale becomes ones. So does a bare
+        # holder of a loaded program (.pt2), which has no forward to drop: the program reads the scale.
+        replace = (
+            _only_the_scale(ctx, owner, attr)
+            and type(ctx.modules[owner]) is not nn.Module
+            and not _transformers_model(ctx.model)
+        )
         return LayerScalePlan(site, path, owner, replace)
 
     def apply(self, plan: LayerScalePlan, ctx: PassContext, state: None) -> Change:

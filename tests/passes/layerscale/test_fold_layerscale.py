@@ -106,6 +106,29 @@ def test_every_layerscale_is_folded_exactly(name):
     assert ((before - after).abs().max() / before.abs().max()).item() < 1e-5
 
 
+@pytest.mark.parametrize("name", ["timm_vit", "timm_convnext"])
+def test_a_pt2_folds_each_scale_as_its_module_does(name, tmp_path: Path):
+    """The same models as .pt2 programs: the scales sit on bare holders that the program reads, so each
+    is folded and left as ones (dropping its holder crashed the run), exact on new values."""
+    build, example, _, scales, _ = MODELS[name]
+    model = _random_scales(build())
+    x = torch.randn(example, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(model, (x,)), path)
+    result = normswap.convert(
+        normswap.load_model(str(path)).model, normswap.ConvertConfig(fold_layerscale=True), (x,)
+    )
+    assert result.ok, result.refusal
+    report = result.pass_report("fold_layerscale")
+    assert len(report.changes) == scales and report.skips == []
+    for change in report.changes:
+        assert torch.equal(
+            result.model.get_parameter(change.site), torch.ones_like(model.get_parameter(change.site))
+        )
+    before, after = _run(model, example), _run(result.model, example)
+    assert ((before - after).abs().max() / before.abs().max()).item() < 1e-5
+
+
 def test_the_fold_is_the_scaled_layer_in_float64():
     weight, bias, scale = torch.randn(5, 3), torch.randn(5), torch.randn(5)
     new_weight, new_bias = fold_scale_into_writer(weight, bias, scale)

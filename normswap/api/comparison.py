@@ -120,8 +120,13 @@ def validate(
     if data is not None:
         resolved = example_inputs(reference, inputs, input_shapes)
         args, kwargs = resolved if resolved is not None else (None, None)
+        from normswap.calibrate.feeding import fed
+
         source, _ = read_data(data, None, args, kwargs, batch_size, None, model=reference.model)
-        pairs = [(b.args, b.kwargs) for b in itertools.islice(source, batches)]
+        # fed as every command feeds data: on ORIGINAL's device, in its floating dtype
+        pairs = [
+            (b.args, b.kwargs) for b in (fed(reference.model, b) for b in itertools.islice(source, batches))
+        ]
         if not pairs:
             raise BadInputError(f"--data {data} yields no batch")
     else:

@@ -221,6 +221,13 @@ def convert_model(
     # conversion is about inference (BatchNorm on its running statistics); the caller's flags come back
     with modes_restored(model, inference=True):
         check_inputs_fit(model, args, kwargs)
+        batches = None
+        if config.calibration_data is not None:  # before the work: data that cannot be fed is refused now
+            from normswap.calibrate.feeding import check_batch_fits
+
+            batches = calibration_batches(config, model, args, kwargs)
+            if batches:
+                check_batch_fits(model, batches[0], "calibration batch 0")
         # Captured once, before the work: it tells whether the output format can be written at all (a
         # .pt2 or .onnx is an export), and the first pass analyzes this same graph.
         say("capturing a graph of the model")
@@ -258,8 +265,8 @@ def convert_model(
             _record_consent(result)
         for done in report.passes:  # a graph rewrite's export fixed at the example: said, never silent
             result.notes += [f"{done.pass_name}: {reason}" for reason in done.graph_fallbacks]
-        if config.calibration_data is not None and lossy is None:
-            result.calibration = _calibrate(model, result, say)
+        if batches is not None and lossy is None:
+            result.calibration = _calibrate(model, result, batches, say)
     judge(result, lossy)
     return result
 
@@ -378,14 +385,15 @@ def calibration_batches(config: ConvertConfig, model: nn.Module, args: tuple, kw
     return list(itertools.islice(data, config.calibration_batches))
 
 
-def _calibrate(original: nn.Module, result: ConversionResult, say: Callable[[str], None]) -> Calibration:
-    """Fit the swapped norms to the original's outputs on the calibration data."""
+def _calibrate(
+    original: nn.Module, result: ConversionResult, batches: list[Any], say: Callable[[str], None]
+) -> Calibration:
+    """Fit the swapped norms to the original's outputs on the calibration ``batches``."""
     from normswap.calibrate.affine_fit import calibrate_swapped_norms
     from normswap.verify.compare import compare_models
 
     assert result.model is not None  # calibration runs in memory
     sites = [c.site for p in result.report.passes if p.pass_name == "swap_norm" for c in p.changes]
-    batches = calibration_batches(result.config, original, result.example_args, result.example_kwargs)
     fit_sites = calibrate_swapped_norms
     cosine = result.pass_report("cosine_layers")
     if cosine is not None:  # --to cosine: the layers' scales, refitted on the data the same way

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.calibrate.data import ModelInputs, as_model_inputs
+from normswap.calibrate.feeding import fed, run_batch
 from normswap.errors import CheckFailedError
 from normswap.util.finite import first_nonfinite
 from normswap.util.modes import modes_restored
@@ -304,12 +305,14 @@ def fit_sites_in_order(
     """The layer-by-layer calibration both affine norms and cosine layers use: the original's outputs at
     ``sites`` recorded once, then each site, in execution order, fitted by ``fit`` on its inputs in the
     converted model as calibrated so far; the whole model's SQNR before and after."""
-    data = [as_model_inputs(b) for b in batches]
+    data = [fed(original, as_model_inputs(b)) for b in batches]
     report = AffineCalibrationReport(batches=len(data))
     if not data or not sites:
         return report
-    with modes_restored(original, converted, inference=True):
-        reference = [copy.deepcopy(_run(original, b)) for b in data]
+    with modes_restored(original, converted, inference=True), torch.no_grad():
+        reference = [
+            copy.deepcopy(run_batch(original, b, f"calibration batch {i}")) for i, b in enumerate(data)
+        ]
         report.model_sqnr_before_db = _model_sqnr(reference, converted, data)
         with recording(original, sites, "output") as outputs:
             for batch in data:

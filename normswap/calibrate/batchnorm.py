@@ -47,8 +47,8 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.calibrate.data import ModelInputs, as_model_inputs
+from normswap.calibrate.feeding import device_and_dtype, run_batch, to_model
 from normswap.errors import BadInputError
-from normswap.errors import describe as _describe
 from normswap.passes.core.base import RewriteKind, Skip
 from normswap.util.finite import first_nonfinite, holds
 from normswap.verify import ModelComparison, compare_outputs
@@ -232,39 +232,6 @@ class ModelModes:
     def restore(self) -> None:
         for module, flag in self._flags:
             module.training = flag
-
-
-def device_and_dtype(model: nn.Module) -> tuple[torch.device | None, torch.dtype | None]:
-    tensors = list(model.parameters()) + list(model.buffers())
-    device = tensors[0].device if tensors else None
-    float_dtypes = {t.dtype for t in tensors if t.is_floating_point()}
-    return device, (float_dtypes.pop() if len(float_dtypes) == 1 else None)
-
-
-def to_model(inputs: ModelInputs, device: torch.device | None, dtype: torch.dtype | None) -> ModelInputs:
-    def move(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        if dtype is not None and value.is_floating_point() and value.dtype != dtype:
-            value = value.to(dtype)
-        return value.to(device) if device is not None else value
-
-    return ModelInputs(tuple(move(a) for a in inputs.args), {k: move(v) for k, v in inputs.kwargs.items()})
-
-
-def run_batch(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
-    try:
-        return model(*inputs.args, **inputs.kwargs)
-    except Exception as exc:
-        hint = ""
-        if isinstance(model, fx.GraphModule) and "Guard failed" in str(exc):
-            hint = (
-                "; a .pt2 model takes only the input shapes it was exported for: give batches of that "
-                "shape (e.g. with --batch-size) or the model's factory"
-            )
-        raise BadInputError(
-            f"{what} ({inputs.describe()}) does not fit the model: {_describe(exc)}{hint}"
-        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normswap.calibrate.batchnorm import ModelModes, device_and_dtype, run_batch, to_model
+from normswap.calibrate.batchnorm import ModelModes
 from normswap.calibrate.data import ModelInputs, as_model_inputs
 from normswap.calibrate.distill_checkpoint import (
     CheckpointPlan,
@@ -69,6 +69,7 @@ from normswap.calibrate.distill_loss import (
     loss_targets,
 )
 from normswap.calibrate.distill_report import DistillReport
+from normswap.calibrate.feeding import device_and_dtype, run_batch, to_model
 from normswap.calibrate.parallel import TEACHER_SHARD_BYTES, DataParallel, parameter_bytes
 from normswap.calibrate.recompute import recomputed_blocks
 from normswap.errors import BadInputError

@@ -49,7 +49,6 @@ class LayerDivergence:
     max_rel: float
     cosine: float
     note: str = ""  # why the layer could not be compared (it then counts as divergent)
-    layout_note: str = ""  # how it was compared, when not as is
 
 
 @dataclass
@@ -272,13 +271,6 @@ def _compare_layer(
         is_norm=is_norm,
         calls=len(refs),
     )
-    note = ""
-    if len(refs) == len(news) and any(r.shape != n.shape for r, n in zip(refs, news, strict=True)):
-        aligned = [_to_layout(r, n.shape) for r, n in zip(refs, news, strict=True)]
-        if all(a is not None for a in aligned):
-            # a .pt2 lifts a channel norm's op alone, without the permutes around it (timm LayerNorm2d)
-            refs = aligned  # type: ignore[assignment]
-            note = "compared in the converted module's layout (its output is a permutation of the original's)"
     if len(refs) != len(news):
         return f"called {len(refs)} times in the original, {len(news)} in the converted model"
     bad = next(((r, n) for r, n in zip(refs, news, strict=True) if r.shape != n.shape), None)
@@ -297,38 +289,14 @@ def _compare_layer(
             w for r, n in zip(refs, news, strict=True) if (w := compare_tensors(path, r, n).nonfinite)
         )
         nan = math.nan
-        return LayerDivergence(**common, sqnr_db=nan, max_abs=nan, max_rel=nan, cosine=nan, note=where,
-                               layout_note=note)  # fmt: skip
+        return LayerDivergence(**common, sqnr_db=nan, max_abs=nan, max_rel=nan, cosine=nan, note=where)
     if c is None:
-        return LayerDivergence(
-            **common, sqnr_db=math.inf, max_abs=0.0, max_rel=0.0, cosine=1.0, layout_note=note
-        )
-    return LayerDivergence(
-        **common,
-        sqnr_db=c.sqnr_db,
-        max_abs=c.max_abs,
-        max_rel=c.max_rel,
-        cosine=c.cosine,
-        layout_note=note,
-    )
+        return LayerDivergence(**common, sqnr_db=math.inf, max_abs=0.0, max_rel=0.0, cosine=1.0)
+    return LayerDivergence(**common, sqnr_db=c.sqnr_db, max_abs=c.max_abs, max_rel=c.max_rel, cosine=c.cosine)
 
 
 def _shape(t: torch.Tensor) -> str:
     return "x".join(str(d) for d in t.shape) or "scalar"
-
-
-def _to_layout(tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
-    """``tensor`` with its dims permuted to ``shape``: dims of equal size keep their order (NCHW with
-    H == W goes to NHWC, not NWHC); None when no permutation gives the shape."""
-    if tensor.ndim != len(shape) or sorted(tensor.shape) != sorted(shape):
-        return None
-    unused = list(range(tensor.ndim))
-    order = []
-    for size in shape:
-        source = next(i for i in unused if tensor.shape[i] == size)
-        unused.remove(source)
-        order.append(source)
-    return tensor.permute(order)
 
 
 def _diverges(layer: LayerDivergence, exact: bool, min_sqnr_db: float, refs: list[torch.Tensor]) -> bool:

@@ -1,0 +1,70 @@
+"""How every command feeds a batch to a model: the one rule.
+
+A batch is moved to the model's device and cast to its floating dtype (data saved as float64 feeds a
+float32 model; token ids stay integers), and a batch the model cannot run on is the data's fault, said in
+one sentence (:class:`~normswap.errors.BadInputError`, exit 2) before any work: ``recalibrate``,
+``distill`` and ``convert --calibrate`` alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from normswap.calibrate.data import ModelInputs
+from normswap.errors import BadInputError
+from normswap.errors import describe as _describe
+
+
+def device_and_dtype(model: nn.Module) -> tuple[torch.device | None, torch.dtype | None]:
+    """The device of ``model``'s first tensor, and its one floating dtype (None when it has several)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    device = tensors[0].device if tensors else None
+    float_dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    return device, (float_dtypes.pop() if len(float_dtypes) == 1 else None)
+
+
+def to_model(inputs: ModelInputs, device: torch.device | None, dtype: torch.dtype | None) -> ModelInputs:
+    """``inputs`` on ``device``, their floating tensors cast to ``dtype`` (None: left as they are)."""
+
+    def move(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if dtype is not None and value.is_floating_point() and value.dtype != dtype:
+            value = value.to(dtype)
+        return value.to(device) if device is not None else value
+
+    return ModelInputs(tuple(move(a) for a in inputs.args), {k: move(v) for k, v in inputs.kwargs.items()})
+
+
+def run_batch(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
+    """``model`` on ``inputs``; a failure is the data's: "``what`` (shapes) does not fit the model"."""
+    try:
+        return model(*inputs.args, **inputs.kwargs)
+    except Exception as exc:
+        hint = ""
+        if isinstance(model, fx.GraphModule) and "Guard failed" in str(exc):
+            hint = (
+                "; a .pt2 model takes only the input shapes it was exported for: give batches of that "
+                "shape (e.g. with --batch-size) or the model's factory"
+            )
+        raise BadInputError(
+            f"{what} ({inputs.describe()}) does not fit the model: {_describe(exc)}{hint}"
+        ) from None
+
+
+def fed(model: nn.Module, inputs: ModelInputs) -> ModelInputs:
+    """``inputs`` as ``model`` takes them: on its device, in its floating dtype."""
+    return to_model(inputs, *device_and_dtype(model))
+
+
+def check_batch_fits(model: nn.Module, inputs: ModelInputs, what: str) -> None:
+    """Refuse data ``model`` cannot be fed, before any work: one run of ``inputs`` as :func:`fed` makes
+    them (``model`` is left in whatever mode it is in; nothing is recorded)."""
+    with torch.no_grad():
+        run_batch(model, fed(model, inputs), what)
+
+
+__all__ = ["check_batch_fits", "device_and_dtype", "fed", "run_batch", "to_model"]

@@ -1,0 +1,98 @@
+"""The one rule of feeding data to a model (normswap.calibrate.feeding), on every command that takes data:
+batches go in the model's floating dtype, and data the model cannot take is refused in one sentence
+(exit 2) before any work: convert --calibrate once crashed (exit 3) after converting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import model_zoo
+import torch
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+runner = CliRunner()
+ZOO = str(Path(model_zoo.__file__))
+RESNET = f"{ZOO}:resnet18_factory"  # torchvision's, 3 channels, float32
+
+
+def _images(tmp_path: Path, name: str, channels: int, dtype: torch.dtype) -> str:
+    path = tmp_path / name
+    torch.save(torch.randn(8, channels, 32, 32, generator=torch.Generator().manual_seed(0)).to(dtype), path)
+    return str(path)
+
+
+def test_data_a_model_cannot_take_is_refused_before_the_work_on_every_command(tmp_path):
+    one_channel = _images(tmp_path, "gray.pt", 1, torch.float32)
+    out = tmp_path / "out.pt2"
+    common = ["--batch-size", "4"]
+    convert = runner.invoke(
+        app,
+        [
+            "convert",
+            RESNET,
+            "--to",
+            "groupnorm",
+            "--groups",
+            "1",
+            "--calibrate",
+            one_channel,
+            *common,
+            "-o",
+            str(out),
+        ],
+    )
+    recalibrate = runner.invoke(app, ["recalibrate", RESNET, "--data", one_channel, *common, "-o", str(out)])
+    reason = "calibration batch 0 (args[0] (4, 1, 32, 32)) does not fit the model: RuntimeError"
+    for result in (convert, recalibrate):
+        assert result.exit_code == 2, result.output
+        assert reason in " ".join(result.output.split())
+    assert "swap_norm" not in convert.output  # refused before any pass ran
+    validate = runner.invoke(app, ["validate", RESNET, RESNET, "--data", one_channel, *common])
+    assert validate.exit_code == 2 and "the original model fails on these inputs" in validate.output
+    assert not out.exists()
+
+    # token ids past GPT-2's 64 positions: the same sentence, not an internal error
+    tokens = tmp_path / "long.pt"
+    torch.save(torch.randint(0, 128, (8, 200), generator=torch.Generator().manual_seed(0)), tokens)
+    gpt2 = runner.invoke(
+        app,
+        [
+            "convert",
+            f"{ZOO}:gpt2_factory",
+            "--to",
+            "dyt",
+            "--calibrate",
+            str(tokens),
+            *common,
+            "-o",
+            str(out),
+        ],
+    )
+    assert gpt2.exit_code == 2, gpt2.output
+    assert "calibration batch 0 (args[0] (4, 200)) does not fit the model: IndexError" in " ".join(
+        gpt2.output.split()
+    )
+    assert not out.exists()
+
+
+def test_float64_data_feeds_a_float32_model_on_every_command(tmp_path):
+    doubles = _images(tmp_path, "doubles.pt", 3, torch.float64)
+    common = ["--batch-size", "4"]
+    report = tmp_path / "convert.json"
+    convert = runner.invoke(
+        app,
+        ["convert", RESNET, "--to", "groupnorm", "--groups", "1", "--calibrate", doubles, *common,
+         "-o", str(tmp_path / "c.pt2"), "--report", str(report)],
+    )  # fmt: skip
+    assert convert.exit_code == 0, convert.output
+    calibration = json.loads(report.read_text())["calibration"]
+    assert calibration["batches"] == 2  # the 8 float64 images, fed as float32, calibrated the swap
+    assert calibration["model_sqnr_after_db"] > calibration["model_sqnr_before_db"] + 20
+    recalibrate = runner.invoke(
+        app, ["recalibrate", RESNET, "--data", doubles, *common, "-o", str(tmp_path / "r.pt2")]
+    )
+    assert recalibrate.exit_code == 0, recalibrate.output
+    validate = runner.invoke(app, ["validate", RESNET, RESNET, "--data", doubles, *common])
+    assert validate.exit_code == 0 and "PASS" in validate.output, validate.output

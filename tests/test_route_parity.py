@@ -262,3 +262,47 @@ def test_a_model_the_meta_capture_cannot_judge_converts_in_memory(dirs, tmp_path
     assert code == 0 and report["route"] == "in memory"
     assert any("cannot be captured on the meta device" in n for n in report["notes"]), report["notes"]
     assert sum(len(p["changes"]) for p in report["passes"]) == 2
+
+
+@pytest.mark.parametrize(("name", "options", "pass_name"), [("gpt2", ["--to", "crmsnorm"], "compress_stream"),
+                                                            ("llama", ["--defer-rms"], "defer_rms")])  # fmt: skip
+def test_a_graph_rewrite_of_the_model_in_memory_rewrites_what_its_directory_does(
+    dirs, tmp_path, name, options, pass_name
+):
+    """The same HF model (use_cache on, as built) from its directory and unpickled: the written program
+    returns no cache either way, so the graph rewrite is exported without it on both routes and changes
+    the same norms (in memory it skipped every one: "torch.export failed: DynamicCache"). Without an
+    output, the rewritten model replaces the user's and must keep the cache: skipped, saying how."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs[name]).eval()
+    model.config.use_cache = True  # as a model built the usual way has it
+    pickled, ids = tmp_path / "model.pt", tmp_path / "ids.pt"
+    torch.save(model, pickled)
+    torch.save({"input_ids": torch.randint(0, 100, (1, 16), generator=torch.Generator().manual_seed(0))}, ids)
+    runs = {}
+    for route, source in (
+        ("directory", [str(dirs[name])]),
+        ("memory", [str(pickled), "--trust-pickle", "--inputs", str(ids)]),
+    ):
+        report = tmp_path / f"{route}.json"
+        result = runner.invoke(
+            app, ["convert", *source, *options, "-o", str(tmp_path / f"{route}.pt2"), "--report", str(report)]
+        )
+        assert result.exit_code == 0, result.output
+        runs[route] = json.loads(report.read_text())
+    passes = {route: next(p for p in run["passes"] if p["pass_name"] == pass_name) for route, run in runs.items()}
+    changed = {route: [c["site"] for c in p["changes"]] for route, p in passes.items()}
+    assert changed["memory"] == changed["directory"] and len(changed["memory"]) >= 4
+    assert [s["reason"] for s in passes["memory"]["skips"]] == [
+        s["reason"] for s in passes["directory"]["skips"]
+    ]
+    assert (
+        "the example inputs run with use_cache=False: the written program returns no cache"
+        in runs["memory"]["notes"]
+    )
+
+    import normswap
+
+    config = normswap.ConvertConfig(**({"to": "crmsnorm"} if name == "gpt2" else {"defer_rms": True}))
+    kept = normswap.convert(model, config, (), {"input_ids": torch.load(ids)["input_ids"]})
+    report = kept.pass_report(pass_name)
+    assert report.changes == [] and "give use_cache=False in the example inputs" in report.skips[0].reason

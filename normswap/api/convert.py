@@ -25,6 +25,7 @@ from torch import nn
 
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError
+from normswap.passes.core.base import Needs
 from normswap.passes.core.pipeline import Pipeline, PipelineReport
 from normswap.verify.operators import OperatorCost, operator_cost
 from normswap.verify.size import ModelSize, model_size
@@ -218,6 +219,9 @@ def convert_model(
             "captured and every rewrite checked on them"
         )
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
+    notes: list[str] = []
+    if config.output_path is not None and any(p.needs is Needs.EXPORTED_GRAPH for p in passes):
+        kwargs, notes = _as_a_program_runs(model, args, kwargs)
     # conversion is about inference (BatchNorm on its running statistics); the caller's flags come back
     with modes_restored(model, inference=True):
         check_inputs_fit(model, args, kwargs)
@@ -248,6 +252,7 @@ def convert_model(
             model=converted,
             report=report,
             config=config,
+            notes=notes,
             graph_method=captured.method if captured.ok else None,
             graph_notes=list(captured.notes),
             example_args=args,
@@ -269,6 +274,28 @@ def convert_model(
             result.calibration = _calibrate(model, result, batches, say)
     judge(result, lossy)
     return result
+
+
+def _as_a_program_runs(
+    model: nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """A graph rewrite's result is written as a program, which runs without the settings torch.export
+    cannot carry (an HF model's ``use_cache``: no cache returned), so the rewrite is exported and checked
+    that way too, as a model directory's config-made inputs are; without an output the rewritten model
+    replaces the user's and must keep every output, so nothing is turned off (the pass says how)."""
+    import inspect
+
+    from normswap.graph.capture import capture_adjustments
+
+    try:
+        takes = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return kwargs, []
+    off = {name: value for _, name, value in capture_adjustments(model, args, kwargs) if name in takes}
+    if not off:
+        return kwargs, []
+    given = ", ".join(f"{name}={value}" for name, value in off.items())
+    return {**kwargs, **off}, [f"the example inputs run with {given}: the written program returns no cache"]
 
 
 def judge(result: ConversionResult, lossy: str | None = None) -> None:

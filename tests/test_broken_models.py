@@ -228,6 +228,21 @@ def test_block_by_block_refuses_it_too(tmp_path):
     _refused(result, out, "the model is broken: its model.layers.1.mlp.down_proj.weight holds Inf at [0, 3]")
 
 
+def test_validate_blockwise_names_which_directory_is_broken(tmp_path):
+    """validate reads two models: block by block too, the sentence says which one is broken."""
+    good = make_directory(tmp_path / "good", "llama")
+    broken = make_directory(tmp_path / "broken", "llama")
+    name = "model.layers.1.mlp.down_proj.weight"
+    for shard in broken.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if name in tensors:
+            tensors[name][0, 3] = math.nan
+            save_file(tensors, shard, metadata={"format": "pt"})
+    for role, pair in (("ORIGINAL", (broken, good)), ("CONVERTED", (good, broken))):
+        result = runner.invoke(app, ["validate", *map(str, pair), "--blockwise"])
+        _refused(result, sentence=f"{role} {broken} is broken: its {name} holds NaN at [0, 3]")
+
+
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e5m2, torch.complex64]
 )

@@ -249,7 +249,7 @@ def _blockwise(
             inputs,
             relate,
             on_block=say,
-            converted_is_input=True,
+            user_names=(f"ORIGINAL {original}", f"CONVERTED {converted}"),
         )
     failed = [r for r in results if not r.ok]
     return Validation(

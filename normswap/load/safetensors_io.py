@@ -152,19 +152,26 @@ def read_model_tensor(
 
 
 def fill_tensor(
-    path: str | Path, name: str, entry: TensorEntry, target: torch.Tensor, *, checked: bool = True
+    path: str | Path,
+    name: str,
+    entry: TensorEntry,
+    target: torch.Tensor,
+    *,
+    checked: bool | str | None = True,
 ) -> torch.Tensor:
     """Load one stored tensor into ``target`` (a model's parameter or buffer) and return it: read
     straight into its memory when its layout allows, else read and copied (cast) in; BadInputError for
     a shape that differs from the stored one, BrokenModelError for NaN/Inf (``checked``: a model the
-    user gave; a directory normswap wrote is judged by the comparison that reads it, not refused)."""
+    user gave, or what the refusal calls it; a directory normswap wrote is judged by the comparison that
+    reads it, not refused)."""
     if tuple(target.shape) != entry.shape:
         raise BadInputError(f"{path}: {name} has shape {list(entry.shape)}, the model {list(target.shape)}")
     with torch.no_grad():
         direct = target.is_contiguous() and target.dtype == DTYPES[entry.dtype]
         value = read_tensor(path, entry, out=target if direct else None)
         if checked:
-            refuse_nonfinite_tensor(name, value, buffer=not isinstance(target, torch.nn.Parameter))
+            model = checked if isinstance(checked, str) else "the model"
+            refuse_nonfinite_tensor(name, value, model, buffer=not isinstance(target, torch.nn.Parameter))
         return value if direct else target.copy_(value)
 
 

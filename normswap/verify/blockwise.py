@@ -19,9 +19,8 @@ for folds; centering over the hidden dim for a recentered residual stream):
 Every comparison is held to the exact tolerance of the dtype (:mod:`normswap.util.tolerance`); a NaN or
 Inf in the converted model's activation fails its stage and says where, one in the original's refuses
 the original as broken (:mod:`normswap.util.finite`). Blocks are the children of the model's largest
-list of same-class modules (``model.layers``, ``transformer.h``).
-A block runs in the shell's block 0: layers configured differently by index (alternating sliding
-windows) run as block 0 is configured, in both models alike.
+list of same-class modules (``model.layers``, ``transformer.h``). A block runs in the shell's block 0:
+layers configured by index (alternating sliding windows) run as block 0 is, in both models alike.
 """
 
 from __future__ import annotations
@@ -174,9 +173,11 @@ def blockwise_problem(model: nn.Module) -> str | None:
 
 class BlockShell:
     """One model directory's model with one block, whose block takes any block's weights; ``checked``:
-    held to the broken-model rule as it is read (a user's model; normswap's output: by the comparison)."""
+    what a refusal calls the model held to the broken-model rule as it is read (None: normswap's output)."""
 
-    def __init__(self, checkpoint: CheckpointDirectory, blocks: str, checked: bool = True) -> None:
+    def __init__(
+        self, checkpoint: CheckpointDirectory, blocks: str, checked: str | None = "the model"
+    ) -> None:
         self.checked = checked
         config = transformers_config(checkpoint)
         config = copy.deepcopy(config)
@@ -375,15 +376,14 @@ def verify_blockwise(
     relate: Relate = identity,
     on_block: Callable[[str], None] | None = None,
     changed: list[str] | None = None,
-    converted_is_input: bool = False,
+    user_names: tuple[str, str] | None = None,
 ) -> list[BlockwiseReport]:
     """Compare ``converted`` with ``original`` stage by stage on each of ``inputs`` (``(args, kwargs)``
-    pairs), one report per input (see the module doc). ``converted_is_input``: a directory the user
-    gave (``validate``), held to the broken-model rule as the original is; else normswap's own output,
-    whose NaN fails the comparison. ``changed``: the modules the rewrite changed; one
-    inside the last block whose change reaches past it (a post-LN model's last norm, its affine folded
-    into the head) moves that block's output by design, so a last block that changed and whose output
-    moved is checked through the head (its output fed to the converted head, logits against logits).
+    pairs), one report per input (see the module doc). ``user_names``: both are the user's (``validate``),
+    held to the broken-model rule under those names; else the converted is our output, whose NaN fails
+    the comparison. ``changed``: the modules the rewrite changed; one inside the last block whose change
+    reaches past it (a post-LN model's last norm folded into the head) moves that block's output by
+    design, so a changed last block is checked through the head (its output fed to the converted head).
 
     The original runs first, through all its blocks, keeping each block's input and output (activations
     are small beside weights); its shell is then dropped and the converted model runs block by block on
@@ -395,8 +395,8 @@ def verify_blockwise(
     if changed is None:  # a comparison of two directories (validate): the last block's stored tensors say
         changed = _changed_tensors(original, converted, last)
     return _compare(
-        lambda: BlockShell(original, blocks),
-        lambda: BlockShell(converted, blocks, checked=converted_is_input),
+        lambda: BlockShell(original, blocks, checked=user_names[0] if user_names else "the model"),
+        lambda: BlockShell(converted, blocks, checked=user_names[1] if user_names else None),
         count,
         inputs,
         relate,

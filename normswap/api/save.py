@@ -309,15 +309,16 @@ def _shape_messages(
 ) -> list[str]:
     """What the terminal and the report say of the shapes a written program takes, and why one is fixed:
     a fallback of normswap's says so (an export with free sizes that failed or ran past its budget);
-    without one, a size rejected while the batch and lengths are free is one torch.export fixed because
-    the model's code ties it to the example's (Swin pads to its window): an image size, or the length of
+    without one, a size rejected while the batch and lengths are free is one torch.export bounded or fixed
+    because the model's code ties it to the example's (Swin pads to its window; a ResNet's pooling bounds
+    it by the example's): an image size, or the length of
     a 3-d input (``variants``, the shapes checked, say which)."""
     messages = [f"{path}: {reason}" for reason in fallbacks]
     if shapes is not None:
         why = ""
         if shapes.rejected and not shapes.rejected_free and not fallbacks:
             fixed = _sizes_rejected(shapes, variants)
-            why = f" (torch.export fixed {fixed} where the model's code ties it to the example's)"
+            why = f" (torch.export bounded or fixed {fixed} where the model's code ties it to the example's)"
         messages.append(f"{path} {shapes.summary()}{why}")
     return messages
 

@@ -98,7 +98,7 @@ def test_every_exact_rewrite_is_written_in_every_format(tmp_path: Path, name, op
     for rejected in saved.shapes.rejected:
         assert " size " in rejected["label"] and "Guard failed" in rejected["error"], rejected
         assert any(
-            rejected["shapes"] in m and "fixed the image size where the model's code ties it" in m
+            rejected["shapes"] in m and "bounded or fixed the image size where the model's code ties it" in m
             for m in saved.messages
         )
     if "add_weight_norm" in options:  # torch cannot pickle a parametrized module: refused before the work

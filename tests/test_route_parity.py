@@ -289,7 +289,9 @@ def test_a_graph_rewrite_of_the_model_in_memory_rewrites_what_its_directory_does
         )
         assert result.exit_code == 0, result.output
         runs[route] = json.loads(report.read_text())
-    passes = {route: next(p for p in run["passes"] if p["pass_name"] == pass_name) for route, run in runs.items()}
+    passes = {
+        route: next(p for p in run["passes"] if p["pass_name"] == pass_name) for route, run in runs.items()
+    }
     changed = {route: [c["site"] for c in p["changes"]] for route, p in passes.items()}
     assert changed["memory"] == changed["directory"] and len(changed["memory"]) >= 4
     assert [s["reason"] for s in passes["memory"]["skips"]] == [

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         result["meta"]["rules_from"] = "tune_routes.py --from-json (monotone in the row length)"
         args.out.write_text(json.dumps(result, indent=1))
         if args.rules is not None:
-            write_rules(args.rules, result, args.out)
+            write_rules(args.rules, result)
         return 0
 
     import torch
@@ -249,14 +249,14 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.rules is not None:
-        write_rules(args.rules, result, args.out)
+        write_rules(args.rules, result)
     return 0
 
 
-def write_rules(path: Path, result: dict, timings: Path) -> None:
-    """The rules of ``result`` (with its meta, and where its timings are) as normswap loads them
+def write_rules(path: Path, result: dict) -> None:
+    """The rules of ``result`` (with its run's meta) as normswap loads them
     (``normswap.kernels._routes.load_rules``): one key per line, so a re-tune diffs by key."""
-    meta = {**result["meta"], "timings": str(timings)}
+    meta = result["meta"]
     lines = [
         f"  {json.dumps(key)}: {json.dumps([list(pair) for pair in rule])}"
         for key, rule in result["rules"].items()

@@ -157,6 +157,11 @@ def test_a_lossy_fallback_needs_consent():
         (ConvertConfig(to="nope"), "--to 'nope' is not a norm kind normswap can swap to"),
         (ConvertConfig(to="dyt", from_kinds=["conv"]), "--from 'conv': choose from batch, layer"),
         (ConvertConfig(fold_bn=True, calibration_data="x.pt"), "--calibrate fits swapped norms"),
+        # the fit reads modules that a graph rewrite has made one exported program by then
+        (
+            ConvertConfig(to="layernorm", defer_rms=True, calibration_data="x.pt"),
+            "--calibrate fits swapped norms as modules, and defer_rms makes the model an exported program",
+        ),
         (ConvertConfig(to="rmsnorm", exact=True, allow_lossy=True), "--allow-lossy and --exact contradict"),
         (ConvertConfig(fold_bn=True, output="m.bin"), "-o m.bin: unknown output format"),
         (ConvertConfig(to="fused", fuse_add=True, output="m"), "--fuse-add makes the model an exported"),

@@ -167,3 +167,34 @@ def test_a_channels_first_layernorm_pt2_swaps_as_its_module_does(tmp_path, width
         with torch.no_grad():
             expected = from_module(*args)
             torch.testing.assert_close(from_pt2(*args), expected, rtol=0, atol=1e-5 * expected.abs().max())
+
+
+class _MovedNorm(nn.Module):
+    """A norm moved to last and back, as research code writes it: over ``shape``, of dim ``dim``."""
+
+    def __init__(self, shape: tuple[int, ...], dim: int) -> None:
+        super().__init__()
+        self.norm, self.dim = nn.LayerNorm(shape), dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.movedim(self.dim, -1)).movedim(-1, self.dim)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "example"),
+    [((6, 8), 1, (2, 8, 5, 6)), ((4,), 2, (2, 5, 4, 3, 3))],  # over two dims; a 5-D tensor's dim 2
+    ids=["two-dims", "5d"],
+)
+def test_only_an_nchw_channel_norm_lifts_as_one(tmp_path, shape, dim, example):
+    """The swaps read a channel norm as NCHW's dim 1: any other moved norm stays torch's LayerNorm with
+    the moves around it in the program, and computes as before."""
+    from normswap.modules.norms import ChannelLayerNorm
+
+    model = nn.Sequential(_MovedNorm(shape, dim)).eval()
+    args = (torch.randn(example),)
+    program = _exported_module(model, args, {}, tmp_path)
+    lifted = lift_exported_module(program)
+    assert not any(isinstance(m, ChannelLayerNorm) for m in lifted.modules())
+    assert isinstance(lifted.get_submodule("0.norm"), nn.LayerNorm)
+    with torch.no_grad():
+        torch.testing.assert_close(lifted(*args), program(*args), rtol=0, atol=0)

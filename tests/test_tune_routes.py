@@ -65,5 +65,5 @@ def test_builtin_rules_are_the_committed_runs_rules(tmp_path):
     assert derived == dict(BUILTIN_RULES)
     assert load_rules(RESULTS) == dict(BUILTIN_RULES)
     written = tmp_path / "route_rules.json"
-    tuner.write_rules(written, result, Path("benchmarks/results/routes_h200.json"))
+    tuner.write_rules(written, result)
     assert written.read_text() == BUILTIN_RULES_FILE.read_text()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from normswap.errors import BadInputError, CheckFailedError
-from normswap.passes.core.base import Pass
+from normswap.passes.core.base import Needs, Pass
 from normswap.passes.core.pipeline import ExactOnlyError, Pipeline
 from normswap.rewrites import BY_FIELD, BY_OPTION, OPTIONS, REWRITES, TARGETS, graph_options
 
@@ -126,6 +126,14 @@ class ConvertConfig:
         has_swap = any(p.name in ("swap_norm", "cosine_layers") for p in passes)
         if self.calibration_data is not None and not has_swap:
             raise BadInputError("--calibrate fits swapped norms: give an architectural --to KIND")
+        graph = [p for p in passes if p.needs is Needs.EXPORTED_GRAPH]
+        if self.calibration_data is not None and graph:
+            # the calibration fits the swapped norms as modules, and a graph rewrite has made the model
+            # one exported program by then: on every route, refused before any work
+            raise BadInputError(
+                f"--calibrate fits swapped norms as modules, and {graph[0].name} makes the model an exported "
+                "program first: convert in two steps (the swap with --calibrate, then the graph rewrite)"
+            )
         if self.calibration_data is None:  # options of the calibration data, not of the conversion
             given = [
                 o

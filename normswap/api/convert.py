@@ -220,7 +220,7 @@ def convert_model(
         )
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
     notes: list[str] = []
-    if config.output_path is not None and any(p.needs is Needs.EXPORTED_GRAPH for p in passes):
+    if _written_as_a_program(config) and any(p.needs is Needs.EXPORTED_GRAPH for p in passes):
         kwargs, notes = _as_a_program_runs(model, args, kwargs)
     # conversion is about inference (BatchNorm on its running statistics); the caller's flags come back
     with modes_restored(model, inference=True):
@@ -276,13 +276,22 @@ def convert_model(
     return result
 
 
+def _written_as_a_program(config: ConvertConfig) -> bool:
+    """Whether the output is a .pt2 or .onnx: exported, so without the settings of capture_friendly (a
+    .pt holds the eager model when a graph rewrite changed nothing, and that one keeps its cache)."""
+    from normswap.load.save import SAVE_FORMATS
+
+    output = config.output_path
+    return output is not None and SAVE_FORMATS.get(output.suffix.lower()) in ("pt2", "onnx")
+
+
 def _as_a_program_runs(
     model: nn.Module, args: tuple, kwargs: dict[str, Any]
 ) -> tuple[dict[str, Any], list[str]]:
-    """A graph rewrite's result is written as a program, which runs without the settings torch.export
-    cannot carry (an HF model's ``use_cache``: no cache returned), so the rewrite is exported and checked
-    that way too, as a model directory's config-made inputs are; without an output the rewritten model
-    replaces the user's and must keep every output, so nothing is turned off (the pass says how)."""
+    """A .pt2 or .onnx runs without the settings torch.export cannot carry (an HF model's ``use_cache``: no
+    cache returned), so a graph rewrite written as one is exported and checked that way too, as a model
+    directory's config-made inputs are; otherwise (no output, a .pt) the rewritten model must keep every
+    output the model returns, so nothing is turned off (the pass says how)."""
     import inspect
 
     from normswap.graph.capture import capture_adjustments

@@ -16,6 +16,7 @@ from torch import fx, nn
 from normswap.calibrate.data import ModelInputs
 from normswap.errors import BadInputError
 from normswap.errors import describe as _describe
+from normswap.util.finite import all_finite
 
 
 def device_and_dtype(model: nn.Module) -> tuple[torch.device | None, torch.dtype | None]:
@@ -33,7 +34,13 @@ def to_model(inputs: ModelInputs, device: torch.device | None, dtype: torch.dtyp
         if not isinstance(value, torch.Tensor):
             return value
         if dtype is not None and value.is_floating_point() and value.dtype != dtype:
-            value = value.to(dtype)
+            cast = value.to(dtype)
+            if not all_finite(cast) and all_finite(value):  # fp32 data past float16's 65504
+                raise BadInputError(
+                    f"the data holds values beyond {str(dtype).removeprefix('torch.')}'s range, the model's "
+                    f"dtype: largest magnitude {float(value.abs().max()):.6g}; scale it or convert the model"
+                )
+            value = cast
         return value.to(device) if device is not None else value
 
     return ModelInputs(tuple(move(a) for a in inputs.args), {k: move(v) for k, v in inputs.kwargs.items()})

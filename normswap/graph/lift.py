@@ -259,8 +259,11 @@ def _channel_wrap(node: fx.Node, output: fx.Node) -> tuple[fx.Node, fx.Node, int
     """(input, back-permute, channel dim) when a norm op normalizes ``x.movedim(d, -1)`` and its only
     reader moves the dim back: the layout that timm's and torchvision's LayerNorm2d, and normswap's
     channel norms (fused or not), export to."""
-    if op_name(node) not in _TUPLE_OPS | {"layer_norm", "rms_norm"}:
+    plain = op_name(node) in ("layer_norm", "rms_norm")
+    if op_name(node) not in _TUPLE_OPS and not plain:
         return None
+    if plain and len(arg(node, 1, "normalized_shape")) != 1:
+        return None  # over C and more: no one channel dim
     moved, readers = node.args[0], list(output.users)
     if not isinstance(moved, fx.Node) or len(moved.users) != 1 or len(readers) != 1:
         return None
@@ -272,6 +275,8 @@ def _channel_wrap(node: fx.Node, output: fx.Node) -> tuple[fx.Node, fx.Node, int
         return None
     if back != sorted(range(rank), key=perm.__getitem__):
         return None
+    if plain and (rank, dim) != (4, 1):
+        return None  # a plain norm: LayerNorm2d's NCHW only, the layout swaps read as channels first
     return moved.args[0], readers[0], dim - rank  # type: ignore[return-value]
 
 

@@ -96,3 +96,20 @@ def test_float64_data_feeds_a_float32_model_on_every_command(tmp_path):
     assert recalibrate.exit_code == 0, recalibrate.output
     validate = runner.invoke(app, ["validate", RESNET, RESNET, "--data", doubles, *common])
     assert validate.exit_code == 0 and "PASS" in validate.output, validate.output
+
+
+def test_data_beyond_the_models_dtype_is_refused_not_fed_as_inf():
+    """fp32 data past float16's range would be Inf in a float16 model: the data's fault, said so."""
+    import pytest
+
+    from normswap.calibrate.data import ModelInputs
+    from normswap.calibrate.feeding import to_model
+    from normswap.errors import BadInputError
+
+    batch = ModelInputs((torch.tensor([[1.0, 7.0e4]]),))
+    with pytest.raises(
+        BadInputError, match=r"beyond float16's range, the model's dtype: largest magnitude 70000"
+    ):
+        to_model(batch, torch.device("cpu"), torch.float16)
+    (cast,) = to_model(ModelInputs((torch.tensor([[1.0, 6.0e4]]),)), torch.device("cpu"), torch.float16).args
+    assert cast.dtype == torch.float16 and float(cast[0, 1]) == 6.0e4

@@ -248,6 +248,14 @@ def export_onnx(
     check_paths({"the input model": refuse_path}, {"-o": path})  # never it, nor a folder that holds it
     check_output("-o", path, overwrite=overwrite)
     check_target(target)
+    if opset is not None:
+        from onnx.defs import onnx_opset_version
+
+        if opset > onnx_opset_version():  # before the export, which fails with a traceback of its own
+            raise BadInputError(
+                f"--opset {opset}: the installed onnx knows opsets up to {onnx_opset_version()}; choose "
+                f"--opset {onnx_opset_version()} or lower (or a newer onnx)"
+            )
     args, kwargs = tuple(example_args), dict(example_kwargs or {})
     table = translation_table(opset) if opset is None or opset >= LAYER_NORMALIZATION_OPSET else None
     result = OnnxExport(path=str(path), opset=0, target=target)

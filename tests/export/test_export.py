@@ -142,6 +142,20 @@ def test_an_opset_onnx_cannot_convert_to_is_refused_with_the_op(tmp_path):
     assert not out.exists()
 
 
+def test_an_opset_newer_than_onnx_knows_is_refused_before_the_export(tmp_path):
+    """It said "choose --opset 18 or higher" for 30 after a page of the exporter's traceback."""
+    from onnx.defs import onnx_opset_version
+
+    newest, out = onnx_opset_version(), tmp_path / "g.onnx"
+    result = _run("export", f"{ZOO}:gpt2_factory", "-o", str(out), "--opset", str(newest + 5))
+    assert result.exit_code == 2, result.output
+    assert (
+        f"--opset {newest + 5}: the installed onnx knows opsets up to {newest}; choose --opset {newest} or"
+        in (" ".join(result.output.split()))
+    )
+    assert "Traceback" not in result.output and not out.exists()
+
+
 def test_free_dims_with_keyword_inputs_and_modes_restored(tmp_path):
     model, args, kwargs = model_zoo.gpt2()  # input_ids positional, use_cache keyword
     model.train()

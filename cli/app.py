@@ -80,12 +80,14 @@ for _command in (inspect, convert, export, validate, recalibrate, distill):
 def main() -> None:
     """Console-script entry point."""
     code = _run()
-    if _one_of_several_processes():
-        # A torchrun worker leaves without the interpreter's finalization: gloo's worker threads outlive
-        # destroy_process_group, and one that touches a Python object while the interpreter is torn down
-        # is killed inside C++ code that cannot unwind, which aborts the process ("terminate called
-        # without an active exception", pytorch/pytorch#190489): a finished run, its files written, would
-        # fail under torchrun now and then. Every file is closed by now; only the stdio buffers remain.
+    if code == 0 and _one_of_several_processes():
+        # A torchrun worker that finished leaves without the interpreter's finalization: gloo's worker
+        # threads outlive destroy_process_group, and one that touches a Python object while the
+        # interpreter is torn down is killed inside C++ code that cannot unwind, which aborts the process
+        # ("terminate called without an active exception", pytorch/pytorch#190489): a finished run, its
+        # files written, would fail under torchrun now and then. Every file is closed by now; only the
+        # stdio buffers remain. A failed run exits as usual: leaving at once would let torchrun stop the
+        # other processes before they say why they failed too.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

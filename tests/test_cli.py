@@ -38,9 +38,9 @@ def test_help_does_not_import_torch_triton_or_onnx():
 
 
 def test_a_torchrun_worker_leaves_without_finalization_and_keeps_its_exit_status(tmp_path):
-    """Under torchrun (WORLD_SIZE > 1) the command exits with os._exit after flushing its output: gloo's
-    threads touching Python during the interpreter's finalization abort a finished run now and then.
-    Alone, it finalizes as usual. The exit status and the printed lines survive either way."""
+    """Under torchrun (WORLD_SIZE > 1) a finished command exits with os._exit after flushing its output:
+    gloo's threads touching Python during the interpreter's finalization abort a finished run now and
+    then. Alone, or failed, it finalizes as usual. The exit status and the printed lines survive."""
     code = (
         "import atexit, sys\n"
         "atexit.register(lambda: print('finalized'))\n"
@@ -60,7 +60,8 @@ def test_a_torchrun_worker_leaves_without_finalization_and_keeps_its_exit_status
             [sys.executable, "-c", code, "inspect", missing], capture_output=True, text=True, env=env
         )
         assert refused.returncode == 2, refused
-        assert "missing.pt2" in refused.stderr and ("finalized" in refused.stdout) is finalized
+        # a failed run finalizes: another process must have the time to say its own reason
+        assert "missing.pt2" in refused.stderr and "finalized" in refused.stdout
 
 
 def test_convert_fold_bn_resnet18_leaves_no_batchnorm(tmp_path):

@@ -21,6 +21,7 @@ import torch
 from torch import fx, nn
 
 from normswap.discover.classify import classify_module, is_norm_candidate
+from normswap.discover.own_forward import computes_more_than_its_norm
 from normswap.discover.site import NormSite
 from normswap.graph.analysis import GraphView, ModuleCall, normalize_module_path, view_of
 from normswap.graph.capture import CapturedGraph, capture_graph
@@ -40,6 +41,7 @@ FUNCTIONAL_NORM_OPS = {
     "add_rms_norm_fwd": NormKind.RMS,
     "add_layer_norm_fwd": NormKind.LAYER,
 }
+_NORM_OP_NAMES = frozenset(FUNCTIONAL_NORM_OPS)
 
 
 @dataclass
@@ -101,6 +103,10 @@ def find_norms(
     if captured.ok:
         view = view_of(captured)
         order = {n: i for i, n in enumerate(view.nodes)}
+        for path in [p for p, s in sites.items() if s.module is not None]:
+            site = sites[path]
+            if computes_more_than_its_norm(view, path, modules[path], site.kind, _NORM_OP_NAMES):
+                del sites[path]  # the graph sweep finds its norm as a call inside its forward
         _add_graph_sites(view, modules, sites, order)
         for site in sites.values():
             if site.source in ("module", "structural"):

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 
 from normswap.graph.analysis import module_path
-from normswap.graph.ops import arg, op_name
+from normswap.graph.ops import BESIDE_NORM_OPS, arg, op_name
 
 _CONV = {"conv1d": nn.Conv1d, "conv2d": nn.Conv2d, "conv3d": nn.Conv3d}
 _BN_BY_RANK = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
@@ -61,6 +61,14 @@ def _owner_of(gm: fx.GraphModule, node: fx.Node) -> str | None:
     if not held - {f"{prefix}.num_batches_tracked"} <= used:
         return None
     return prefix
+
+
+def _computes_more(scope: list[fx.Node], norm: fx.Node) -> bool:
+    """Whether the module that ran ``norm`` computed more than the norm in its own forward (``ScaledLN``:
+    ``super().forward(x) * 0.5 + tanh(x)``). Lifted, that module would stand for the whole forward and
+    a pass would read every op of its scope as the norm; kept an op, it is a norm call inside a forward.
+    The same list of ops as discovery's rule (:mod:`normswap.discover.own_forward`)."""
+    return any(n is not norm and op_name(n) not in BESIDE_NORM_OPS for n in scope)
 
 
 def _get(gm: fx.GraphModule, node: object) -> torch.Tensor | None:
@@ -337,6 +345,7 @@ def _normalized_output(node: fx.Node) -> fx.Node | None:
 
 # ops that return (normalized, statistics...) rather than the normalized value alone
 _TUPLE_OPS = frozenset({"rms_norm_fwd", "layer_norm_fwd"})
+_NORM_OPS = frozenset({"batch_norm", "layer_norm", "group_norm", "rms_norm", *_TUPLE_OPS})
 
 _BUILDERS: dict[str, Callable[[fx.GraphModule, fx.Node, nn.Module], nn.Module | None]] = {
     "conv1d": _layer,
@@ -418,12 +427,16 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
     from normswap.graph.lift_weight_norm import lift_weight_normed_layers
 
     lifted = int(_read_tied_weights_by_owner(gm)) + lift_weight_normed_layers(gm)
+    scopes: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            scopes.setdefault(module_path(node), []).append(node)
     for node in list(gm.graph.nodes):
         builder = _BUILDERS.get(op_name(node) or "") if node.op == "call_function" else None
         if builder is None:
             continue
         prefix = _owner_of(gm, node)
-        if prefix is None:
+        if prefix is None or (op_name(node) in _NORM_OPS and _computes_more(scopes.get(prefix, []), node)):
             continue
         replaced = _normalized_output(node) if op_name(node) in _TUPLE_OPS else node
         if replaced is None:

@@ -68,6 +68,19 @@ CAST_OPS = frozenset({"to", "clone", "contiguous", "alias"})
 PASS_THROUGH_OPS = frozenset({"alias", "clone", "contiguous", "detach", "lift_fresh_copy"})
 # Ops whose only purpose is checking; they read a value without being a real consumer of it.
 CHECK_OPS = frozenset({"_assert_tensor_metadata", "sym_constrain_range_for_size", "_assert_scalar"})
+# What a norm module's own forward may hold besides its norm op and still be only that norm: casts around
+# it (fp32 LayerNorms), checks, moves and views of the normalized dim (timm's LayerNorm2d), reads of shapes
+# (fx records ``self.weight.shape``) and the items of a (normalized, mean, rstd) result. Anything else is
+# more than the norm: a ``tanh(x)`` added to it, arithmetic on its weight (Nemotron's ``weight + 1``).
+BESIDE_NORM_OPS = (
+    CAST_OPS
+    | PASS_THROUGH_OPS
+    | CHECK_OPS
+    | frozenset(
+        {"getitem", "permute", "movedim", "transpose", "view", "reshape", "unsqueeze", "squeeze", "flatten"}
+    )
+    | frozenset({"getattr", "size", "sym_size", "dim", "numel"})
+)
 
 
 def op_name(node: fx.Node) -> str | None:

@@ -50,7 +50,6 @@ from torch.nn.utils import parametrize
 from normswap.discover import NormSite
 from normswap.graph.analysis import GraphView, ModuleCall
 from normswap.graph.ops import (
-    CAST_OPS,
     CHECK_OPS,
     PASS_THROUGH_OPS,
     arg,
@@ -284,24 +283,6 @@ def _affine(
     return names[0], names[1]
 
 
-def _only_the_norm(ctx: PassContext, call: ModuleCall) -> bool:
-    """True when a norm subclass's forward computes nothing but the norm (e.g. timm's LayerNorm)."""
-    assert ctx.view is not None
-    for n in call.nodes:
-        name = op_name(n)
-        if n.op in ("get_attr", "placeholder") or ctx.view.is_param(n):
-            continue
-        if name in _NORM_OPS or name in CAST_OPS or name in CHECK_OPS or name in PASS_THROUGH_OPS:
-            continue
-        if name == "getitem":  # native_layer_norm's (out, mean, rstd)
-            continue
-        return False
-    return True
-
-
-_KNOWN_FORWARDS = {cls.forward for cls in (*_TORCH_NORMS, RefLayerNorm, RefRMSNorm)}
-
-
 def _weightless_norm(site: NormSite, module: nn.Module) -> nn.Module:
     """The same norm without elementwise affine: same class family, eps, casting and dims."""
     assert site.normalized_shape is not None
@@ -414,12 +395,6 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
         if len(calls) != 1:
             return f"norm is called at {len(calls)} sites; folding needs exactly one"
         call = calls[0]
-        if (
-            site.source == "module"
-            and type(module).forward not in _KNOWN_FORWARDS
-            and not _only_the_norm(ctx, call)
-        ):
-            return f"{_class(module)}.forward computes more than the norm; folding would drop or reorder it"
         affine = _affine(ctx, state, site, call)
         if isinstance(affine, str):
             return affine

@@ -107,24 +107,27 @@ def _fill_like(t: torch.Tensor, shape: list[int], dim: int, generator: torch.Gen
     return values.to(device=t.device, dtype=t.dtype)
 
 
-def resize_dim(t: torch.Tensor, dim: int, size: int, generator: torch.Generator) -> torch.Tensor:
-    """``t`` with ``dim`` cut to its first ``size`` entries, or extended to ``size`` with values like
-    ``t``'s (:func:`_fill_like`). Cutting keeps a prefix of the example (a crop of an image, the first
-    tokens of a sentence, with its mask cut the same way), so the smaller input is still a real one."""
+def resize_dim(
+    t: torch.Tensor, dim: int, size: int, generator: torch.Generator, *, keep_end: bool = False
+) -> torch.Tensor:
+    """``t`` with ``dim`` cut to its first ``size`` entries (its last, with ``keep_end``), or extended to
+    ``size`` with values like ``t``'s (:func:`_fill_like`). Cutting keeps a part of the example (a crop of
+    an image, the first tokens of a sentence, with its mask cut the same way), so the smaller input is
+    still a real one."""
     t = t.detach()
     old = t.shape[dim]
     if size <= old:
-        return t.narrow(dim, 0, size).clone()
+        return t.narrow(dim, old - size if keep_end else 0, size).clone()
     shape = list(t.shape)
     shape[dim] = size - old
     return torch.cat([t, _fill_like(t, shape, dim, generator)], dim=dim)
 
 
 def _resized(
-    args: tuple, kwargs: dict, plan: Callable[[torch.Tensor], dict[int, int]]
+    args: tuple, kwargs: dict, plan: Callable[[torch.Tensor], dict[int, int]], *, keep_end: bool = False
 ) -> tuple[tuple, dict] | None:
-    """The inputs with every tensor's dims resized as ``plan(tensor)`` says ({dim: new size});
-    None when the plan changes nothing."""
+    """The inputs with every tensor's dims resized as ``plan(tensor)`` says ({dim: new size}), a cut
+    keeping the end with ``keep_end``; None when the plan changes nothing."""
     generator = torch.Generator().manual_seed(SEED)
     leaves, spec = _leaves(args, kwargs)
     changed = False
@@ -133,7 +136,7 @@ def _resized(
         if isinstance(leaf, torch.Tensor):
             for dim, size in sorted(plan(leaf).items()):
                 if leaf.shape[dim] != size:
-                    leaf = resize_dim(leaf, dim, size, generator)
+                    leaf = resize_dim(leaf, dim, size, generator, keep_end=keep_end)
                     changed = True
         new_leaves.append(leaf)
     if not changed:
@@ -186,7 +189,8 @@ def sequence_variants(args: tuple, kwargs: dict) -> list[InputVariant]:
 
     The length is the last dim of the first such tensor; every dim after dim 0 of every integer/bool
     tensor with that size changes with it, so input_ids, attention_mask, token_type_ids and a square
-    (B, 1, T, T) mask stay consistent. Shorter is a quarter (a prefix of the tokens); longer appends
+    (B, 1, T, T) mask stay consistent. Shorter is a quarter (a prefix of the tokens, or their end for
+    a left-padded batch, :func:`_padded_at_start`); longer appends
     tokens drawn within the example's id range, and grows the total by at most 2x. A length past a
     position table or attention window makes the original model raise, and the variant is dropped.
     """
@@ -202,14 +206,38 @@ def sequence_variants(args: tuple, kwargs: dict) -> list[InputVariant]:
         return []
     length = first.shape[-1]
     together = max(len(dims(t, length)) for t in tensors)
+    left_padded = any(_padded_at_start(t, length) for t in tensors)
     found = []
     for size in (_shrink(length), _grow(length, together)):
         if size == length:
             continue
-        resized = _resized(args, kwargs, lambda t, size=size: dict.fromkeys(dims(t, length), size))
+        resized = _resized(
+            args, kwargs, lambda t, size=size: dict.fromkeys(dims(t, length), size), keep_end=left_padded
+        )
         if resized is not None:
             found.append(InputVariant(f"length {size}", *resized))
     return found
+
+
+def _padded_at_start(t: torch.Tensor, length: int) -> bool:
+    """Whether ``t`` is the mask of a left-padded batch of sentences of ``length`` tokens: the rows that
+    are all one value (the longest sentences: that value marks a token, 1 in HF's ``attention_mask``,
+    False in torch's ``key_padding_mask``) are there, and every other row is a run of the other value
+    (padding) followed by tokens. A shorter variant of such a batch keeps its last tokens: its first
+    ones would leave a sentence with no token to attend to, whose outputs no two runtimes agree on."""
+    if t.ndim != 2 or t.shape[-1] != length or length < 2 or not _is_mask_like(t):
+        return False
+    rows = t.to(torch.int64)
+    whole = (rows == rows[:, :1]).all(dim=1)
+    token_values = rows[whole, 0].unique()
+    if not bool(whole.any()) or bool(whole.all()) or len(token_values) != 1:
+        return False
+    token = int(token_values[0])
+    padded = rows[~whole]
+    starts_padded = (padded[:, 0] != token) & (padded[:, -1] == token)
+    # a run of padding then tokens: the values never go back from token to padding
+    monotone = ((padded[:, 1:] == token) | (padded[:, :-1] != token)).all(dim=1)
+    return bool((starts_padded & monotone).all())
 
 
 # Where the free dims of a floating input of rank >= 3 are: (N, C, *spatial) as torch convolutions

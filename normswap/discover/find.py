@@ -103,11 +103,15 @@ def find_norms(
     if captured.ok:
         view = view_of(captured)
         order = {n: i for i, n in enumerate(view.nodes)}
+        demoted = {}
         for path in [p for p, s in sites.items() if s.module is not None]:
-            site = sites[path]
-            if computes_more_than_its_norm(view, path, modules[path], site.kind, _NORM_OP_NAMES):
-                del sites[path]  # the graph sweep finds its norm as a call inside its forward
+            if computes_more_than_its_norm(view, path, modules[path], _NORM_OP_NAMES):
+                demoted[path] = sites.pop(path).class_name  # found again as a call inside its forward
         _add_graph_sites(view, modules, sites, order)
+        for site in sites.values():
+            owner = site.path.split("::")[0]
+            if not site.is_module and owner in demoted:
+                site.class_name = demoted[owner]
         for site in sites.values():
             if site.source in ("module", "structural"):
                 _annotate_module_site(view, site, modules, order)

@@ -10,21 +10,39 @@ module's forward (a ``functional`` site owned by the module), which every pass a
 A class whose forward computes only the norm keeps its module site: a cast around it (open_clip's fp32
 LayerNorm), the channels-first moves around it (timm's ``LayerNorm2d``, read as a norm over dim -3),
 views, reads of its own tensors' shapes. Arithmetic on its tensors is more than the norm: Nemotron's
-``LayerNorm1P`` normalizes with ``self.weight + 1``, which a module site would read as ``weight``. BatchNorm subclasses are left to the BatchNorm passes, which
-read their forward op by op (timm's ``BatchNormAct2d`` holds its activation as a child module they keep).
+``LayerNorm1P`` normalizes with ``self.weight + 1``, which a module site would read as ``weight``. So is
+an activation, except in timm's norm+act classes (``BatchNormAct2d``: :func:`norm_act_tail`), whose
+activation every pass that replaces the norm keeps after it, under its own name.
 This is the one place that rule lives (a ``.pt2``'s lift keeps such a norm an op by the same list of
 ops, :data:`normswap.graph.ops.BESIDE_NORM_OPS`); no pass repeats it.
 """
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from normswap.graph.analysis import GraphView, ModuleCall
 from normswap.graph.ops import BESIDE_NORM_OPS, op_name
-from normswap.modules.semantics import NormKind
+from normswap.modules.semantics import declared_semantics
 
 _OWN_PACKAGES = ("torch.nn.", "normswap.")
+
+_TIMM_NORM_ACT = ("BatchNormAct2d", "SyncBatchNormAct", "FrozenBatchNormAct2d")
+
+
+def norm_act_tail(bn: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """``[("drop", m), ("act", m)]`` for timm's norm+act classes (what runs after the norm, in order),
+    None for any other class."""
+    timm_layers = sys.modules.get("timm.layers.norm_act")  # imported already if the model uses it
+    if timm_layers is None:
+        return None
+    for name in _TIMM_NORM_ACT:
+        cls = getattr(timm_layers, name, None)
+        if cls is not None and type(bn).forward is cls.forward:
+            return [(part, getattr(bn, part)) for part in ("drop", "act") if hasattr(bn, part)]
+    return None
 
 
 def forward_is_foreign(module: nn.Module) -> bool:
@@ -49,10 +67,12 @@ def extra_ops(view: GraphView, call: ModuleCall, norm_ops: frozenset[str]) -> li
 
 
 def computes_more_than_its_norm(
-    view: GraphView, path: str, module: nn.Module, kind: NormKind, norm_ops: frozenset[str]
+    view: GraphView, path: str, module: nn.Module, norm_ops: frozenset[str]
 ) -> bool:
     """True for a known norm class (a module site) whose own forward computes more than its norm in
     some call: discovery then finds the norm inside it as a call in that module's forward."""
-    if kind is NormKind.BATCH or not forward_is_foreign(module):
+    if declared_semantics(module) is None:
+        return False  # known by its buffers, not as a torch.nn class (FrozenBatchNorm2d computes x * s + b)
+    if not forward_is_foreign(module) or norm_act_tail(module) is not None:
         return False
     return any(extra_ops(view, call, norm_ops) for call in view.calls.get(path, []))

@@ -68,6 +68,14 @@ class NormSite:
         """True when the norm is a whole module that can be replaced by another module."""
         return self.source in ("module", "structural")
 
+    def inside(self) -> str:
+        """For messages about a norm that is not a module: "inside a forward", or, for the norm of a norm
+        class whose own forward computes more than its norm (:mod:`normswap.discover.own_forward`; its
+        class is this site's), "inside X.forward, which computes more than the norm"."""
+        if self.is_module or not self.class_name or "::" in self.class_name:
+            return "inside a forward"
+        return f"inside {self.class_name.rsplit('.', 1)[-1]}.forward, which computes more than the norm"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": self.path,

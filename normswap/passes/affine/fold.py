@@ -379,7 +379,7 @@ class FoldNormAffine(Pass[NormSite, AffinePlan, NormPatterns]):
             )
             return f"{site.kind} norm normalizes channels, not the last dim a Linear reads{hint}"
         if not site.is_module:
-            return f"{site.source} norm inside a forward, not a module: folding it needs a graph rewrite"
+            return f"{site.source} norm {site.inside()}, not a module: folding it needs a graph rewrite"
         shape = site.normalized_shape or ()
         if len(shape) != 1:
             return f"normalizes the trailing dims {tuple(shape)}: a Linear can absorb a gain over the last dim only"

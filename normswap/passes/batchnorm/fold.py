@@ -58,6 +58,7 @@ import torch
 from torch import fx, nn
 
 from normswap.discover import NormSite
+from normswap.discover.own_forward import norm_act_tail
 from normswap.modules.affine import ChannelAffine
 from normswap.passes.batchnorm.arithmetic import (
     bn_scale_shift,
@@ -76,7 +77,7 @@ from normswap.passes.batchnorm.match import (
 )
 from normswap.passes.core.base import Change, Pass, PassContext, PassReport, RewriteKind, replace_submodule
 from normswap.passes.core.edits import apply_in_memory
-from normswap.passes.swap.norm_act import is_identity, norm_act_tail, with_tail
+from normswap.passes.swap.norm_act import is_identity, with_tail
 
 
 def _scale_shift(site: NormSite, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

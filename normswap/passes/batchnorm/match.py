@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from normswap.discover import NormSite
+from normswap.discover.own_forward import norm_act_tail
 from normswap.graph.analysis import ModuleCall
 from normswap.graph.ops import arg, rank
 from normswap.passes.batchnorm.layers import (
@@ -31,7 +32,7 @@ from normswap.passes.batchnorm.layers import (
     zero_padding,
 )
 from normswap.passes.core.base import PassContext
-from normswap.passes.swap.norm_act import is_identity, norm_act_tail
+from normswap.passes.swap.norm_act import is_identity
 
 # BatchNorm forwards that compute nothing but the normalization in eval mode.
 _PLAIN_BN_FORWARDS = (nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward)
@@ -290,6 +291,9 @@ def plan_functional(site: NormSite, ctx: PassContext) -> str | Fold:
     """The fold of an ``F.batch_norm`` call into the layer before it, inside the forward that makes the
     call. The owner is traced as it is now (an earlier site may have made it a GraphModule already):
     that trace is what the pass edits, so it is taken once, here."""
+    if site.inside() != "inside a forward":  # a BatchNorm class whose forward does more than normalize
+        name = (site.class_name or "").rsplit(".", 1)[-1]
+        return f"{name}.forward does more than normalize (e.g. an activation); folding it would drop that"
     view = ctx.view
     if view is None:
         return f"no graph captured, so the conv feeding F.batch_norm is unknown ({ctx.captured.reason})"

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from normswap.discover.own_forward import norm_act_tail
 from normswap.errors import BrokenModelError
 from normswap.modules.recipes import build_from_recipe, module_recipe
 from normswap.passes.batchnorm.fold import FoldBatchNorm, FoldPlan
@@ -41,7 +42,7 @@ from normswap.passes.batchnorm.layers import class_name, layer_text
 from normswap.passes.batchnorm.match import bn_eps, bn_statistics_problem
 from normswap.passes.core.base import Change, PassContext, Skip
 from normswap.passes.core.edits import EditPlan, Tensors, plan_for
-from normswap.passes.swap.norm_act import is_identity, norm_act_tail
+from normswap.passes.swap.norm_act import is_identity
 from normswap.util.finite import NOTHING_COMPARED
 from normswap.verify.metrics import TensorComparison, compare_tensors
 

@@ -195,7 +195,7 @@ class RecenterLayerNorm(Pass[NormSite, RecenterPlan, StreamPlan | None]):
         unsupported = SkipCause.UNSUPPORTED
         if not site.is_module:
             return Refusal(
-                f"{site.source} layer_norm inside a forward, not a module: replacing it needs a graph rewrite",
+                f"{site.source} layer_norm {site.inside()}, not a module: replacing it needs a graph rewrite",
                 unsupported,
             )
         if site.normalized_dims != (-1,):

@@ -1,29 +1,14 @@
 """timm's norm+act modules (BatchNormAct2d and kin): the norm, then a dropout and an activation.
 
-A pass that replaces such a module's norm must keep what runs after it, under the same names.
+A pass that replaces such a module's norm must keep what runs after it, under the same names. Which
+classes these are is discovery's to say (:func:`normswap.discover.own_forward.norm_act_tail`).
 """
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
 
 from torch import nn
-
-_TIMM_NORM_ACT = ("BatchNormAct2d", "SyncBatchNormAct", "FrozenBatchNormAct2d")
-
-
-def norm_act_tail(bn: nn.Module) -> list[tuple[str, nn.Module]] | None:
-    """``[("drop", m), ("act", m)]`` for timm's norm+act classes (what runs after the norm, in order),
-    None for any other class."""
-    timm_layers = sys.modules.get("timm.layers.norm_act")  # imported already if the model uses it
-    if timm_layers is None:
-        return None
-    for name in _TIMM_NORM_ACT:
-        cls = getattr(timm_layers, name, None)
-        if cls is not None and type(bn).forward is cls.forward:
-            return [(part, getattr(bn, part)) for part in ("drop", "act") if hasattr(bn, part)]
-    return None
 
 
 def is_identity(modules: list[tuple[str, nn.Module]]) -> bool:

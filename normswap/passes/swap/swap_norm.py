@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from normswap.discover import NormSite
+from normswap.discover.own_forward import norm_act_tail
 from normswap.modules.layout import (
     Derf,
     DyT,
@@ -59,7 +60,7 @@ from normswap.passes.core.base import (
     RewriteKind,
     replace_submodule,
 )
-from normswap.passes.swap.norm_act import is_identity, norm_act_tail, with_tail
+from normswap.passes.swap.norm_act import is_identity, with_tail
 from normswap.verify.metrics import sqnr_db
 
 _CHANNEL_FIRST = (NormKind.BATCH, NormKind.GROUP, NormKind.INSTANCE)
@@ -219,7 +220,7 @@ class SwapNorm(Pass[NormSite, SwapPlan, RecordedInputs]):
 
     def check(self, site: NormSite, ctx: PassContext, state: RecordedInputs) -> SwapPlan | str:
         if not site.is_module:
-            return f"{site.source} norm computed inside a forward, not a module: swapping it needs a graph rewrite"
+            return f"{site.source} norm computed {site.inside()}, not a module: swapping it needs a graph rewrite"
         if site.normalized_shape is None:
             return "its normalized shape could not be determined"
         dim = feature_dim(site)

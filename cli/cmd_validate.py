@@ -113,6 +113,8 @@ def validate(
         )
     if result.layerwise is not None:
         render_validation.print_validation(result.layerwise)
+        for note in result.notes:
+            render.out.print(f"note: {note}", soft_wrap=True)
     else:
         _print_blockwise(result)
     if result.plot is not None:

@@ -58,6 +58,8 @@ class Validation:
     blockwise_shapes: list[str] = field(default_factory=list)
     # the PNG of the per-layer SQNR, when one was asked for and written
     plot: Path | None = None
+    # how the inputs were fitted to the two models (a key one of them does not take, use_cache turned off)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -67,7 +69,7 @@ class Validation:
         head = {"original": self.original, "converted": self.converted}
         if self.layerwise is None:
             return {**head, "blockwise": [r.to_dict() for r in self.blockwise]}
-        return {**head, **self.layerwise.to_dict()}
+        return {**head, **self.layerwise.to_dict(), "notes": self.notes}
 
 
 def validate(
@@ -131,28 +133,58 @@ def validate(
             raise BadInputError(f"--data {data} yields no batch")
     else:
         pairs = [required_inputs(reference, inputs, input_shapes)]
+    pairs, notes = _as_both_take_them(reference.model, candidate.model, pairs)
     if on_step is not None:
         on_step("finding the norm sites of ORIGINAL")
     norm_paths = _norm_paths(reference.model, pairs[0])
     if on_progress is not None:
         on_progress(0, len(pairs), "comparing")
+    from normswap.graph.capture import capture_friendly
+
+    args, kwargs = pairs[0]
     try:
-        report = validate_models(
-            reference.model,
-            candidate.model,
-            pairs,
-            exact=exact,
-            min_sqnr_db=DEFAULT_MIN_SQNR_DB if min_sqnr is None else min_sqnr,
-            norm_paths=norm_paths,
-            on_batch=None if on_progress is None else lambda i: on_progress(i + 1, len(pairs), "comparing"),
-        )
+        # a model's config that turns the key/value cache on runs with it off, as its program would
+        with (
+            capture_friendly(reference.model, args, kwargs) as off,
+            capture_friendly(candidate.model, args, kwargs) as off_too,
+        ):
+            report = validate_models(
+                reference.model,
+                candidate.model,
+                pairs,
+                exact=exact,
+                min_sqnr_db=DEFAULT_MIN_SQNR_DB if min_sqnr is None else min_sqnr,
+                norm_paths=norm_paths,
+                on_batch=None
+                if on_progress is None
+                else lambda i: on_progress(i + 1, len(pairs), "comparing"),
+            )
     except ValueError as exc:
         raise BadInputError(f"cannot compare: {exc}") from None
-    result = Validation(original, converted, _verdict(report, exact, min_sqnr), layerwise=report)
+    for setting in dict.fromkeys([*off, *off_too]):
+        notes.append(
+            f"compared with {setting}: a written program returns no cache, so caches are not compared"
+        )
+    result = Validation(original, converted, _verdict(report, exact, min_sqnr), layerwise=report, notes=notes)
     result.refusal = _refusal(report, exact, min_sqnr) if not result.ok else None
     if plot is not None:
         _plot(result, plot)
     return result
+
+
+def _as_both_take_them(reference: nn.Module, candidate: nn.Module, pairs: list) -> tuple[list, list[str]]:
+    """The inputs as both models take them (:func:`~normswap.calibrate.feeding.fit_keywords`): a model
+    directory and its ``.pt2`` are compared on the same inputs, with the same verdict."""
+    from normswap.calibrate.data import ModelInputs
+    from normswap.calibrate.feeding import fit_keywords
+
+    notes: list[str] = []
+    fitted = []
+    for args, kwargs in pairs:
+        inputs = ModelInputs(tuple(args), dict(kwargs))
+        inputs = fit_keywords(candidate, fit_keywords(reference, inputs, notes), notes)
+        fitted.append((inputs.args, inputs.kwargs))
+    return fitted, notes
 
 
 def _load(role: str, spec: str, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:

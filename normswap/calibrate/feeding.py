@@ -8,6 +8,7 @@ one sentence (:class:`~normswap.errors.BadInputError`, exit 2) before any work: 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -62,6 +63,50 @@ def run_batch(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
         ) from None
 
 
+def fit_keywords(model: nn.Module, inputs: ModelInputs, notes: list[str] | None = None) -> ModelInputs:
+    """Keyword ``inputs`` as ``model``'s forward names them, the one rule for every command that runs a
+    user's keyword batch or inputs on a model (and for both models of a comparison, so that they run on
+    the same inputs):
+
+    - a key the forward does not take, when it takes no ``**kwargs``, is dropped (a batch's ``labels``
+      for a ``.pt2`` exported without them): the model could not be called with it;
+    - a setting that a graph capture cannot carry (``use_cache``,
+      :data:`~normswap.graph.capture.CAPTURE_HOSTILE`) that the forward requires (a ``.pt2`` exported with
+      ``use_cache=False`` passed) and the inputs leave unset is passed as the program was exported with.
+
+    Each change is said once in ``notes``; positional inputs are left as they are."""
+    from normswap.graph.capture import CAPTURE_HOSTILE
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+        given = set(inspect.signature(model.forward).bind_partial(*inputs.args).arguments)
+    except (TypeError, ValueError):
+        return inputs
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = dict(inputs.kwargs)
+    dropped = [] if takes_any else [k for k in kwargs if k not in parameters]
+    for key in dropped:
+        del kwargs[key]
+    required = {
+        k: v
+        for k, v in CAPTURE_HOSTILE.items()
+        if k in parameters and parameters[k].default is inspect.Parameter.empty and k not in kwargs.keys() | given
+    }
+    kwargs.update(required)
+    if notes is not None:
+        name = type(model).__name__
+        for key in dropped:
+            _note(notes, f"the inputs' {key} is not fed: the model's forward does not take it ({name})")
+        for key, value in required.items():
+            _note(notes, f"the inputs run with {key}={value}, as the program was exported")
+    return ModelInputs(inputs.args, kwargs) if (dropped or required) else inputs
+
+
+def _note(notes: list[str], text: str) -> None:
+    if text not in notes:
+        notes.append(text)
+
+
 def fed(model: nn.Module, inputs: ModelInputs) -> ModelInputs:
     """``inputs`` as ``model`` takes them: on its device, in its floating dtype."""
     return to_model(inputs, *device_and_dtype(model))
@@ -74,4 +119,4 @@ def check_batch_fits(model: nn.Module, inputs: ModelInputs, what: str) -> None:
         run_batch(model, fed(model, inputs), what)
 
 
-__all__ = ["check_batch_fits", "device_and_dtype", "fed", "run_batch", "to_model"]
+__all__ = ["check_batch_fits", "device_and_dtype", "fed", "fit_keywords", "run_batch", "to_model"]

@@ -91,7 +91,8 @@ def _short_error(exc: BaseException) -> str:
 # Settings that make a model return what torch.export cannot carry out of a graph, and the value that
 # turns each off. Read from ``module.config`` of any submodule (Hugging Face, diffusers style), so a
 # wrapped or unpickled model is handled like one built by its library.
-_CAPTURE_HOSTILE = {"use_cache": False}
+# settings a graph capture cannot carry (a DynamicCache output), with the value a program runs with
+CAPTURE_HOSTILE = {"use_cache": False}
 
 
 def _given_names(model: nn.Module, example_args: tuple | None, example_kwargs: dict | None) -> set[str]:
@@ -119,7 +120,7 @@ def capture_adjustments(
         if config is None or isinstance(config, (torch.Tensor, nn.Module)) or id(config) in seen:
             continue
         seen.add(id(config))
-        for name, off in _CAPTURE_HOSTILE.items():
+        for name, off in CAPTURE_HOSTILE.items():
             if name not in given and getattr(config, name, None) not in (None, off):
                 found.append((config, name, off))
     return found
@@ -140,7 +141,7 @@ def _notes(adjustments: list[tuple[Any, str, Any]]) -> list[str]:
 def capture_friendly(
     model: nn.Module, example_args: tuple | None = None, example_kwargs: dict | None = None
 ) -> Iterator[list[str]]:
-    """Turn off, for the time of a capture, the settings of :data:`_CAPTURE_HOSTILE` that ``model``'s
+    """Turn off, for the time of a capture, the settings of :data:`CAPTURE_HOSTILE` that ``model``'s
     configs switch on and the example inputs do not set; yields a note per setting ("use_cache=False")
     and puts every value back on exit, also on error: the user's model keeps its config."""
     changed = capture_adjustments(model, example_args, example_kwargs)

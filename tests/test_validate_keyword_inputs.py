@@ -1,0 +1,108 @@
+"""validate compares a model directory with its conversion the same way whichever form the conversion takes.
+
+A keyword batch (``{"input_ids": ...}``, with ``labels``) or keyword example inputs (``input_ids`` and
+``attention_mask``) reach both models as both take them (:func:`normswap.calibrate.feeding.fit_keywords`):
+a key a ``.pt2`` does not take is not fed, a ``use_cache`` a ``.pt2`` requires is passed as it was
+exported, and a config that turns the cache on runs with it off. Before, the ``.pt2`` exited 2 ("Got
+['input_ids'] but expected ['input_ids', 'use_cache']") where its directory compared, and a directory
+compared its key/value caches (top-1 agreement of a cache) where the ``.pt2`` returns none.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hf_dirs import make_directory
+from normswap_cli.app import app
+from typer.testing import CliRunner
+
+pytest.importorskip("transformers")
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kw")
+    source = make_directory(root, "llama")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "use_cache": True}))  # as HF's configs come
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    files = {
+        "ids": [{"input_ids": ids}] * 2,
+        "labels": [{"input_ids": ids, "labels": ids}] * 2,
+        "masked": {"input_ids": ids[:1], "attention_mask": torch.ones_like(ids[:1])},
+    }
+    made = {"source": source}
+    for name, value in files.items():
+        torch.save(value, root / f"{name}.pt")
+        made[name] = root / f"{name}.pt"
+    for out in ("swapped", "swapped.pt2"):
+        result = runner.invoke(app, ["convert", str(source), "--to", "layernorm", "-o", str(root / out)])
+        assert result.exit_code == 0, result.output
+        made[out] = root / out
+    # exported with the user's keyword example: the program takes input_ids and attention_mask only
+    result = runner.invoke(
+        app,
+        [
+            "convert",
+            str(source),
+            "--fold-norm-affine",
+            "--inputs",
+            str(made["masked"]),
+            "-o",
+            str(root / "folded.pt2"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    made["folded.pt2"] = root / "folded.pt2"
+    return made
+
+
+def _validate(llama: dict[str, Path], converted: str, *options: str, tmp: Path) -> tuple[int, dict, str]:
+    report = tmp / f"{converted}-{len(options)}.json"
+    result = runner.invoke(
+        app, ["validate", str(llama["source"]), str(llama[converted]), *options, "--report", str(report)]
+    )
+    assert "Traceback" not in result.output, result.output
+    return result.exit_code, json.loads(report.read_text()) if report.exists() else {}, result.output
+
+
+@pytest.mark.parametrize("batches", ["ids", "labels"])
+def test_keyword_batches_compare_a_directory_and_its_pt2_alike(llama, tmp_path, batches):
+    options = ("--data", str(llama[batches]), "--min-sqnr", "5")
+    code_dir, dir_report, _ = _validate(llama, "swapped", *options, tmp=tmp_path)
+    code_pt2, pt2_report, output = _validate(llama, "swapped.pt2", *options, tmp=tmp_path)
+    assert code_dir == code_pt2 == 0, output
+    # the same logits compared, alike, no cache among the outputs
+    figures = [{o["name"]: o["sqnr_db"] for o in r["outputs"]} for r in (dir_report, pt2_report)]
+    assert figures[0]["output.logits"] == pytest.approx(figures[1]["output.logits"], rel=1e-4)
+    assert not [name for f in figures for name in f if "cache" in name]
+    assert "the inputs run with use_cache=False, as the program was exported" in pt2_report["notes"]
+    if batches == "labels":  # the directory's forward takes them (and returns a loss); the .pt2 does not
+        assert (
+            "the inputs' labels is not fed: the model's forward does not take it (GraphModule)"
+            in (pt2_report["notes"])
+        )
+        assert set(figures[0]) == {"output.loss", "output.logits"} and set(figures[1]) == {"output.logits"}
+
+
+def test_a_config_that_turns_the_cache_on_compares_without_it(llama, tmp_path):
+    code, report, output = _validate(llama, "swapped", "--data", str(llama["ids"]), tmp=tmp_path)
+    assert code == 0, output
+    assert [o["name"] for o in report["outputs"]] == ["output.logits"]
+    assert any(n.startswith("compared with use_cache=False") for n in report["notes"])
+    assert json.loads((llama["source"] / "config.json").read_text())["use_cache"] is True  # as it was
+
+
+def test_a_pt2_exported_with_an_attention_mask_validates_against_its_directory(llama, tmp_path):
+    code, report, output = _validate(
+        llama, "folded.pt2", "--inputs", str(llama["masked"]), "--exact", tmp=tmp_path
+    )
+    assert code == 0, output
+    assert [o["name"] for o in report["outputs"]] == ["output.logits"]
+    # without the mask the program was exported with, it cannot run: said, exit 2
+    code, _, output = _validate(llama, "folded.pt2", tmp=tmp_path)
+    assert code == 2 and "expected ['input_ids', 'attention_mask']" in output

@@ -64,3 +64,19 @@ def test_models_with_different_blocks_are_refused_with_the_reason():
         BadInputError, match=r"the models' blocks differ: ORIGINAL has 3 in model\.layers, CONVERTED 2"
     ):
         verify_blockwise_models(_model("llama", 3), _model("llama", 2), _inputs())
+
+
+def test_two_directories_of_other_architectures_are_refused_on_the_directory_route(tmp_path):
+    """`validate gpt2-dir llama-dir --blockwise` crashed (exit 3, AttributeError: no attribute
+    'transformer'): the directory route now holds the same rule as the in-memory one."""
+    from hf_dirs import make_directory
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    gpt2, llama = make_directory(tmp_path, "gpt2"), make_directory(tmp_path, "llama")
+    result = CliRunner().invoke(app, ["validate", str(gpt2), str(llama), "--blockwise"])
+    assert result.exit_code == 2, result.output
+    assert (
+        "the models' blocks differ: ORIGINAL has 2 in transformer.h, CONVERTED 2 in model.layers"
+        in result.output
+    )

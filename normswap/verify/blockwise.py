@@ -160,10 +160,7 @@ def blockwise_problem(model: nn.Module) -> str | None:
         return str(exc)
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     if layers != count:
-        return (
-            f"the block-by-block verification builds a one-block model from the config, whose "
-            f"num_hidden_layers ({layers}) does not count the {count} blocks of {blocks}"
-        )
+        return f"the block-by-block verification builds a one-block model from the config, whose num_hidden_layers ({layers}) does not count the {count} blocks of {blocks}"
     children = list(model.get_submodule(blocks))
     shapes = [{k: tuple(v.shape) for k, v in child.state_dict().items()} for child in children]
     if any(s != shapes[0] for s in shapes[1:]):
@@ -388,9 +385,7 @@ def verify_blockwise(
     The original runs first, through all its blocks, keeping each block's input and output (activations
     are small beside weights); its shell is then dropped and the converted model runs block by block on
     those inputs. So one model's shell is in memory at a time, and each block is read once."""
-    meta = build_on_meta(original)
-    blocks, count = find_blocks(meta)
-    del meta
+    blocks, count = _same_blocks(find_blocks(build_on_meta(original)), find_blocks(build_on_meta(converted)))
     last = f"{blocks}.{count - 1}."
     if changed is None:  # a comparison of two directories (validate): the last block's stored tensors say
         changed = _changed_tensors(original, converted, last)
@@ -434,12 +429,7 @@ def verify_blockwise_models(
     """:func:`verify_blockwise` for two models in memory (the same model class, or the same list of
     blocks): every block of ``converted`` runs on the original's activation of that block, so the first
     block outside the exact tolerance is named, and an error does not carry over to later blocks."""
-    blocks, count = find_blocks(original)
-    theirs = find_blocks(converted)
-    if theirs != (blocks, count):
-        raise BadInputError(
-            f"the models' blocks differ: ORIGINAL has {count} in {blocks}, CONVERTED {theirs[1]} in {theirs[0]}"
-        )
+    blocks, count = _same_blocks(find_blocks(original), find_blocks(converted))
     return _compare(
         lambda: _Resident(original, blocks, count),
         lambda: _Resident(converted, blocks, count),
@@ -448,6 +438,14 @@ def verify_blockwise_models(
         relate,
         on_block,
     )
+
+
+def _same_blocks(ours: tuple[str, int], theirs: tuple[str, int]) -> tuple[str, int]:
+    """The blocks (path, count) of both models; a block of one cannot run on the other's activations."""
+    if theirs == ours:
+        return ours
+    what = f"ORIGINAL has {ours[1]} in {ours[0]}, CONVERTED {theirs[1]} in {theirs[0]}"
+    raise BadInputError(f"the models' blocks differ: {what}")
 
 
 def _compare(

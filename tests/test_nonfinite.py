@@ -284,3 +284,32 @@ def test_a_fit_that_produces_a_nonfinite_parameter_from_finite_data_refuses_and_
     ):
         fit_sites_in_order(model, converted, ["0", "2"], [torch.randn(3, 4)], diverging)
     assert all(torch.equal(before[k], v) for k, v in converted.state_dict().items())
+
+
+def _tiny_convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+
+
+@pytest.mark.parametrize("command", ["convert", "export", "validate"])
+def test_a_nan_in_the_example_inputs_is_the_files_not_the_models(tmp_path, command):
+    """`--inputs` with a NaN pixel said "the model is broken" (convert, export) and "the original model is
+    broken" (validate): it is held to the one rule for data, as every --data batch is."""
+    images = torch.randn(1, 3, 8, 8)
+    images[0, 1, 2, 3] = float("nan")
+    inputs = tmp_path / "in.pt"
+    torch.save((images,), inputs)
+    model = f"{HERE}:_tiny_convnet"
+    argv = {
+        "convert": ["convert", model, "--fold-bn", "-o", str(tmp_path / "out.pt2")],
+        "export": ["export", model, "-o", str(tmp_path / "out.onnx")],
+        "validate": ["validate", model, model],
+    }[command]
+    result = _run(*argv, "--inputs", str(inputs))
+    assert result.exit_code == 2, result.output
+    assert (
+        f"inputs file {inputs}: args[0] holds 1 NaN/Inf value(s), the first (nan) at index [0, 1, 2, 3]"
+        in (" ".join(result.output.split()))
+    )
+    assert "broken" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]

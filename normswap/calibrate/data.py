@@ -42,9 +42,9 @@ from typing import Any
 import torch
 
 from normswap.calibrate.data_images import image_files, image_geometry, load_image
-from normswap.calibrate.data_rules import check_data_tensor, position
 from normswap.errors import BadInputError
 from normswap.errors import describe as _describe
+from normswap.load.data_rules import check_data_tensor, position
 from normswap.load.factory import import_callable
 from normswap.load.model_file import read_tensor_file
 

@@ -90,7 +90,9 @@ def fit_keywords(model: nn.Module, inputs: ModelInputs, notes: list[str] | None 
     required = {
         k: v
         for k, v in CAPTURE_HOSTILE.items()
-        if k in parameters and parameters[k].default is inspect.Parameter.empty and k not in kwargs.keys() | given
+        if k in parameters
+        and parameters[k].default is inspect.Parameter.empty
+        and k not in kwargs.keys() | given
     }
     kwargs.update(required)
     if notes is not None:

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, describe, first_line
+from normswap.load.data_rules import check_data_tensor
 from normswap.load.model_file import LoadedModel, read_tensor_file
 from normswap.load.program import is_args_kwargs_pair
 
@@ -207,16 +209,29 @@ def check_inputs_fit(
 
 
 def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
-    """Read ``--inputs``: a tensor, a tuple/list (positional args), a dict (kwargs) or an (args, kwargs) pair."""
+    """Read ``--inputs``: a tensor, a tuple/list (positional args), a dict (kwargs) or an (args, kwargs)
+    pair; each tensor held to the one rule for data (:func:`~normswap.load.data_rules.check_data_tensor`:
+    a NaN in an example input is the file's, said with its index, not the model's)."""
     payload = read_tensor_file(path, what="inputs file")
     if isinstance(payload, torch.Tensor):
-        return (payload,), {}
-    if is_args_kwargs_pair(payload):
-        return tuple(payload[0]), dict(payload[1])
-    if isinstance(payload, (tuple, list)):
-        return tuple(payload), {}
-    if isinstance(payload, Mapping) and all(isinstance(k, str) for k in payload):
-        return (), dict(payload)
+        args, kwargs = (payload,), {}
+    elif is_args_kwargs_pair(payload):
+        args, kwargs = tuple(payload[0]), dict(payload[1])
+    elif isinstance(payload, (tuple, list)):
+        args, kwargs = tuple(payload), {}
+    elif isinstance(payload, Mapping) and all(isinstance(k, str) for k in payload):
+        args, kwargs = (), dict(payload)
+    else:
+        args = None
+    if args is not None:
+        named = [(f"args[{i}]", value) for i, value in enumerate(args)] + [
+            (f"{k}=", v) for k, v in kwargs.items()
+        ]
+        for name, value in named:
+            for leaf in pytree.tree_leaves(value):
+                if isinstance(leaf, torch.Tensor):
+                    check_data_tensor(leaf, f"inputs file {path}: {name}")
+        return args, kwargs
     raise BadInputError(
         f"inputs file {path} holds a {type(payload).__name__}: expected a tensor, a tuple/list of positional "
         "inputs or a dict of keyword inputs saved with torch.save"

@@ -1,6 +1,7 @@
 """The one rule for what a tensor of data may hold, whichever command reads it and from whatever source:
 a plain dense tensor with values, each element in memory of its own, all of them finite.
-:class:`normswap.calibrate.data.CalibrationData` applies it to every tensor of every batch."""
+:class:`normswap.calibrate.data.CalibrationData` applies it to every tensor of every batch, and
+:func:`normswap.load.inputs.load_inputs_file` to every tensor of ``--inputs``."""
 
 from __future__ import annotations
 

@@ -71,11 +71,19 @@ def _widths(module: nn.Module) -> list[int]:
 
 
 def _probe_inputs(module: nn.Module, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """Inputs a module of this kind takes: token ids for an embedding; for a norm, its channel count as
-    the last dim or as dim 1 (channels-first)."""
+    """Inputs a module of this kind takes: token ids for an embedding; its input features for a linear
+    layer and its input channels for a convolution (a layer whose weight norm was removed, recorded
+    where the stock class is the same layer); for a norm, its channel count as the last dim or as dim 1
+    (channels-first)."""
     if isinstance(module, nn.Embedding):
         yield torch.randint(module.num_embeddings, (2, 5), generator=generator)
         return
+    if isinstance(getattr(module, "in_features", None), int):
+        yield torch.randn((2, 5, module.in_features), generator=generator)
+    kernel = getattr(module, "kernel_size", None)
+    if isinstance(getattr(module, "in_channels", None), int) and isinstance(kernel, tuple):
+        spatial = [max(8, 2 * k) for k in kernel]
+        yield torch.randn((2, module.in_channels, *spatial), generator=generator)
     for width in _widths(module):
         for shape in ((2, 5, width), (2, width, 3, 3), (2, width, 5)):
             yield torch.randn(shape, generator=generator) * 2 + 0.5

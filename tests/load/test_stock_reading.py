@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from hf_dirs import convert_in_memory, logits, make_directory, rel, stream, token_ids
 
@@ -167,3 +168,34 @@ def test_a_norm_without_tensors_and_integer_buffers_are_judged_by_their_function
     assert "computes another function" in stock_reading_problem(
         nn.Sequential(nn.LayerNorm(8, elementwise_affine=False)).to("meta"), {"0": other}
     )
+
+
+def test_layers_recorded_as_the_class_the_config_builds_are_judged_on_their_own_inputs(tmp_path):
+    """A ResNet given weight norm and then stripped of it records its layers as the Conv2d/Linear the
+    config builds: stock loading reads it (it hid the weights, 'could not be run on a probe input', where
+    only norm-shaped inputs were tried; the classifier's Linear is 32 -> 5)."""
+    from normswap_cli.app import app
+    from typer.testing import CliRunner
+
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=5)
+    source = tmp_path / "resnet"
+    transformers.ResNetForImageClassification(config).eval().save_pretrained(source)
+    runner = CliRunner()
+    for argv in (
+        [str(source), "--add-weight-norm", "all", "-o", str(tmp_path / "wn")],
+        [str(tmp_path / "wn"), "--remove-weight-norm", "-o", str(tmp_path / "plain")],
+    ):
+        result = runner.invoke(app, ["convert", *argv])
+        assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "plain" / "normswap.json").read_text())
+    assert "classifier.1" in record["modules"] and record["modules"]["classifier.1"]["class"] == "Linear"
+    assert record["stock_loading"].startswith("transformers' from_pretrained builds the original classes")
+    stock = stock_on_meta(transformers.ResNetForImageClassification, config)
+    assert stock_reading_problem(stock, record["modules"]) is None
+    # transformers reads it back as the model it was
+    reloaded = transformers.ResNetForImageClassification.from_pretrained(tmp_path / "plain").eval()
+    original = transformers.ResNetForImageClassification.from_pretrained(source).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        want, got = original(images).logits, reloaded(images).logits
+    assert (want - got).abs().max() <= 1e-5 * want.abs().max()

@@ -81,8 +81,8 @@ def test_a_fused_norm_is_one_operator_and_nothing_changed_is_the_same_operators(
 
 
 def test_a_pt2_and_the_model_in_memory_report_the_same_operators(tmp_path: Path):
-    """A .pt2's module loads in training mode; the copy run_model makes of such a model was counted as
-    its work (634 -> 134 operators for a folded ResNet-18, where the same model in memory says 90 -> 50)."""
+    """A .pt2's module reports training mode; the copy run_model made of it was counted as its work
+    (634 -> 134 operators for a folded ResNet-18, where the same model in memory says 90 -> 50)."""
     import torchvision
 
     model = torchvision.models.resnet18(num_classes=10).eval()
@@ -96,3 +96,27 @@ def test_a_pt2_and_the_model_in_memory_report_the_same_operators(tmp_path: Path)
     assert costs[0] is not None and costs[1] is not None
     assert costs[0].to_dict() == costs[1].to_dict()
     assert (costs[0].to_dict()["before"], costs[0].to_dict()["after"]) == (90, 50)
+
+
+def test_only_a_run_that_would_change_the_model_runs_on_a_copy(tmp_path: Path):
+    """A .pt2 exported in eval mode changes nothing when run (its module's training flag and its bare
+    holders say nothing), so it is not copied on every comparison; one exported in training mode writes
+    its BatchNorm statistics, and is."""
+    import torchvision
+
+    from normswap.load import load_model
+    from normswap.util.modes import updates_its_state
+
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(2, 3, 32, 32)
+    for mode in ("eval", "train"):
+        getattr(model, mode)()
+        path = tmp_path / f"{mode}.pt2"
+        torch.export.save(torch.export.export(model, (x,)), path)
+        loaded = load_model(path).model
+        assert loaded.training  # as torch.export's module says, whatever the graph does
+        assert updates_its_state(loaded) is (mode == "train")
+        assert updates_its_state(model) is (mode == "train")
+        before = {k: v.clone() for k, v in loaded.state_dict().items()}
+        normswap.validate(str(path), str(path))
+        assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())

@@ -456,7 +456,7 @@ def lift_exported_module(gm: nn.Module) -> nn.Module:
             if io is None:
                 continue
             wrapped, (source, replaced) = node.args[1], io
-        gm.set_submodule(prefix, module)
+        gm.set_submodule(prefix, module.eval())  # the program's op is inference's: so is the module
         attrs = _tensor_args(node)
         with gm.graph.inserting_before(node):
             call = gm.graph.call_module(prefix, (source,))

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from normswap.modules.copying import copy_model
+from normswap.util.modes import updates_its_state
 from normswap.verify.metrics import TensorComparison, compare_tensors, flatten_outputs
 
 
@@ -76,10 +77,11 @@ def attributes_restored(model: nn.Module) -> Iterator[None]:
 
 
 def run_model(model: nn.Module, args: tuple | None, kwargs: dict | None) -> Any:
-    """Run ``model`` without changing it: a model in training mode runs on a copy, since BatchNorm
-    would otherwise update its running statistics, and what the forward rebinds on its modules is
-    put back (:func:`attributes_restored`)."""
-    if any(m.training for m in model.modules()):
+    """Run ``model`` without changing it: a model whose run would change it
+    (:func:`~normswap.util.modes.updates_its_state`: a BatchNorm in training mode updates its running
+    statistics) runs on a copy, and what the forward rebinds on its modules is put back
+    (:func:`attributes_restored`)."""
+    if updates_its_state(model):
         model = copy_model(model)
     with torch.no_grad(), attributes_restored(model):
         return model(*(args or ()), **(kwargs or {}))

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from normswap.modules.copying import copy_model
+from normswap.util.modes import updates_its_state
 from normswap.verify.compare import attributes_restored
 
 
@@ -40,10 +41,9 @@ def operator_counts(model: nn.Module, example_args: tuple, example_kwargs: dict[
     """The operators one forward of ``model`` on the example runs, by name (module doc)."""
     counting = _Counting()
     args, kwargs = copy.deepcopy(tuple(example_args)), copy.deepcopy(dict(example_kwargs))
-    if any(m.training for m in model.modules()):
-        # run as run_model runs it (a training-mode model on a copy, whose statistics move), but copied
-        # before the count: the copy's clone/detach/set_ are not the model's (a .pt2's module loads in
-        # training mode, and its count was 634 ops where the same model in memory counts 90)
+    if updates_its_state(model):
+        # run as run_model runs it (on a copy), but copied before the count: the copy's clone, detach
+        # and set_ are not the model's work
         model = copy_model(model)
     with torch.no_grad(), attributes_restored(model), counting:
         model(*args, **kwargs)

@@ -126,7 +126,10 @@ def test_a_broken_converted_model_in_validate_is_refused_too(broken_pt2):
 
 def test_an_original_that_computes_nan_in_validate_names_the_inputs(tmp_path):
     result = runner.invoke(app, ["validate", f"{HERE}:overflowing_factory", f"{HERE}:good_factory"])
-    _refused(result, sentence="the original model is broken: its output holds Inf at [0, 0]")
+    # named as a model it reads broken is named: by its role and its spec
+    _refused(
+        result, sentence=f"ORIGINAL {HERE}:overflowing_factory is broken: its output holds Inf at [0, 0]"
+    )
     assert "on the inputs 2x3x12x12" in result.output
 
 

@@ -161,6 +161,8 @@ def validate(
             )
     except ValueError as exc:
         raise BadInputError(f"cannot compare: {exc}") from None
+    except BrokenModelError as exc:  # named as a broken model it reads is named (_load)
+        raise BrokenModelError(str(exc).replace("the original model", f"ORIGINAL {original}", 1)) from None
     for setting in dict.fromkeys([*off, *off_too]):
         notes.append(
             f"compared with {setting}: a written program returns no cache, so caches are not compared"

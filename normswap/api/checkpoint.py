@@ -38,7 +38,7 @@ from normswap.load.checkpoint_dir import (
     stored_tensor_reader,
 )
 from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers
-from normswap.load.config_inputs import example_inputs
+from normswap.load.config_inputs import example_inputs, made_inputs_notes
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import ShardWriter, TensorEntry, read_model_tensor, shard_writers
 from normswap.load.save import directory_output
@@ -242,6 +242,8 @@ class PlannedStream:
     headers: dict[str, tuple[dict[str, TensorEntry], dict[str, str]]]
     model: nn.Module
     plan: EditPlan
+    # what the example inputs made from the config turned off (made_inputs_notes), as in memory
+    notes: list[str] = field(default_factory=list)
 
     @property
     def report(self) -> PassReport:
@@ -285,7 +287,7 @@ def plan_checkpoint(
         read=read,
         weight_norm=weight_norm,
     )
-    return PlannedStream(checkpoint, headers, model, plan)
+    return PlannedStream(checkpoint, headers, model, plan, made_inputs_notes(kwargs))
 
 
 def write_checkpoint(

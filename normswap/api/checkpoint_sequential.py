@@ -36,7 +36,7 @@ from normswap.load.checkpoint_dir import (
     transformers_config,
 )
 from normswap.load.checkpoint_write import copy_side_files, finish_from_source, stored_headers, unrecordable
-from normswap.load.config_inputs import example_inputs
+from normswap.load.config_inputs import example_inputs, made_inputs_notes
 from normswap.load.paths import check_output
 from normswap.load.safetensors_io import NAMES, shard_writers
 from normswap.load.save import directory_output
@@ -66,6 +66,8 @@ class SequentialConversion:
     not_copied: list[str] = field(default_factory=list)
     # why the weights are under normswap's names, which stock loaders do not read (None: stock names)
     stock_refused: str | None = None
+    # what the example inputs made from the config turned off (made_inputs_notes), as in memory
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -377,4 +379,5 @@ def convert_checkpoint_sequential(
         copied_files=copied_files,
         not_copied=not_copied,
         stock_refused=stock_refused,
+        notes=made_inputs_notes(kwargs),
     )

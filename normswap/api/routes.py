@@ -112,7 +112,11 @@ def _streamed(
     if why is not None:
         return in_memory_instead(source, checkpoint, why)
     result = ConversionResult(
-        model=None, report=PipelineReport(passes=[planned.report]), config=config, route="streamed"
+        model=None,
+        report=PipelineReport(passes=[planned.report]),
+        config=config,
+        route="streamed",
+        notes=list(planned.notes),
     )
     judge(result)
     if not result.ok:
@@ -139,7 +143,7 @@ def _block_by_block(
         config=config,
         route="block by block",
         written_directory=written,
-        notes=[note],
+        notes=[note, *written.notes],
     )
     judge(result)
     result.size = _stored_sizes(source, written.path)

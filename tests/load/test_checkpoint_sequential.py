@@ -238,3 +238,30 @@ def test_a_swap_a_directory_cannot_hold_is_refused_before_calibrating_on_both_ro
     )
     assert expected in said["seq"] and expected in said["memory"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_every_route_says_the_config_made_inputs_run_without_the_cache(dirs, tmp_path):
+    """A config that turns the key/value cache on: the in-memory route said its made inputs run with
+    use_cache=False; the streamed and block-by-block routes, which make the same inputs, said nothing."""
+    import shutil
+
+    from normswap.load.config_inputs import CACHE_OFF_NOTE
+
+    cached = tmp_path / "cached"
+    shutil.copytree(dirs["llama"], cached)
+    config = json.loads((cached / "config.json").read_text())
+    (cached / "config.json").write_text(json.dumps({**config, "use_cache": True}))
+    calibrate = ["--to", "layernorm", "--calibrate", str(dirs["calib"]), "--batch-size", "4"]
+    runs = {
+        "streamed": ["--fold-norm-affine", "-o", str(tmp_path / "streamed")],
+        "in memory": ["--fold-norm-affine", "-o", str(tmp_path / "memory.pt2")],
+        "block by block": [*calibrate, "--sequential", "-o", str(tmp_path / "seq")],
+        "in memory, calibrated": [*calibrate, "-o", str(tmp_path / "calibrated")],
+    }
+    for route, argv in runs.items():
+        report = tmp_path / f"{len(route)}-{route[:3]}.json"
+        shown = runner.invoke(app, ["convert", str(cached), *argv, "--report", str(report)])
+        assert shown.exit_code == 0, (route, shown.output)
+        data = json.loads(report.read_text())
+        assert data["route"] == route.split(",")[0], route
+        assert CACHE_OFF_NOTE in data["notes"], (route, data["notes"])

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_dirs import randomize_norms
 from torch import nn
 
 from normswap import ConvertConfig, Verdict, convert, find_norms
@@ -114,10 +115,7 @@ def _nemotron() -> nn.Module:
     )
     torch.manual_seed(0)
     model = transformers.NemotronForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, tensor in model.named_parameters():
-            if "norm" in name:
-                tensor.normal_(0.0, 0.5)
+    randomize_norms(model)
     return model
 
 

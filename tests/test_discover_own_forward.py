@@ -204,3 +204,24 @@ def test_timms_batchnorm_with_its_activation_stays_a_module_whose_activation_eve
     assert isinstance(result.model.get_submodule("bn.act"), nn.ReLU)
     with torch.no_grad():  # the swapped norm's output still goes through the ReLU
         assert float(result.model.bn(result.model.conv(IMAGES[0])).amin()) >= 0.0
+
+
+def test_timms_fast_norm_inside_an_autocast_region_stays_a_module():
+    """timm's fast norms run ``F.layer_norm`` inside ``torch.autocast(enabled=False)``: export holds it in
+    one ``wrap_with_autocast`` region, which the graph sweep does not look into. A norm read as more than
+    itself must be found again as a call, or it stays the module it was: it vanished (0 sites) instead."""
+    timm_layers = pytest.importorskip("timm.layers")
+    timm_layers.set_fast_norm(True)
+    try:
+        model = _block(timm_layers.LayerNorm)
+    finally:
+        timm_layers.set_fast_norm(False)
+    assert model.norm._fast_norm
+    sites = find_norms(model, ARGS).sites
+    assert [(s.source, s.path) for s in sites] == [("module", "norm")]
+    result = convert(model, ConvertConfig(to="rmsnorm", exact=True), ARGS)
+    assert (
+        result.verdict is Verdict.OK
+        and [c.site for r in result.report.passes for c in r.changes][-1] == "norm"
+    )
+    torch.testing.assert_close(result.model(*ARGS), model(*ARGS), rtol=1e-5, atol=1e-5)

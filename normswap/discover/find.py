@@ -106,12 +106,17 @@ def find_norms(
         demoted = {}
         for path in [p for p, s in sites.items() if s.module is not None]:
             if computes_more_than_its_norm(view, path, modules[path], _NORM_OP_NAMES):
-                demoted[path] = sites.pop(path).class_name  # found again as a call inside its forward
+                demoted[path] = sites.pop(path)  # found again as a call inside its forward
         _add_graph_sites(view, modules, sites, order)
+        found_again = set()
         for site in sites.values():
             owner = site.path.split("::")[0]
             if not site.is_module and owner in demoted:
-                site.class_name = demoted[owner]
+                site.class_name = demoted[owner].class_name
+                found_again.add(owner)
+        # a norm the graph holds out of the sweep's sight (inside an autocast region: timm's fast norms)
+        # stays the module it was read as: never dropped without being found again
+        sites.update({path: site for path, site in demoted.items() if path not in found_again})
         for site in sites.values():
             if site.source in ("module", "structural"):
                 _annotate_module_site(view, site, modules, order)

@@ -77,7 +77,18 @@ BESIDE_NORM_OPS = (
     | PASS_THROUGH_OPS
     | CHECK_OPS
     | frozenset(
-        {"getitem", "permute", "movedim", "transpose", "view", "reshape", "unsqueeze", "squeeze", "flatten"}
+        {
+            "getitem",
+            "permute",
+            "movedim",
+            "transpose",
+            "view",
+            "reshape",
+            "unsqueeze",
+            "squeeze",
+            "flatten",
+            "unflatten",
+        }
     )
     | frozenset({"getattr", "size", "sym_size", "dim", "numel"})
 )

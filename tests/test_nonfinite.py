@@ -307,9 +307,24 @@ def test_a_nan_in_the_example_inputs_is_the_files_not_the_models(tmp_path, comma
     }[command]
     result = _run(*argv, "--inputs", str(inputs))
     assert result.exit_code == 2, result.output
-    assert (
-        f"inputs file {inputs}: args[0] holds 1 NaN/Inf value(s), the first (nan) at index [0, 1, 2, 3]"
-        in (" ".join(result.output.split()))
+    assert f"inputs file {inputs}: args[0] holds 1 NaN value(s), the first (nan) at index [0, 1, 2, 3]" in (
+        " ".join(result.output.split())
     )
     assert "broken" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
+
+
+def _transformer_encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+
+
+def test_example_inputs_may_hold_an_additive_mask_of_minus_infinity(tmp_path):
+    """torch's own causal mask (``generate_square_subsequent_mask``: -inf above the diagonal) is an
+    example input, not broken data: only a NaN is refused in --inputs."""
+    inputs = tmp_path / "in.pt"
+    torch.save((torch.randn(2, 7, 16), nn.Transformer.generate_square_subsequent_mask(7)), inputs)
+    result = _run("inspect", f"{HERE}:_transformer_encoder", "--inputs", str(inputs))
+    assert result.exit_code == 0, result.output
+    assert "4 norm sites: layer 4" in result.output

@@ -120,3 +120,35 @@ def test_only_a_run_that_would_change_the_model_runs_on_a_copy(tmp_path: Path):
         before = {k: v.clone() for k, v in loaded.state_dict().items()}
         normswap.validate(str(path), str(path))
         assert all(torch.equal(before[k], v) for k, v in loaded.state_dict().items())
+
+
+class _FunctionalBatchNorm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("var", torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.batch_norm(x, self.mean, self.var, training=self.training)
+
+
+def test_graphs_that_update_running_statistics_run_on_a_copy(tmp_path: Path):
+    """aten's batch_norm/instance_norm write the running statistics they are given in training mode,
+    though their schemas are not marked mutable: a .pt2 of a training-mode InstanceNorm with tracked
+    statistics, and an fx trace of F.batch_norm(training=True), change when run and must be copied."""
+    from normswap.load import load_model
+    from normswap.util.modes import updates_its_state
+    from normswap.verify.compare import run_model
+
+    instance = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 3, 1), torch.nn.InstanceNorm2d(3, track_running_stats=True)
+    )
+    x = torch.randn(2, 3, 8, 8) + 3
+    torch.export.save(torch.export.export(instance.train(), (x,)), tmp_path / "in.pt2")
+    traced = torch.fx.symbolic_trace(_FunctionalBatchNorm().train())
+    for model in (load_model(tmp_path / "in.pt2").model, traced):
+        assert updates_its_state(model)
+        before = {k: v.clone() for k, v in model.named_buffers()}
+        run_model(model, (x,), {})
+        assert all(torch.equal(before[k], v) for k, v in model.named_buffers())
+    assert not updates_its_state(torch.fx.symbolic_trace(_FunctionalBatchNorm().eval()))

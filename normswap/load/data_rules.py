@@ -1,7 +1,8 @@
 """The one rule for what a tensor of data may hold, whichever command reads it and from whatever source:
 a plain dense tensor with values, each element in memory of its own, all of them finite.
-:class:`normswap.calibrate.data.CalibrationData` applies it to every tensor of every batch, and
-:func:`normswap.load.inputs.load_inputs_file` to every tensor of ``--inputs``."""
+:class:`normswap.calibrate.data.CalibrationData` applies it to every tensor of every batch;
+:func:`normswap.load.inputs.load_inputs_file` refuses a NaN in ``--inputs`` by the same sentence (an example
+input may hold ±Inf, an additive attention mask, and be an expanded view, ``arange(T).expand(B, T)``)."""
 
 from __future__ import annotations
 
@@ -58,15 +59,26 @@ def check_data_tensor(tensor: torch.Tensor, where: str, *, rows_per_batch: int |
             f"{where} is an expanded view of shape {shape} over {tensor.untyped_storage().nbytes()} bytes (its "
             "rows share memory, so it declares far more data than it holds): save real rows (tensor.contiguous())"
         )
-    if tensor.is_floating_point() or tensor.is_complex():
-        finite = torch.isfinite(tensor)
-        if not bool(finite.all()):
-            bad = ~finite
-            first = int(bad.reshape(-1).nonzero()[0])
-            value = tensor.reshape(-1)[first].item()
-            index = position(first, tensor.shape)
-            batch = f" (batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
-            raise BadInputError(
-                f"{where} holds {int(bad.sum())} NaN/Inf value(s), the first ({value}) at index {list(index)}"
-                f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows"
-            )
+    refuse_nonfinite_values(tensor, where, rows_per_batch=rows_per_batch)
+
+
+def refuse_nonfinite_values(
+    tensor: torch.Tensor, where: str, *, rows_per_batch: int | None = None, infinity: bool = False
+) -> None:
+    """BadInputError naming the first NaN or Inf of ``tensor`` (``where``, and its batch when
+    ``rows_per_batch`` cuts it). ``infinity``: ±Inf is a value (an example input's additive attention
+    mask, ``nn.Transformer.generate_square_subsequent_mask``), NaN alone is refused."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return
+    bad = torch.isnan(tensor) if infinity else ~torch.isfinite(tensor)
+    if not bool(bad.any()):
+        return
+    first = int(bad.reshape(-1).nonzero()[0])
+    value = tensor.reshape(-1)[first].item()
+    index = position(first, tensor.shape)
+    batch = f" (batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
+    what = "NaN" if infinity else "NaN/Inf"
+    raise BadInputError(
+        f"{where} holds {int(bad.sum())} {what} value(s), the first ({value}) at index {list(index)}"
+        f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows"
+    )

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, describe, first_line
-from normswap.load.data_rules import check_data_tensor
+from normswap.load.data_rules import refuse_nonfinite_values
 from normswap.load.model_file import LoadedModel, read_tensor_file
 from normswap.load.program import is_args_kwargs_pair
 
@@ -210,8 +210,8 @@ def check_inputs_fit(
 
 def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
     """Read ``--inputs``: a tensor, a tuple/list (positional args), a dict (kwargs) or an (args, kwargs)
-    pair; each tensor held to the one rule for data (:func:`~normswap.load.data_rules.check_data_tensor`:
-    a NaN in an example input is the file's, said with its index, not the model's)."""
+    pair; a NaN in an example input is the file's, said with its index
+    (:func:`~normswap.load.data_rules.refuse_nonfinite_values`), not the model's."""
     payload = read_tensor_file(path, what="inputs file")
     if isinstance(payload, torch.Tensor):
         args, kwargs = (payload,), {}
@@ -230,7 +230,7 @@ def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
         for name, value in named:
             for leaf in pytree.tree_leaves(value):
                 if isinstance(leaf, torch.Tensor):
-                    check_data_tensor(leaf, f"inputs file {path}: {name}")
+                    refuse_nonfinite_values(leaf, f"inputs file {path}: {name}", infinity=True)
         return args, kwargs
     raise BadInputError(
         f"inputs file {path} holds a {type(payload).__name__}: expected a tensor, a tuple/list of positional "

@@ -39,25 +39,50 @@ def modes_restored(*models: nn.Module, inference: bool = False) -> Iterator[None
 def updates_its_state(model: nn.Module) -> bool:
     """Whether running ``model`` may change it, so that a run that must not (a comparison, a count)
     runs a copy: a module in training mode that computes something (a BatchNorm moves its statistics),
-    or a graph that writes into its own tensors (a program exported in training mode). A graph's own
-    flag, and a bare ``nn.Module`` that only holds a program's tensors, change nothing: a ``.pt2``'s
-    module reports training mode and refuses ``eval()``, and copying it on every run doubled its memory."""
+    or a graph that writes into its own tensors (an in-place op on them, or a batch/instance norm that
+    updates the running statistics it reads: a program exported in training mode, an fx trace of
+    ``F.batch_norm(..., training=True)``). A graph's own flag, a bare ``nn.Module`` that only holds a
+    program's tensors and torch.export's guard module change nothing: a ``.pt2``'s module reports
+    training mode and refuses ``eval()``, and copying it on every run doubled its memory."""
     for module in model.modules():
         if isinstance(module, fx.GraphModule):
             if any(_writes_own_tensor(node) for node in module.graph.nodes):
                 return True
-        elif type(module) is not nn.Module and module.training and not _export_internal(module):
+        elif type(module) is not nn.Module and module.training and type(module).__name__ != "GuardsFn":
             return True
     return False
 
 
-def _export_internal(module: nn.Module) -> bool:
-    """A module torch.export adds to the module of a program (its input guards), whose mode means nothing."""
-    return type(module).__module__.startswith("torch.export.")
+# norm ops that update the running statistics passed to them when they normalize with the batch's own:
+# name -> (position of the running mean: aten's, torch.nn.functional's), (position of the flag, default)
+_STATISTICS_OPS = {
+    "batch_norm": ((3, 1), (5, False)),
+    "native_batch_norm": ((3, 1), (5, None)),
+    "instance_norm": ((3, 1), (5, True)),
+}
 
 
 def _writes_own_tensor(node: fx.Node) -> bool:
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function":
         return False
-    return target._schema.is_mutable and any(isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args)
+    target = node.target
+    aten = isinstance(target, torch._ops.OpOverload)
+    if aten:
+        name = target._schema.name.split("::")[-1]
+        if target._schema.is_mutable and any(
+            isinstance(a, fx.Node) and a.op == "get_attr" for a in node.args
+        ):
+            return True
+    else:
+        name = getattr(target, "__name__", "")
+    if name not in _STATISTICS_OPS:
+        return False
+    (aten_at, functional_at), (flag_at, default) = _STATISTICS_OPS[name]
+    at = aten_at if aten else functional_at
+    running = node.args[at] if len(node.args) > at else node.kwargs.get("running_mean")
+    flag = (
+        node.args[flag_at]
+        if len(node.args) > flag_at
+        else node.kwargs.get("training", node.kwargs.get("use_input_stats", default))
+    )
+    return isinstance(running, fx.Node) and flag is not False

@@ -80,7 +80,7 @@ def test_keyword_batches_compare_a_directory_and_its_pt2_alike(llama, tmp_path, 
     figures = [{o["name"]: o["sqnr_db"] for o in r["outputs"]} for r in (dir_report, pt2_report)]
     assert figures[0]["output.logits"] == pytest.approx(figures[1]["output.logits"], rel=1e-4)
     assert not [name for f in figures for name in f if "cache" in name]
-    assert "the inputs run with use_cache=False, as the program was exported" in pt2_report["notes"]
+    assert "the inputs run with use_cache=False, which the program takes (GraphModule)" in pt2_report["notes"]
     if batches == "labels":  # the directory's forward takes them (and returns a loss); the .pt2 does not
         assert (
             "the inputs' labels is not fed: the model's forward does not take it (GraphModule)"

@@ -64,15 +64,14 @@ def run_batch(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
 
 
 def fit_keywords(model: nn.Module, inputs: ModelInputs, notes: list[str] | None = None) -> ModelInputs:
-    """Keyword ``inputs`` as ``model``'s forward names them, the one rule for every command that runs a
-    user's keyword batch or inputs on a model (and for both models of a comparison, so that they run on
-    the same inputs):
+    """Keyword ``inputs`` as ``model``'s forward names them (``validate`` fits every input to both models
+    with it, so that a model directory and its ``.pt2`` run on the same inputs):
 
     - a key the forward does not take, when it takes no ``**kwargs``, is dropped (a batch's ``labels``
       for a ``.pt2`` exported without them): the model could not be called with it;
     - a setting that a graph capture cannot carry (``use_cache``,
       :data:`~normswap.graph.capture.CAPTURE_HOSTILE`) that the forward requires (a ``.pt2`` exported with
-      ``use_cache=False`` passed) and the inputs leave unset is passed as the program was exported with.
+      ``use_cache=False`` passed, as normswap writes them) and the inputs leave unset is passed turned off.
 
     Each change is said once in ``notes``; positional inputs are left as they are."""
     from normswap.graph.capture import CAPTURE_HOSTILE
@@ -100,7 +99,7 @@ def fit_keywords(model: nn.Module, inputs: ModelInputs, notes: list[str] | None 
         for key in dropped:
             _note(notes, f"the inputs' {key} is not fed: the model's forward does not take it ({name})")
         for key, value in required.items():
-            _note(notes, f"the inputs run with {key}={value}, as the program was exported")
+            _note(notes, f"the inputs run with {key}={value}, which the program takes ({name})")
     return ModelInputs(inputs.args, kwargs) if (dropped or required) else inputs
 
 

@@ -146,3 +146,15 @@ def test_inspect_lists_cosine_layers(tmp_path):
     assert [(c["path"], c["weight_name"], c["scale"], c["out_features"]) for c in layers] == [
         ("", "weight", "scalar", 10)
     ]
+
+
+def test_a_frozen_batchnorm_mobilenet_is_searched_without_crashing():
+    """timm's mobilenetv3 (efficientnet alike) with its BatchNorms frozen (freeze_batch_norm_2d): a
+    candidate whose 'bias' is not the conv's made the cosine reference conv raise (inspect exited 3)."""
+    timm = pytest.importorskip("timm")
+    from timm.layers import freeze_batch_norm_2d
+
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=5)
+    model = freeze_batch_norm_2d(model).eval()
+    assert find_cosine_sites(model, (torch.randn(1, 3, 32, 32),)) == []

@@ -16,7 +16,8 @@ numerator, ``mul``'s full-size operand, unsqueezes).
 *Confirmation.* The subgraph from ``x`` to a candidate output must be closed (it reads nothing else but
 stored tensors and constants) and contain a reduction (a norm cannot be computed without one); it is
 then evaluated in float64 on random inputs with their own row scales and must equal ``s * cos + t``
-per output, with ``s``, ``t`` least-squares fitted on those draws, within 1e-5 relative (``_REL``), either for
+per output, with ``s``, ``t`` least-squares fitted on those draws (at least three rows per output, or any
+conv followed by a per-channel affine would fit), within 1e-5 relative (``_REL``), either for
 plain cosines or for the augmented ones ``cos([x, 1], [w, b])`` with the stored bias. So a Linear
 followed by an RMSNorm (``Wx / rms(Wx)`` is scale-invariant in ``x`` but not a cosine) is not taken.
 The latest output that confirms wins (the scale multiply included).
@@ -134,10 +135,13 @@ def _reference(
             arg(node, 5, "dilation", 1),
         )
         groups = arg(node, 8, "groups", 1) if op_name(node) == "convolution" else arg(node, 6, "groups", 1)
-        if groups != 1 or w.ndim != x.ndim:
-            return None
+        if groups != 1 or w.ndim != x.ndim or (b is not None and b.numel() != w.shape[0]):
+            return None  # not a weight and bias of this conv (a frozen BatchNorm's scale read as a bias)
         conv = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}[x.ndim]
-        dot = conv(x, w, b, stride, padding, dilation)
+        try:
+            dot = conv(x, w, b, stride, padding, dilation)
+        except RuntimeError:  # the candidate's tensors do not make this conv: not a cosine layer
+            return None
         ones = torch.ones(1, *w.shape[1:], dtype=x.dtype)
         xn = conv(x * x, ones, None, stride, padding, dilation) + (1.0 if b is not None else 0.0)
         wn = w.flatten(1).square().sum(1) + (b.square() if b is not None else 0.0)
@@ -166,6 +170,13 @@ def _rows(out: torch.Tensor, features: int, conv: bool) -> torch.Tensor:
     return out.reshape(-1, features) if out.numel() % features == 0 else out[:0].reshape(0, features)
 
 
+# Random inputs drawn per candidate, and the rows (positions over all draws) a fit of a scale and a shift
+# per output needs to mean anything: on a 1x1 feature map, two draws gave two rows, which any conv
+# followed by a per-channel affine fits (timm's mobilenetv3 with frozen BatchNorms listed 6 such layers)
+_DRAWS = 4
+_MIN_ROWS = 3
+
+
 def _fit(cos: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Per-output least squares ``out ~ s cos + t``: s, t and the worst residual relative to max|out|."""
     mc, mo = cos.mean(0), out.mean(0)
@@ -187,7 +198,7 @@ def _confirm(view: GraphView, values: TensorValues, product: fx.Node, x: fx.Node
     g = torch.Generator().manual_seed(0)
     shape = meta[0]
     draws = []
-    for _ in range(2):
+    for _ in range(_DRAWS):
         row = 1 + torch.rand(*shape[:-1], 1, generator=g, dtype=torch.float64) * 4 if shape else 1.0
         draws.append(torch.randn(shape, generator=g, dtype=torch.float64) * row)
     tensors = {n: values(n) for n in cone for n in n.all_input_nodes if view.is_param(n)}
@@ -204,8 +215,8 @@ def _confirm(view: GraphView, values: TensorValues, product: fx.Node, x: fx.Node
         cos = torch.cat(refs)  # type: ignore[arg-type]
         conv = op_name(product) in _CONVS
         got = torch.cat([_rows(o, cos.shape[1], conv) for o in outs])  # type: ignore[arg-type]
-        if got.shape != cos.shape:
-            return None
+        if got.shape != cos.shape or cos.shape[0] < _MIN_ROWS:
+            return None  # too few rows to tell: two points fit any scale and shift
         s, t, residual = _fit(cos, got)
         if residual <= _REL and bool((s.abs() > 1e-12).all()):
             name = view.param_name(weight) or ""

@@ -91,7 +91,6 @@ def _short_error(exc: BaseException) -> str:
 # Settings that make a model return what torch.export cannot carry out of a graph, and the value that
 # turns each off. Read from ``module.config`` of any submodule (Hugging Face, diffusers style), so a
 # wrapped or unpickled model is handled like one built by its library.
-# settings a graph capture cannot carry (a DynamicCache output), with the value a program runs with
 CAPTURE_HOSTILE = {"use_cache": False}
 
 

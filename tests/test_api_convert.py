@@ -226,3 +226,29 @@ def test_the_cli_report_of_a_refusal_is_the_results_to_dict(tmp_path):
     assert from_cli.pop("model") == f"{ZOO}:bert_factory"
     assert from_cli == from_library
     assert from_cli["refusal"] in " ".join(ran.output.split())
+
+
+def test_the_api_says_what_it_takes_where_it_raised_type_errors(tmp_path):
+    """A bare tensor as example inputs ('Boolean value of Tensor ... is ambiguous'), a module given where a
+    spec is read ('expected str ... not MobileNetV3'), a str output for recalibrate ('no attribute
+    suffix'): each a BadInputError that says what to pass, or taken as ConvertConfig takes it."""
+    import torchvision
+
+    from normswap.errors import BadInputError
+
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(BadInputError, match=r"pass \(x,\), not x"):
+        normswap.convert(model, normswap.ConvertConfig(fold_bn=True), x)
+    with pytest.raises(BadInputError, match=r"not a ResNet object; normswap\.convert takes a module"):
+        normswap.validate(model, model)
+    data = tmp_path / "data.pt"
+    torch.save(torch.randn(8, 3, 32, 32), data)
+    spec = f"{tmp_path / 'factory.py'}:build"
+    (tmp_path / "factory.py").write_text(
+        "import torch, torchvision\n"
+        "def build():\n    torch.manual_seed(0)\n    return torchvision.models.resnet18(num_classes=10).eval()\n"
+    )
+    out = str(tmp_path / "out.pt2")
+    run = normswap.recalibrate(spec, str(data), out, batch_size=4, input_shapes=["1,3,32,32"])
+    assert run.ok and (tmp_path / "out.pt2").is_file()

@@ -218,6 +218,8 @@ def convert_model(
             "normswap.convert needs example inputs (example_args and/or example_kwargs): the model is "
             "captured and every rewrite checked on them"
         )
+    if not isinstance(example_args, tuple | list | None) or not isinstance(example_kwargs, dict | None):
+        raise BadInputError("example inputs are a tuple (positional) and a dict (keyword): pass (x,), not x")
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
     notes: list[str] = []
     if _written_as_a_program(config) and any(p.needs is Needs.EXPORTED_GRAPH for p in passes):

@@ -98,7 +98,7 @@ def _inputs_checked(
 def recalibrate(
     model: str,
     data: str,
-    output: Path,
+    output: str | Path,
     *,
     batches: int | None = None,
     batch_size: int | None = None,
@@ -122,6 +122,7 @@ def recalibrate(
     ``opset``, ``static_shapes`` and ``dtype`` say how the output is written, as for convert."""
     from normswap.calibrate import recalibrate_batchnorm
 
+    output = Path(output)  # a str as ConvertConfig(output=...) takes one
     check_output_format(output)
     # the statistics are re-estimated without being read: broken ones are what this command repairs
     loaded = load_for_inference(model, weights, trust_pickle, statistics_replaced=True)
@@ -170,7 +171,7 @@ def distill(
     original: str,
     converted: str,
     data: str,
-    output: Path,
+    output: str | Path,
     *,
     steps: int,
     lr: float = 1e-4,
@@ -219,6 +220,7 @@ def distill(
     from normswap.calibrate.parallel import full_state_dict
     from normswap.load.checkpoint_write import is_directory_output
 
+    output = Path(output)  # a str as ConvertConfig(output=...) takes one
     sharded_output = output.suffix == SHARDED_SUFFIX
     if not sharded_output:
         check_output_format(output)

@@ -378,6 +378,11 @@ def _load_directory(path: Path, spec: str) -> LoadedModel:
 
 
 def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:
+    if not isinstance(spec, str | Path):
+        raise BadInputError(
+            f"a model is given as a spec here (a model file, a model directory or package.module:callable), "
+            f"not a {type(spec).__name__} object; normswap.convert takes a module"
+        )
     path = Path(spec)
     if path.exists():
         if weights is not None:

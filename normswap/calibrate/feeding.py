@@ -77,8 +77,8 @@ def fit_keywords(model: nn.Module, inputs: ModelInputs, notes: list[str] | None 
     from normswap.graph.capture import CAPTURE_HOSTILE
 
     try:
-        parameters = inspect.signature(model.forward).parameters
-        given = set(inspect.signature(model.forward).bind_partial(*inputs.args).arguments)
+        signature = inspect.signature(model.forward)
+        parameters, given = signature.parameters, set(signature.bind_partial(*inputs.args).arguments)
     except (TypeError, ValueError):
         return inputs
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())

@@ -175,6 +175,10 @@ with kernel_route("triton"):
 pstats.Stats(pr).sort_stats("tottime").print_stats(16)
 PYEOF
       ;;
+    bwddiag)
+      # The backward's parts timed where autograd runs them and alone, with profiler traces to read offline.
+      timeout "${BWDDIAG_TIMEOUT:-150}" $PY benchmarks/diag_backward_host_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bwddiag.log" | tail -80
+      ;;
     hostprof)
       # Host time of one eager call at one row, per route, and where the kernel route's time goes.
       timeout 90 $PY - <<'PYEOF' 2>&1 | tail -45

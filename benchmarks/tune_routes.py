@@ -11,7 +11,7 @@ A key's rule says, per row length, from how many rows the kernel takes over: the
 count from which the kernel is not clearly slower (by more than ``CLEAR_LOSS``) at that and every larger
 measured count, and never more
 than a shorter row needs (noise at a few rows otherwise gives rules that zigzag over the lengths). Row
-lengths beyond the grid take the kernel. ``--from-json`` re-derives the rules from a run's timings. Written: every timing and the rules as JSON (``--out``); ``--rules FILE``
+lengths beyond the grid follow the longest measured one. ``--from-json`` re-derives the rules from a run's timings. Written: every timing and the rules as JSON (``--out``); ``--rules FILE``
 writes the rules alone as the file normswap ships (``normswap/kernels/route_rules.json``). Keys run in order of how often models hit them
 and the JSON is rewritten after each key, so a run stopped by a time limit keeps what it measured.
 
@@ -155,10 +155,11 @@ def rule_from(timings: list[dict]) -> list[tuple[int, int]]:
     # say otherwise (noise at a few rows) keeps torch's route, the original's own ops, when in doubt.
     for i in range(len(rule) - 2, -1, -1):
         rule[i] = (rule[i][0], max(rule[i][1], rule[i + 1][1]))
-    # Trailing lengths where the kernel always wins need no entry (beyond the rule: the kernel).
-    while rule and rule[-1][1] == 0:
+    # Rows longer than the last entry follow it, so of the trailing lengths where the kernel wins at
+    # every count one entry is kept (it says so for every longer row too); none where it always wins.
+    while len(rule) > 1 and rule[-1][1] == 0 and rule[-2][1] == 0:
         rule.pop()
-    return rule
+    return [] if len(rule) == 1 and rule[0][1] == 0 else rule
 
 
 def main(argv: list[str] | None = None) -> int:

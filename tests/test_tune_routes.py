@@ -50,6 +50,12 @@ def test_a_clear_loss_at_many_rows_and_monotone_lengths():
     rule = tuner.rule_from(timings)
     # 512 never (slower at every count); 2048 from 4096 rows; 8192 from 4096 rows
     assert rule == [(512, NEVER), (2048, 4096), (8192, 4096)]
+    # where the kernel wins at every count from some length on, one entry says so for every longer
+    # row (longer rows follow the last entry); where it wins everywhere, no entry at all
+    timings = [_t(1, 512, 60, 20), _t(4096, 512, 150, 100)]
+    timings += [_t(m, n, 10, 100) for m in (1, 4096) for n in (2048, 8192)]
+    assert tuner.rule_from(timings) == [(512, NEVER), (2048, 0)]
+    assert tuner.rule_from([_t(m, n, 10, 100) for m in (1, 4096) for n in (512, 8192)]) == []
     # a shorter row never takes the kernel at fewer rows than a longer one
     timings = [_t(1, 512, 60, 20), _t(4096, 512, 50, 100), _t(1, 8192, 60, 20), _t(4096, 8192, 150, 100)]
     assert tuner.rule_from(timings) == [(512, NEVER), (8192, NEVER)]

@@ -15,7 +15,9 @@ has one native kernel for the function (``native``: plain casting, no weight off
 input's dtype, no bias on an RMSNorm) or composes it from several ops, the element size, and whether
 autograd records the call (``train``: forward and backward are one decision). For each key it lists
 ``(n_max, min_rows)``: rows of length up to ``n_max`` take the kernel from ``min_rows`` rows on; rows
-longer than the last ``n_max`` always take the kernel.
+longer than the last ``n_max`` follow the last pair (a length nobody measured keeps the verdict of the
+longest one measured: the H200's grid showed the kernel's backward 4x slower than torch's at a few rows
+of 32K, where an earlier reading, "always the kernel", had sent them).
 
 ``NORMSWAP_ROUTE_RULES=rules.json`` replaces the built-in rules by a tuner's output (another GPU);
 ``NORMSWAP_KERNEL_ROUTE=triton|torch`` (or :func:`kernel_route`) forces one route, for tests and benchmarks.
@@ -153,10 +155,11 @@ def _active_rules() -> Mapping[str, RouteRule]:
 
 @functools.lru_cache(maxsize=4096)  # host time counts at a few rows, and shapes repeat
 def _min_rows(key: str, n: int, rules_id: int) -> int:
-    for n_max, min_rows in _active_rules().get(key, ()):
+    rule = _active_rules().get(key, ())
+    for n_max, min_rows in rule:
         if n <= n_max:
             return min_rows
-    return 0
+    return rule[-1][1] if rule else 0  # beyond the longest measured length: its verdict
 
 
 def choose_route(

@@ -27,7 +27,9 @@ def test_rules_pick_the_kernel_from_min_rows_on_per_row_length():
         assert choose_route("rms", False, True, torch.bfloat16, False, 512, 768) == "triton"
         assert choose_route("rms", False, True, torch.bfloat16, False, 63, 4096) == "torch"
         assert choose_route("rms", False, True, torch.bfloat16, False, 64, 2048) == "triton"
-        assert choose_route("rms", False, True, torch.bfloat16, False, 1, 8192) == "triton"  # beyond
+        # beyond the longest measured length: its verdict (64 rows), not "always the kernel"
+        assert choose_route("rms", False, True, torch.bfloat16, False, 63, 32768) == "torch"
+        assert choose_route("rms", False, True, torch.bfloat16, False, 64, 32768) == "triton"
         # another key (fp32, training, LayerNorm) has no rule: the kernel
         assert choose_route("rms", False, True, torch.float32, False, 1, 768) == "triton"
         assert choose_route("rms", False, True, torch.bfloat16, True, 1, 768) == "triton"
@@ -60,10 +62,10 @@ def test_rules_file_is_checked(tmp_path):
 def test_environment_forces_a_route_or_refuses_a_bad_one(monkeypatch):
     try:
         monkeypatch.setenv("NORMSWAP_KERNEL_ROUTE", "torch")
-        # read at import: the rules decide (the kernel beyond the longest rule)
-        assert choose_route("rms", False, True, torch.bfloat16, False, 1, 65536) == "triton"
+        # read at import: the rules decide (the kernel at many rows)
+        assert choose_route("rms", False, True, torch.bfloat16, False, 1 << 20, 65536) == "triton"
         reload_environment()
-        assert choose_route("rms", False, True, torch.bfloat16, False, 1, 65536) == "torch"
+        assert choose_route("rms", False, True, torch.bfloat16, False, 1 << 20, 65536) == "torch"
         monkeypatch.setenv("NORMSWAP_KERNEL_ROUTE", "fast")
         reload_environment()
         with pytest.raises(ValueError, match="NORMSWAP_KERNEL_ROUTE must be one of"):

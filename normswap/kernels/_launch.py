@@ -329,7 +329,10 @@ def norm_bwd(
         raise ValueError("the LayerNorm backward needs the saved mean")
     if not triton_supports(dy, dh, x, weight, bias):
         raise TypeError("the Triton norm kernels take fp32/fp16/bf16 tensors")
-    return launch_bwd(kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset, max_block_n)
+    dx, dw, db = launch_bwd(kind, dy, dh, x, weight, bias, mean, rstd, casting, weight_offset, max_block_n)
+    # The launcher sums both parameters' partials in one buffer (one op less at a few rows, where host
+    # time counts), so its dw and db may share storage; the op's results may not alias each other.
+    return dx, dw, db.clone() if dw is not None and db is not None else db
 
 
 def launch_bwd(
@@ -367,9 +370,14 @@ def launch_bwd(
         grid_m = max(1, min(num_tiles, wanted))
     else:  # a symbolic row count (torch.compile with dynamic shapes)
         grid_m = torch.sym_max(1, torch.sym_min(num_tiles, wanted))
-    # [grid_m, N] fp32 partial sums, one row per program: no atomics, deterministic dw/db.
-    dw_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if weight is not None else None
-    db_partial = torch.empty((grid_m, n), dtype=torch.float32, device=device) if bias is not None else None
+    # [grid_m, N] fp32 partial sums, one row per program: no atomics, deterministic dw/db. Weight and
+    # bias share one buffer, summed and cast by one op each: at a few rows each op's host time counts.
+    n_partials = (weight is not None) + (bias is not None)
+    partials = (
+        torch.empty((n_partials, grid_m, n), dtype=torch.float32, device=device) if n_partials else None
+    )
+    dw_partial = partials[0] if weight is not None else None
+    db_partial = partials[-1] if bias is not None else None
 
     if m > 0:
         ker = kernel_module(interpret)
@@ -430,15 +438,18 @@ def launch_bwd(
             BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps,
         )
-    elif dw_partial is not None or db_partial is not None:
-        # No rows: the parameter gradients are zero, not the garbage of an unwritten buffer.
-        for p in (dw_partial, db_partial):
-            if p is not None:
-                p.zero_()
+    elif partials is not None:
+        partials.zero_()  # no rows: the parameter gradients are zero, not an unwritten buffer's garbage
 
-    dw = dw_partial.sum(0).to(weight.dtype) if weight is not None else None
-    db = db_partial.sum(0).to(bias.dtype) if bias is not None else None
-    return dx, dw, db
+    if partials is None:
+        return dx, None, None
+    # One program's partial row is the sum itself (a view, no reduction launched); a symbolic count
+    # (torch.compile) is not asked, which would guard on it
+    sums = partials[:, 0] if isinstance(grid_m, int) and grid_m == 1 else partials.sum(1)
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        return dx, sums[0].to(weight.dtype), sums[1].to(bias.dtype)
+    sums = sums.to((weight if weight is not None else bias).dtype)
+    return dx, sums[0] if weight is not None else None, sums[-1] if bias is not None else None
 
 
 __all__ = [

@@ -185,3 +185,36 @@ def test_statistics_are_fp32():
     x32 = x.float()
     torch.testing.assert_close(mean, x32.mean(-1))
     torch.testing.assert_close(rstd, torch.rsqrt(x32.var(-1, unbiased=False) + 1e-5))
+
+
+@pytest.mark.parametrize("rows", [1, 300], ids=["one-program", "several-programs"])
+@pytest.mark.parametrize(
+    ("w_dtype", "b_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
+    ids=["bf16-params", "fp32-params", "mixed-params"],
+)
+def test_weight_and_bias_gradients_share_one_partial_buffer(rows, w_dtype, b_dtype):
+    """The backward sums the weight's and bias's per-program partials in one buffer (one program: its
+    row is the sum). Both routes give the reference gradients in each parameter's dtype, and the op's
+    results never alias each other (a custom op may not return aliases)."""
+    x = randn((rows, 96), torch.bfloat16, seed=0, scale=2.0, shift=0.5)
+    w = make_params(96, w_dtype, True, False)[0]
+    b = make_params(96, b_dtype, False, True)[1]
+    dy = randn(x.shape, torch.bfloat16, seed=2)
+    args = ("layer", x, None, w, b, 1e-5, "llama", 0.0, dy)
+    want = reference_grads(*args)
+    got = fused_grads(*args, triton=True)  # the eager route: launch_bwd's views are fine there
+    check_all(got, want, torch.bfloat16)
+    assert got["dweight"].dtype == w_dtype and got["dbias"].dtype == b_dtype
+    _, _, mean, rstd = norm_fwd("layer", x, None, w, b, 1e-5, "llama", 0.0)
+    with triton_on_cpu():
+        dx, dw, db = torch.ops.normswap.layer_norm_bwd(dy, x, w, b, mean, rstd, "llama", 0.0)
+        torch.library.opcheck(
+            torch.ops.normswap.layer_norm_bwd.default,
+            (dy, x, w, b, mean, rstd, "llama", 0.0),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )
+    assert dw.untyped_storage().data_ptr() != db.untyped_storage().data_ptr()
+    assert_close(dx, want["dx"], torch.bfloat16, "dx")
+    assert_close(dw, want["dweight"], torch.bfloat16, "dweight")
+    assert_close(db, want["dbias"], torch.bfloat16, "dbias")

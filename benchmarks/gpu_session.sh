@@ -179,6 +179,11 @@ PYEOF
       # The backward's parts timed where autograd runs them and alone, with profiler traces to read offline.
       timeout "${BWDDIAG_TIMEOUT:-150}" $PY benchmarks/diag_backward_host_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bwddiag.log" | tail -80
       ;;
+    modeldiag)
+      # A converted GPT-2 against its original: per-norm host time, operator counts, cProfile.
+      timeout "${MODELDIAG_TIMEOUT:-150}" $PY benchmarks/diag_model_host_gpu.py --out "$OUT" 2>&1 \
+        | grep -v -i "warn\|output = func\|return forward_call" | tee "$OUT/modeldiag.log" | tail -80
+      ;;
     hostprof)
       # Host time of one eager call at one row, per route, and where the kernel route's time goes.
       timeout 90 $PY - <<'PYEOF' 2>&1 | tail -45

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd import forward_ad
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from normswap.kernels import _routes
 from normswap.kernels._launch import check_args, interpreter_enabled, triton_available, triton_supports
-from normswap.kernels._routes import choose_route, forced_route, native_kernel, route_state
+from normswap.kernels._routes import choose_route, forced_route, native_kernel
 
 _force_triton_on_cpu = 0
 
@@ -57,12 +57,20 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
 
 # Parameters are plain tensors too; any other subclass (FakeTensor, DTensor, ...) must see the op.
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PARAMETER = torch.nn.Parameter
+# torch's own C functions, bound once: every eager call asks them, and inside a model a norm's Python
+# calls cost several times what they cost in a tight loop (measured on an H200 host: a fused LayerNorm
+# on torch's route took 60 us a call inside GPT-2 against nn.LayerNorm's 29, where a loop of the same
+# call showed 20 against 14), so the path counts calls, not only their work
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+_dispatch_stack_depth = torch._C._len_torch_dispatch_stack
+_tracing_state = torch._C._get_tracing_state
 
 
 def transformed() -> bool:
     """Whether a torch.func transform (grad, vmap, jacfwd, ...) or forward-mode AD is active."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or forward_ad._current_level >= 0
+    return _peek_interpreter_stack() is not None or forward_ad._current_level >= 0
 
 
 def skips_dispatcher(*tensors: torch.Tensor | None) -> bool:
@@ -85,9 +93,7 @@ def _watched(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     """Whether something records the call (torch.compile, a dispatch mode, torch.jit.trace: the
     TorchScript ONNX exporter) or a tensor is not a plain one (a subclass, or the legacy vmap of
     is_grads_batched / jacobian(vectorize=True), which hides behind a plain type)."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return True
-    if torch._C._get_tracing_state():
+    if torch.compiler.is_compiling() or _dispatch_stack_depth() or _tracing_state():
         return True
     # A loop, not any(<generator>): this runs on every eager call, and at a few rows host time counts.
     for t in tensors:
@@ -118,14 +124,17 @@ def flatten_norm_dims(
 
 @dataclass(frozen=True)
 class EagerPlan:
-    """How an eager call runs: ``torch`` (torch's own ops; ``native``: one native kernel) or the kernel."""
+    """How an eager call runs: ``torch`` (torch's own ops; ``native``: one native kernel, called with
+    ``shape``, the normalized dims) or the kernel."""
 
     torch: bool
     native: bool
+    shape: tuple[int, ...] = ()
 
 
 _KERNEL_PLAN = EagerPlan(torch=False, native=False)
 _PLANS: dict[tuple, EagerPlan | None] = {}
+_MISSING = object()
 _MAX_PLANS = 4096  # distinct kinds of call kept; a model makes a handful, so this only bounds a leak
 
 
@@ -163,8 +172,22 @@ def eager_plan(
     so it is computed once per key; the watchers (torch.compile, dispatch modes, tracing, tensor
     subclasses) are looked at on every call.
     """
-    if _watched((x, residual, weight, bias)):
+    # _watched, spelled out: this runs on every eager call (see _dispatch_stack_depth above)
+    if torch.compiler.is_compiling() or _dispatch_stack_depth() or _tracing_state():
         return None
+    if type(x) not in _PLAIN_TENSOR_TYPES or _is_legacy_batched(x):
+        return None
+    if residual is not None and (type(residual) not in _PLAIN_TENSOR_TYPES or _is_legacy_batched(residual)):
+        return None
+    for t in (weight, bias):
+        # a Parameter is never batched by the legacy vmap (it batches inputs and gradients): its type
+        # suffices, and a module's call skips one C call per parameter
+        if (
+            t is not None
+            and type(t) is not _PARAMETER
+            and (type(t) is not torch.Tensor or _is_legacy_batched(t))
+        ):
+            return None
     key = (
         kind,
         x.shape,
@@ -178,10 +201,11 @@ def eager_plan(
         normalized_ndim,
         train,
         _force_triton_on_cpu > 0,
-        route_state(),
+        _routes.current_state,
     )
-    if key in _PLANS:
-        return _PLANS[key]
+    plan = _PLANS.get(key, _MISSING)
+    if plan is not _MISSING:
+        return plan
     if not use_triton(x, residual, weight, bias):
         plan = None  # the op: the reference math (CPU, float64, ...)
     else:
@@ -192,7 +216,7 @@ def eager_plan(
             n = x.shape[x.ndim - normalized_ndim :].numel()
             route = choose_route(kind, residual is not None, native, x.dtype, train, x.numel() // n, n)
             if route == "torch":
-                plan = EagerPlan(torch=True, native=native)
+                plan = EagerPlan(torch=True, native=native, shape=tuple(x.shape[x.ndim - normalized_ndim :]))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _PLANS[key] = plan

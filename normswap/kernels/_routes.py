@@ -68,6 +68,23 @@ _rules_override: Mapping[str, RouteRule] | None = None
 # reload_environment() reads it again.
 _env_route: str | None = None
 _env_rules_path: str | None = None
+# What a cached route decision depends on besides the call (the forced route, the environment's route
+# and rules file, the rules in force), as raw values: kept up to date by whatever changes them, so a
+# call reads one module attribute instead of computing it (in a model each microsecond of a norm's
+# host time is the model's), and equal states find the same cached decisions again.
+current_state: tuple[object, ...] = ()
+# Counts the rule tables route_rules() put in force (not their id: a freed table's id can come back)
+_rules_generation = 0
+
+
+def _update_state() -> None:
+    global current_state
+    current_state = (
+        _forced,
+        _env_route,
+        _env_rules_path,
+        _rules_generation if _rules_override is not None else None,
+    )
 
 
 def reload_environment() -> None:
@@ -76,6 +93,7 @@ def reload_environment() -> None:
     _env_route = os.environ.get("NORMSWAP_KERNEL_ROUTE")
     _env_rules_path = os.environ.get("NORMSWAP_ROUTE_RULES") or None
     _min_rows.cache_clear()
+    _update_state()
 
 
 def forced_route() -> Route | None:
@@ -90,11 +108,6 @@ def forced_route() -> Route | None:
     return env  # type: ignore[return-value]
 
 
-def route_state() -> tuple[Route | None, int]:
-    """What a cached route decision depends on besides the call: the forced route and the rules."""
-    return forced_route(), id(_active_rules())
-
-
 @contextlib.contextmanager
 def kernel_route(route: Route | None) -> Iterator[None]:
     """Force every eager fused-norm call in the block onto ``route`` (None: the measured choice)."""
@@ -102,10 +115,12 @@ def kernel_route(route: Route | None) -> Iterator[None]:
     if route is not None and route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES} or None, got {route!r}")
     saved, _forced = _forced, route
+    _update_state()
     try:
         yield
     finally:
         _forced = saved
+        _update_state()
 
 
 def load_rules(path: str | Path) -> dict[str, RouteRule]:
@@ -132,14 +147,18 @@ BUILTIN_RULES: dict[str, RouteRule] = load_rules(BUILTIN_RULES_FILE)
 @contextlib.contextmanager
 def route_rules(rules: Mapping[str, RouteRule] | None) -> Iterator[None]:
     """Use ``rules`` instead of the built-in (or environment's) rules inside the block."""
-    global _rules_override
+    global _rules_override, _rules_generation
     saved, _rules_override = _rules_override, rules
+    _rules_generation += 1
     _min_rows.cache_clear()
+    _update_state()
     try:
         yield
     finally:
         _rules_override = saved
+        _rules_generation += 1
         _min_rows.cache_clear()
+        _update_state()
 
 
 @functools.cache
@@ -220,6 +239,7 @@ __all__ = [
     "Route",
     "RouteRule",
     "choose_route",
+    "current_state",
     "forced_route",
     "kernel_route",
     "load_rules",
@@ -227,7 +247,6 @@ __all__ = [
     "reload_environment",
     "route_key",
     "route_rules",
-    "route_state",
     "torch_route",
 ]
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from normswap.kernels._eager import (
     eager_plan,
@@ -301,7 +302,7 @@ for _family in _FAMILIES:
 # Differentiable functions (what the fused modules call)
 
 
-def _norm(
+def apply_norm(
     kind: KernelNormKind,
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -312,7 +313,10 @@ def _norm(
     weight_offset: float,
     normalized_ndim: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Call the forward op of ``kind`` (with or without the residual add): returns (y, h or None)."""
+    """Call the forward op of ``kind`` (with or without the residual add): returns (y, h or None).
+
+    What the fused functions and modules call; an eager call takes its route (the kernel, or torch's own
+    ops) from :func:`normswap.kernels._eager.eager_plan`."""
     if transformed():
         # torch.func transforms and forward-mode AD need every op to have their rules, which the
         # custom ops do not (they gave errors, or silently wrong jacfwd tangents): compose the reference
@@ -329,6 +333,10 @@ def _norm(
     )
     plan = eager_plan(kind, x, residual, weight, bias, casting, weight_offset, normalized_ndim, train)
     if plan is not None and plan.torch:
+        if plan.native and residual is None:  # what the original module ran, and nothing around it
+            if kind == "layer":
+                return F.layer_norm(x, plan.shape, weight, bias, eps), None
+            return F.rms_norm(x, plan.shape, weight, eps), None
         return torch_route(
             kind, plan.native, x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim
         )
@@ -360,7 +368,7 @@ def rms_norm(
     normalized_ndim: int = 1,
 ) -> torch.Tensor:
     """Fused :func:`normswap.kernels.reference.rms_norm_reference`, over the last ``normalized_ndim`` dims."""
-    return _norm("rms", x, None, weight, bias, eps, casting, weight_offset, normalized_ndim)[0]
+    return apply_norm("rms", x, None, weight, bias, eps, casting, weight_offset, normalized_ndim)[0]
 
 
 def layer_norm(
@@ -373,7 +381,7 @@ def layer_norm(
     normalized_ndim: int = 1,
 ) -> torch.Tensor:
     """Fused :func:`normswap.kernels.reference.layer_norm_reference`, over the last ``normalized_ndim`` dims."""
-    return _norm("layer", x, None, weight, bias, eps, casting, weight_offset, normalized_ndim)[0]
+    return apply_norm("layer", x, None, weight, bias, eps, casting, weight_offset, normalized_ndim)[0]
 
 
 def add_rms_norm(
@@ -387,7 +395,7 @@ def add_rms_norm(
     normalized_ndim: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual; return rms_norm(h), h`` in one pass over memory."""
-    y, h = _norm("rms", x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
+    y, h = apply_norm("rms", x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
     assert h is not None
     return y, h
 
@@ -403,7 +411,7 @@ def add_layer_norm(
     normalized_ndim: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + residual; return layer_norm(h), h`` in one pass over memory."""
-    y, h = _norm("layer", x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
+    y, h = apply_norm("layer", x, residual, weight, bias, eps, casting, weight_offset, normalized_ndim)
     assert h is not None
     return y, h
 

@@ -18,7 +18,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from normswap.kernels.ops import add_layer_norm, add_rms_norm, layer_norm, rms_norm
+from normswap.kernels.ops import apply_norm
 from normswap.modules.norms import LayerNorm, RMSNorm
 from normswap.modules.semantics import NormKind, NormSemantics, declared_semantics
 
@@ -43,6 +43,9 @@ class FusedNorm(nn.Module):
 
     _reference: type[nn.Module]
     _kind: NormKind
+    # the state_dict names of weight and bias (an instance renamed by _rename_parameters has its own)
+    _weight_key = "weight"
+    _bias_key = "bias"
 
     weight = _parameter_property("_weight_key", "weight")
     bias = _parameter_property("_bias_key", "bias")
@@ -82,10 +85,16 @@ class FusedNorm(nn.Module):
         self._weight_key, self._bias_key = weight_name, bias_name
 
     def _numerics(self) -> tuple:
-        """The op arguments after the input(s): weight, bias, eps, casting, offset, normalized ndim."""
+        """The op arguments after the input(s): weight, bias, eps, casting, offset, normalized ndim.
+
+        Read from ``_parameters`` without the ``weight``/``bias`` properties: every forward asks, and
+        inside a model each Python call of a norm costs the model (see normswap.kernels._eager)."""
+        parameters, w_key, b_key = self._parameters, self._weight_key, self._bias_key
         return (
-            self.weight,
-            self.bias,
+            # a parametrized weight (torch.nn.utils.parametrize) has left _parameters: its attribute
+            # (not .get(key, self.weight): that would compute the attribute on every call)
+            parameters[w_key] if w_key in parameters else self.weight,  # noqa: SIM401
+            parameters[b_key] if b_key in parameters else self.bias,  # noqa: SIM401
             self.eps,
             self.casting,
             self.weight_offset,
@@ -100,7 +109,7 @@ class FusedRMSNorm(RMSNorm, FusedNorm):
     _kind = NormKind.RMS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, *self._numerics())
+        return apply_norm("rms", x, None, *self._numerics())[0]
 
 
 class FusedLayerNorm(LayerNorm, FusedNorm):
@@ -110,7 +119,7 @@ class FusedLayerNorm(LayerNorm, FusedNorm):
     _kind = NormKind.LAYER
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, *self._numerics())
+        return apply_norm("layer", x, None, *self._numerics())[0]
 
 
 def channel_dim_of(dims: tuple[int, ...] | None) -> int | None:
@@ -171,7 +180,8 @@ class FusedAddRMSNorm(RMSNorm, FusedNorm):
     _kind = NormKind.RMS
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(x, residual, *self._numerics())
+        y, h = apply_norm("rms", x, residual, *self._numerics())
+        return y, h
 
 
 class FusedAddLayerNorm(LayerNorm, FusedNorm):
@@ -181,7 +191,8 @@ class FusedAddLayerNorm(LayerNorm, FusedNorm):
     _kind = NormKind.LAYER
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_layer_norm(x, residual, *self._numerics())
+        y, h = apply_norm("layer", x, residual, *self._numerics())
+        return y, h
 
 
 __all__ = [

@@ -124,3 +124,25 @@ def test_gradients_flow_to_parameters():
     fused(x).pow(2).sum().backward()
     torch.testing.assert_close(fused.weight.grad, ref.weight.grad)
     torch.testing.assert_close(fused.bias.grad, ref.bias.grad)
+
+
+class _Doubled(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2
+
+
+@pytest.mark.parametrize("fused_cls", [FusedLayerNorm, FusedRMSNorm])
+def test_a_parametrized_weight_is_the_one_the_forward_uses(fused_cls):
+    """The forward reads weight and bias straight from ``_parameters`` (host time), except where a
+    parametrization (torch.nn.utils.parametrize) moved the weight out of them: then the parametrized
+    attribute, as the reference module's forward would read it."""
+    from torch.nn.utils import parametrize
+
+    fused = _randomize(fused_cls(16))
+    reference = _randomize(fused_cls._reference(16))
+    with torch.no_grad():
+        reference.weight.mul_(2)
+    parametrize.register_parametrization(fused, "weight", _Doubled())
+    assert "weight" not in fused._parameters
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(fused(x), reference(x))

@@ -119,21 +119,26 @@ def validate(
     if blockwise:
         pair = required_inputs(reference, inputs, input_shapes)
         return _blockwise(original, converted, centered, on_step, (reference.model, candidate.model, pair))
+    notes: list[str] = []
     if data is not None:
         resolved = example_inputs(reference, inputs, input_shapes)
         args, kwargs = resolved if resolved is not None else (None, None)
         from normswap.calibrate.feeding import fed
 
         source, _ = read_data(data, None, args, kwargs, batch_size, None, model=reference.model)
-        # fed as every command feeds data: on ORIGINAL's device, in its floating dtype
+        # fed as every command feeds data: as both models take it, on ORIGINAL's device, in its dtype
         pairs = [
-            (b.args, b.kwargs) for b in (fed(reference.model, b) for b in itertools.islice(source, batches))
+            (b.args, b.kwargs)
+            for b in (
+                fed(reference.model, b, notes, compared_with=(candidate.model,))
+                for b in itertools.islice(source, batches)
+            )
         ]
         if not pairs:
             raise BadInputError(f"--data {data} yields no batch")
     else:
         pairs = [required_inputs(reference, inputs, input_shapes)]
-    pairs, notes = _as_both_take_them(reference.model, candidate.model, pairs)
+    pairs = _as_both_take_them(reference.model, candidate.model, pairs, notes)
     if on_step is not None:
         on_step("finding the norm sites of ORIGINAL")
     norm_paths = _norm_paths(reference.model, pairs[0])
@@ -174,19 +179,18 @@ def validate(
     return result
 
 
-def _as_both_take_them(reference: nn.Module, candidate: nn.Module, pairs: list) -> tuple[list, list[str]]:
-    """The inputs as both models take them (:func:`~normswap.calibrate.feeding.fit_keywords`): a model
-    directory and its ``.pt2`` are compared on the same inputs, with the same verdict."""
+def _as_both_take_them(reference: nn.Module, candidate: nn.Module, pairs: list, notes: list[str]) -> list:
+    """The inputs as both models take them (:func:`~normswap.calibrate.feeding.fit_to_models`, what it
+    changes said in ``notes``): a model directory and its ``.pt2`` are compared on the same inputs, with
+    the same verdict."""
     from normswap.calibrate.data import ModelInputs
-    from normswap.calibrate.feeding import fit_keywords
+    from normswap.calibrate.feeding import fit_to_models
 
-    notes: list[str] = []
     fitted = []
     for args, kwargs in pairs:
-        inputs = ModelInputs(tuple(args), dict(kwargs))
-        inputs = fit_keywords(candidate, fit_keywords(reference, inputs, notes), notes)
+        inputs = fit_to_models((reference, candidate), ModelInputs(tuple(args), dict(kwargs)), notes)
         fitted.append((inputs.args, inputs.kwargs))
-    return fitted, notes
+    return fitted
 
 
 def _load(role: str, spec: str, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:

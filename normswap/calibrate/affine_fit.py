@@ -305,7 +305,8 @@ def fit_sites_in_order(
     """The layer-by-layer calibration both affine norms and cosine layers use: the original's outputs at
     ``sites`` recorded once, then each site, in execution order, fitted by ``fit`` on its inputs in the
     converted model as calibrated so far; the whole model's SQNR before and after."""
-    data = [fed(original, as_model_inputs(b)) for b in batches]
+    # both models run on the same inputs, as both take them (feeding's one rule)
+    data = [fed(original, as_model_inputs(b), compared_with=(converted,)) for b in batches]
     report = AffineCalibrationReport(batches=len(data))
     if not data or not sites:
         return report

@@ -47,7 +47,7 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from normswap.calibrate.data import ModelInputs, as_model_inputs
-from normswap.calibrate.feeding import device_and_dtype, run_batch, to_model
+from normswap.calibrate.feeding import fed, run_batch
 from normswap.errors import BadInputError
 from normswap.passes.core.base import RewriteKind, Skip
 from normswap.util.finite import first_nonfinite, holds
@@ -331,7 +331,6 @@ def recalibrate_batchnorm(
     before = {path: _Stats.of(bn) for path, bn in layers}
     momenta = [(bn, bn.momentum) for _, bn in layers]
     modes = ModelModes(target)
-    device, dtype = device_and_dtype(target)
     total = _expected_batches(batches, max_batches, holdout is not None)
     held_out: ModelInputs | None = None
     report.holdout_source = "separate held-out batch" if holdout is not None else ""
@@ -353,7 +352,7 @@ def recalibrate_batchnorm(
                         else f"the batch after the first {report.batches} of the data"
                     )
                     break
-                run_batch(target, to_model(inputs, device, dtype), f"calibration batch {report.batches}")
+                run_batch(target, fed(target, inputs, report.notes), f"calibration batch {report.batches}")
                 report.batches += 1
                 report.batch_sizes.append(inputs.num_samples)
                 if on_batch is not None:
@@ -406,7 +405,7 @@ def recalibrate_batchnorm(
         report.holdout_samples = held_out.num_samples
         try:
             report.holdout, report.holdout_after_nonfinite = _compare_on_holdout(
-                target, layers, before, after, to_model(held_out, device, dtype)
+                target, layers, before, after, fed(target, held_out, report.notes)
             )
             if report.holdout.nonfinite is not None and report.holdout_after_nonfinite is None:
                 report.notes.append(

@@ -6,6 +6,8 @@
   torchvision, resized so that it covers the model's example input H x W (aspect ratio kept), centre-cropped
   to exactly H x W, scaled to [0, 1] and optionally normalized (``imagenet`` mean/std); every file must be a
   JPEG, PNG, GIF or WEBP image, since silently skipping files would calibrate on less data than intended;
+  the images are fed as the example's image input is (:func:`~normswap.calibrate.data_images.image_geometry`):
+  the first positional input, or a keyword (an HF vision model's ``pixel_values``);
 - a ``.pt`` file read with the weights-only unpickler: one tensor ``(N, ...)`` split into batches of
   ``batch_size`` rows, a list/tuple of tensors (each one batch), or a list/tuple of batches (each a tuple of
   positional inputs or a dict of keyword inputs);
@@ -344,11 +346,13 @@ def _folder_data(
         import torchvision  # noqa: F401
     except ImportError:
         raise BadInputError("reading an image folder needs torchvision: pip install torchvision") from None
-    channels, height, width = image_geometry(example_args, folder)
+    taken = image_geometry(example_args, folder, example_kwargs)
+    channels, height, width = taken.channels, taken.height, taken.width
     files = image_files(folder)
     size = batch_size or DEFAULT_BATCH_SIZE
-    first = example_args[0]  # type: ignore[index]  # image_geometry checked it is a 4-D tensor
-    dtype = first.dtype if first.is_floating_point() else torch.float32
+    # a model that takes its images by keyword (an HF vision model, its .pt2) is fed them by that name,
+    # with the example's settings (interpolate_pos_encoding=False) kept
+    settings = {k: v for k, v in (example_kwargs or {}).items() if not isinstance(v, torch.Tensor)}
     stats = None
     if normalize is not None:
         mean, std = NORMALIZATIONS[normalize]
@@ -358,19 +362,21 @@ def _folder_data(
             )
         stats = torch.tensor(mean).view(-1, 1, 1), torch.tensor(std).view(-1, 1, 1)
 
-    def batches() -> Iterator[torch.Tensor]:
+    def batches() -> Iterator[torch.Tensor | ModelInputs]:
         for start in range(0, len(files), size):
             images = torch.stack(
                 [load_image(p, channels, height, width) for p in files[start : start + size]]
             )
             if stats is not None:
                 images = (images - stats[0]) / stats[1]
-            yield images.to(dtype)
+            images = images.to(taken.dtype)
+            yield images if taken.keyword is None else ModelInputs((), {taken.keyword: images, **settings})
 
     count = math.ceil(len(files) / size)
     description = (
         f"data folder {folder}: {len(files)} images at {channels}x{height}x{width} in batches of {size}"
         + (f", {normalize}-normalized" if normalize else "")
+        + (f", fed as {taken.keyword}=" if taken.keyword is not None else "")
     )
     return CalibrationData(
         batches,

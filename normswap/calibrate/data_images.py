@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,11 +50,44 @@ def image_files(folder: Path) -> list[Path]:
     return files
 
 
-def image_geometry(example_args: tuple | None, folder: Path) -> tuple[int, int, int]:
-    """(channels, H, W) of the model's first example input, which image batches must match."""
-    first = example_args[0] if example_args else None
-    if not isinstance(first, torch.Tensor) or first.ndim != 4 or first.shape[1] not in (1, 3):
-        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else None
+@dataclass(frozen=True)
+class ImageInput:
+    """Where a model takes its images, and the geometry image batches must match."""
+
+    channels: int
+    height: int
+    width: int
+    dtype: torch.dtype
+    # the keyword the model takes them by (an HF vision model's ``pixel_values``); None: its first input
+    keyword: str | None = None
+
+
+def _image_shaped(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim == 4
+
+
+def image_geometry(
+    example_args: tuple | None, folder: Path, example_kwargs: dict | None = None
+) -> ImageInput:
+    """Where and at what (channels, H, W) the model takes images: its example's (N, C, H, W) tensor, its
+    first positional input or else its one floating keyword input of four dims (an HF vision model's
+    ``pixel_values``, which its .pt2 takes by name only). Images are read in its floating dtype (float32
+    for an integer one)."""
+    args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
+    found: list[tuple[str | None, torch.Tensor]] = (
+        [(None, args[0])] if args and _image_shaped(args[0]) else []
+    )
+    if not found:
+        found = [(k, v) for k, v in kwargs.items() if _image_shaped(v) and v.is_floating_point()]
+    if len(found) > 1:
+        names = ", ".join(k for k, _ in found if k is not None)
+        raise BadInputError(
+            f"data folder {folder}: the model's example inputs hold several (N, C, H, W) tensors ({names}): "
+            "which one takes the images is unclear; give the data as a .pt file of keyword batches or a factory"
+        )
+    keyword, first = found[0] if found else (None, None)
+    if first is None or first.shape[1] not in (1, 3):
+        shape = tuple(first.shape) if first is not None else _first_shape(args, kwargs)
         got = (
             f"the model's example input is {shape}" if shape is not None else "the model has no example input"
         )
@@ -61,7 +95,14 @@ def image_geometry(example_args: tuple | None, folder: Path) -> tuple[int, int, 
             f"data folder {folder}: images need the model's input size as a (N, 1 or 3, H, W) tensor, but "
             f"{got}; pass --input-shape 1,3,H,W"
         )
-    return int(first.shape[1]), int(first.shape[2]), int(first.shape[3])
+    dtype = first.dtype if first.is_floating_point() else torch.float32
+    return ImageInput(int(first.shape[1]), int(first.shape[2]), int(first.shape[3]), dtype, keyword)
+
+
+def _first_shape(args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """The shape of the example's first tensor, for the message that refuses it."""
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    return tuple(tensors[0].shape) if tensors else None
 
 
 def load_image(path: Path, channels: int, height: int, width: int) -> torch.Tensor:

@@ -69,7 +69,7 @@ from normswap.calibrate.distill_loss import (
     loss_targets,
 )
 from normswap.calibrate.distill_report import DistillReport
-from normswap.calibrate.feeding import device_and_dtype, run_batch, to_model
+from normswap.calibrate.feeding import device_and_dtype, fit_to_models, run_batch, to_model
 from normswap.calibrate.parallel import TEACHER_SHARD_BYTES, DataParallel, parameter_bytes
 from normswap.calibrate.recompute import recomputed_blocks
 from normswap.errors import BadInputError
@@ -231,6 +231,11 @@ def distill(
         check_checkpointable(target)
 
     train_batches, held_out, holdout_source, more = _read_batches(batches, steps, holdout)
+    # both models run on every batch as both take it (feeding's one rule): a model directory's labels
+    # are fed to neither when its .pt2 is the student, which takes the use_cache=False it was exported with
+    fitting: list[str] = []
+    train_batches = [fit_to_models((teacher, target), b, fitting) for b in train_batches]
+    held_out = None if held_out is None else fit_to_models((teacher, target), held_out, fitting)
     if not train_batches:
         if held_out is not None and holdout is None:
             detail = "a single batch, which is held out to compare outputs; give more data or a holdout"
@@ -245,6 +250,7 @@ def distill(
         temperature=float(temperature) if loss == "kl" else None,
         train=train,
     )
+    report.notes += fitting
     report.batches = len(train_batches)
     report.samples = sum(b.num_samples for b in train_batches)
     report.holdout_source = holdout_source

@@ -1,14 +1,18 @@
 """How every command feeds a batch to a model: the one rule.
 
-A batch is moved to the model's device and cast to its floating dtype (data saved as float64 feeds a
-float32 model; token ids stay integers), and a batch the model cannot run on is the data's fault, said in
-one sentence (:class:`~normswap.errors.BadInputError`, exit 2) before any work: ``recalibrate``,
-``distill`` and ``convert --calibrate`` alike.
+A batch's keywords are fitted to every model it is fed to (:func:`fit_to_models`: a ``labels`` key a
+``.pt2`` does not take is not fed, the ``use_cache=False`` it was exported with is passed), so that the
+models a command compares (ORIGINAL and CONVERTED, a teacher and its student) run on the same inputs; it
+is moved to the model's device and cast to its floating dtype (data saved as float64 feeds a float32
+model; token ids stay integers), and a batch the model cannot run on is the data's fault, said in one
+sentence (:class:`~normswap.errors.BadInputError`, exit 2) before any work: ``recalibrate``,
+``distill``, ``convert --calibrate`` and ``validate --data`` alike.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -108,9 +112,29 @@ def _note(notes: list[str], text: str) -> None:
         notes.append(text)
 
 
-def fed(model: nn.Module, inputs: ModelInputs) -> ModelInputs:
-    """``inputs`` as ``model`` takes them: on its device, in its floating dtype."""
-    return to_model(inputs, *device_and_dtype(model))
+def fit_to_models(
+    models: Iterable[nn.Module], inputs: ModelInputs, notes: list[str] | None = None
+) -> ModelInputs:
+    """``inputs`` as every one of ``models`` takes them (:func:`fit_keywords` for each in turn): the one
+    rule for a batch fed to models that are compared (ORIGINAL and CONVERTED, a teacher and its student,
+    a model before and after calibration), so that all run on the same inputs. A key one model does not
+    take is fed to none (a model directory's ``labels`` when its ``.pt2`` is compared with it)."""
+    for model in models:
+        inputs = fit_keywords(model, inputs, notes)
+    return inputs
+
+
+def fed(
+    model: nn.Module,
+    inputs: ModelInputs,
+    notes: list[str] | None = None,
+    *,
+    compared_with: Iterable[nn.Module] = (),
+) -> ModelInputs:
+    """``inputs`` as ``model`` takes them: their keywords fitted to it and to the models it is
+    ``compared_with`` (:func:`fit_to_models`, each change said once in ``notes``), on its device, in its
+    floating dtype."""
+    return to_model(fit_to_models((model, *compared_with), inputs, notes), *device_and_dtype(model))
 
 
 def check_batch_fits(model: nn.Module, inputs: ModelInputs, what: str) -> None:
@@ -120,4 +144,12 @@ def check_batch_fits(model: nn.Module, inputs: ModelInputs, what: str) -> None:
         run_batch(model, fed(model, inputs), what)
 
 
-__all__ = ["check_batch_fits", "device_and_dtype", "fed", "fit_keywords", "run_batch", "to_model"]
+__all__ = [
+    "check_batch_fits",
+    "device_and_dtype",
+    "fed",
+    "fit_keywords",
+    "fit_to_models",
+    "run_batch",
+    "to_model",
+]

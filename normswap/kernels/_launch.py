@@ -15,7 +15,6 @@ import sys
 from types import ModuleType
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from normswap.kernels._direct import direct_kernel
 from normswap.kernels._tiling import (
@@ -100,6 +99,8 @@ def _tl_dtype(dtype: torch.dtype):  # -> tl.dtype
 # Rows assumed for the tiling when torch.compile traces with a symbolic row count: any count at least
 # this large gets the same configuration, and masks make it correct for fewer rows.
 _SYMBOLIC_ROWS = 1 << 16
+# torch's count of active dispatch modes, bound once (a launch asks it every time)
+_dispatch_stack_depth = torch._C._len_torch_dispatch_stack
 
 
 def _concrete_rows(m: int | torch.SymInt) -> int:
@@ -123,7 +124,7 @@ def _launcher(kernel, interpret: bool, x: torch.Tensor):
     """
     if interpret:
         return kernel
-    if _get_current_dispatch_mode() is None and type(x) in (torch.Tensor, torch.nn.Parameter):
+    if not _dispatch_stack_depth() and type(x) in (torch.Tensor, torch.nn.Parameter):
         return direct_kernel(kernel)
     from torch.library import wrap_triton
 

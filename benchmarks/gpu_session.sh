@@ -41,7 +41,7 @@ for step in "$@"; do
     routes)
       # Where each route of an eager call wins, per shape; the rules the later steps apply (their
       # NORMSWAP_ROUTE_RULES) unless ROUTES_RULES names others.
-      timeout "${ROUTES_TIMEOUT:-300}" $PY benchmarks/tune_routes.py --out "$OUT/routes.json" --python ${ROUTES_ARGS:-} 2>&1 | tail -40
+      timeout "${ROUTES_TIMEOUT:-300}" $PY benchmarks/tune_routes.py --out "$OUT/routes.json" ${ROUTES_ARGS:-} 2>&1 | tail -40
       ;;
     launch)
       # Host time per eager call: Triton's launch against the direct launch, modules against theirs.

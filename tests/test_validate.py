@@ -92,6 +92,16 @@ def test_cli_batches_from_data_and_usage_errors(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "Outputs (6 batches)" in result.output and "PASS" in result.output
+    # more batches asked for than the data holds: all compared, and said
+    result = _run(
+        "validate", f"{ZOO}:resnet18_factory", str(folded), "--data", str(data), "--batch-size", "4",
+        "--batches", "5", "--exact",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "Outputs (3 batches)" in result.output
+    assert f"5 batches were asked for (--batches); --data {data} holds 3, and all of them were compared" in (
+        " ".join(result.output.split())
+    )
     result = _run("validate", f"{ZOO}:resnet18_factory", str(folded), "--plot", str(tmp_path / "x.svg"))
     assert result.exit_code == 2 and "the plot is a PNG file" in result.output
     result = _run("validate", f"{ZOO}:resnet18_factory", f"{ZOO}:gpt2_factory")

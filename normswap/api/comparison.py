@@ -136,6 +136,11 @@ def validate(
         ]
         if not pairs:
             raise BadInputError(f"--data {data} yields no batch")
+        if batches is not None and len(pairs) < batches:
+            notes.append(
+                f"{batches} batches were asked for (--batches); --data {data} holds {len(pairs)}, and all "
+                "of them were compared"
+            )
     else:
         pairs = [required_inputs(reference, inputs, input_shapes)]
     pairs = _as_both_take_them(reference.model, candidate.model, pairs, notes)

@@ -363,6 +363,12 @@ def recalibrate_batchnorm(
             else:
                 detail = "no batches"
             raise BadInputError(f"nothing to calibrate on: the data yields {detail}")
+        if max_batches is not None and report.batches < max_batches:
+            besides = " besides the held-out one" if held_out is not None and holdout is None else ""
+            report.notes.append(
+                f"{max_batches} calibration batches were asked for (--batches); the data holds "
+                f"{report.batches}{besides}, and all of them were used"
+            )
         failed = False
     finally:
         if failed:

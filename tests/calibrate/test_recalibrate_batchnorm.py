@@ -145,6 +145,27 @@ def test_last_batch_is_held_out_and_max_batches_holds_out_the_next():
     )
 
 
+def test_more_batches_asked_for_than_the_data_holds_is_said():
+    """--batches beyond the data: every batch but the held-out one calibrates, and the report says so
+    (it used fewer silently), with or without a separate holdout."""
+    model = _randomize(ConvNet())
+    batches = _batches([4, 4, 4], (3, 8, 8))
+    reference, _ = recalibrate_batchnorm(model, batches[:2], holdout=batches[2])
+    new, report = recalibrate_batchnorm(model, batches, max_batches=5)
+    assert report.batches == 2 and report.holdout_source == "last batch of the data"
+    assert report.notes == [
+        "5 calibration batches were asked for (--batches); the data holds 2 besides the held-out one, "
+        "and all of them were used"
+    ]
+    torch.testing.assert_close(new.bn0.running_mean, reference.bn0.running_mean, rtol=0, atol=0)
+    _, report = recalibrate_batchnorm(model, batches, max_batches=5, holdout=batches[0])
+    assert report.batches == 3 and report.notes == [
+        "5 calibration batches were asked for (--batches); the data holds 3, and all of them were used"
+    ]
+    _, report = recalibrate_batchnorm(model, batches, max_batches=2)
+    assert report.batches == 2 and report.notes == []
+
+
 def test_report_numbers_match_independent_computation():
     model = _randomize(ConvNet(), seed=3)
     batches = _batches([6, 6, 6], (3, 8, 8))

@@ -40,7 +40,7 @@ from torch import nn
 from normswap.errors import BadInputError, describe
 from normswap.load.folder_files import check_links, folder_file, read_json
 from normswap.load.safetensors_io import stored_dtype
-from normswap.load.tensor_names import loaded_names, prefix_hint
+from normswap.load.tensor_names import MERGED_ON_LOAD, loaded_names, prefix_hint
 from normswap.load.weight_files import StoredWeights, find_weights
 
 CONFIG_FILE = "config.json"
@@ -437,9 +437,7 @@ def _load_with_record(checkpoint: CheckpointDirectory) -> nn.Module:
     loaded = loaded_names(model, list(checkpoint.weight_map))
     if loaded is None:
         raise BadInputError(
-            f"{checkpoint.path}: transformers merges or splits this architecture's tensors as it loads them, "
-            "and a directory with recorded modules is read tensor by tensor: load it as it was written "
-            "from, or save the model as .pt2"
+            f"{checkpoint.path}: {MERGED_ON_LOAD}: load it as it was written from, or save the model as .pt2"
         )
     stored = set(loaded.values())
     # A tied tensor appears under several names in the state dict and is stored under one of them.

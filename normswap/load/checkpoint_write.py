@@ -39,6 +39,7 @@ from normswap.load.checkpoint_dir import CONFIG_FILE, RECORD_FILE, CheckpointDir
 from normswap.load.folder_files import folder_file
 from normswap.load.safetensors_io import TensorEntry, read_header
 from normswap.load.stock_reading import finish_directory, stock_of_directory, stock_on_meta
+from normswap.load.tensor_names import MERGED_ON_LOAD, loaded_names
 from normswap.load.weight_files import HIDDEN, STOCK, write_index
 from normswap.util.dtypes import floating_dtype
 
@@ -205,6 +206,12 @@ def plan_directory(model: nn.Module, stock_model: nn.Module) -> DirectoryPlan:
         if recipe is None:
             raise BadInputError(unrecordable(name, module))
         plan.recorded[name] = recipe
+    if plan.recorded and loaded_names(stock_model, []) is None:
+        # the directory could be written but not read back (the reader's rule): refused before writing
+        raise BadInputError(
+            f"the conversion changes {len(plan.recorded)} modules (e.g. {next(iter(plan.recorded))}), which a "
+            f"model directory records, but {MERGED_ON_LOAD}: save as .pt2; nothing written"
+        )
     gone = [n for n in stock if n not in present and not any(n.startswith(p + ".") for p in plan.recorded)]
     if gone:
         raise BadInputError(

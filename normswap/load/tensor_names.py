@@ -24,6 +24,14 @@ def loaded_names(model: nn.Module, names: list[str]) -> dict[str, str] | None:
     return {name: rename_source_key(name, transforms, [])[0] for name in names}
 
 
+# Why a model directory with recorded modules cannot hold (or be read back as) an architecture whose
+# loading merges or splits tensors: one sentence for the reader and for the writer, which refuses first.
+MERGED_ON_LOAD = (
+    "transformers merges or splits this architecture's tensors as it loads them, and a directory with "
+    "recorded modules is read tensor by tensor"
+)
+
+
 def prefix_hint(missing: list[str], unexpected: list[str], architecture: str) -> str:
     """A note when the mismatch is a head: the files hold a model with (or without) the base-model prefix
     that the architecture lacks (has), e.g. a GPT2LMHeadModel's files under 'architectures: GPT2Model'."""

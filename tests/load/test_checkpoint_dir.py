@@ -347,3 +347,30 @@ def test_a_recorded_module_under_a_name_transformers_renames_loads(tmp_path):
     assert reloaded.lm_head.bias is not None  # the folded bias, read from embed_out.bias
     ids = torch.randint(0, 128, (2, 10))
     assert rel(logits(reloaded, ids), logits(model, ids)) < 1e-5
+
+
+def test_a_conversion_a_directory_could_not_be_read_back_as_is_refused_before_writing(tmp_path):
+    """Dinov2's loading merges or splits tensors, and a directory with recorded modules is read tensor by
+    tensor: `--to fused -o DIR` was refused only after converting and writing, naming the temporary
+    folder. Now the writer asks the reader's rule first: exit 2, one sentence, nothing written; a .pt2
+    takes the same conversion."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+        patch_size=8,
+    )  # fmt: skip
+    transformers.Dinov2Model(config).eval().save_pretrained(tmp_path / "dino")
+    out = tmp_path / "out"
+    ran = CliRunner().invoke(app, ["convert", str(tmp_path / "dino"), "--to", "fused", "-o", str(out)])
+    assert ran.exit_code == 2, ran.output
+    assert (
+        "the conversion changes 5 modules (e.g. encoder.layer.0.norm1), which a model directory records, but "
+        "transformers merges or splits this architecture's tensors as it loads them"
+    ) in " ".join(ran.output.split())
+    assert ".normswap-tmp" not in ran.output and sorted(p.name for p in tmp_path.iterdir()) == ["dino"]
+    ran = CliRunner().invoke(
+        app, ["convert", str(tmp_path / "dino"), "--to", "fused", "-o", str(tmp_path / "d.pt2")]
+    )
+    assert ran.exit_code == 0, ran.output

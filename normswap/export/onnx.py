@@ -330,15 +330,43 @@ def export_onnx(
         result.shapes = _checked(model, temp, variants, result, example_output)
         if exact and not static_shapes:
             refuse_untaken(path, result.shapes, result.fallbacks)
-        taken = [v for v in variants if v.describe() in result.shapes.accepted]
-        ran = varied_dims(example, [_tensor_leaves((v.args, v.kwargs)) for v in taken])
-        if ran != varied:  # a dim only shapes the file rejected vary: declared at the example's size too
-            result.dynamic_axes = name_axes(temp, example, ran)
+        _declare_what_ran(temp, example, variants, varied, result)
 
     # exporting must not change the model; the names, the export and the check see the same settings
     with modes_restored(model, inference=True), capture_friendly(model, args, kwargs):
         atomic_write_onnx(path, write, overwrite=overwrite)
     return result
+
+
+def _declare_what_ran(
+    temp: Path, example: list[torch.Tensor], variants: list, varied: set[tuple[int, int]], result: OnnxExport
+) -> None:
+    """Declare free only the dims along which every verified shape ran: a dim only shapes the file
+    rejected vary, or along which one verified size failed (timm's efficientnet_b0 took 8x8 and failed
+    45x45: torch.export bounded the image size), is declared at the example's size, and the shapes the
+    file took along it are then rejected too, with the reason (a runtime reads a free dim as any size)."""
+
+    def leaves(v: Any) -> list[torch.Tensor]:
+        return _tensor_leaves((v.args, v.kwargs))
+
+    taken = [v for v in variants if v.describe() in result.shapes.accepted]
+    failed = [v for v in variants if v.describe() not in result.shapes.accepted]
+    free = varied_dims(example, [leaves(v) for v in taken]) - varied_dims(
+        example, [leaves(v) for v in failed]
+    )
+    if free == varied:
+        return
+    result.dynamic_axes = name_axes(temp, example, free)
+    for variant in taken:
+        if not varied_dims(example, [leaves(variant)]) <= free:
+            result.shapes.accepted.remove(variant.describe())
+            result.shapes.rejected.append(
+                {
+                    "shapes": variant.describe(),
+                    "label": variant.label,
+                    "error": "declared at the example's size: a verified size along the same dims failed",
+                }
+            )
 
 
 def _onnx_program(

@@ -245,6 +245,36 @@ def test_a_file_declares_free_only_the_dims_a_verified_shape_varied(tmp_path):
     session.run(None, {"pixel_values": np.zeros((3, 3, 32, 32), dtype=np.float32)})  # a free batch runs
 
 
+def test_a_dim_along_which_one_verified_size_failed_is_declared_fixed(tmp_path):
+    """timm's mobilenetv3 exported at 32 x 32 runs at 8 x 8 in onnxruntime and fails inside the graph at
+    45 x 45 (torch.export bounded the image size): the file declared height and width free, so a runtime
+    would feed it any size. A dim along which a verified size failed is declared at the example's size,
+    and the 8 x 8 it took is reported rejected with the reason; the batch stays free."""
+    import numpy as np
+    import onnxruntime
+    import timm
+
+    from normswap.api import export_onnx as export_file
+
+    factory = tmp_path / "mnv3.py"
+    factory.write_text(
+        "import timm, torch\n"
+        "def model():\n"
+        "    torch.manual_seed(0)\n"
+        "    return timm.create_model('mobilenetv3_small_050', pretrained=False).eval()\n"
+    )
+    assert timm.__version__  # the model is timm's own
+    saved = export_file(f"{factory}:model", tmp_path / "m.onnx", input_shapes=["1,3,32,32"])
+    assert saved.onnx.dynamic_axes == {"x": {0: "batch"}}
+    assert [d.dim_value for d in _declared(tmp_path / "m.onnx")[0][1:]] == [3, 32, 32]
+    rejected = {r["shapes"]: r["error"] for r in saved.onnx.shapes.rejected}
+    assert set(rejected) == {"1x3x45x45", "1x3x8x8"}
+    assert rejected["1x3x8x8"] == "declared at the example's size: a verified size along the same dims failed"
+    assert saved.onnx.shapes.accepted == ["1x3x32x32", "2x3x32x32"]
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"))
+    assert session.run(None, {"x": np.zeros((3, 3, 32, 32), dtype=np.float32)})[0].shape == (3, 1000)
+
+
 def _declared(path: Path) -> list:
     import onnx
 

@@ -73,25 +73,24 @@ _env_rules_path: str | None = None
 # call reads one module attribute instead of computing it (in a model each microsecond of a norm's
 # host time is the model's), and equal states find the same cached decisions again.
 current_state: tuple[object, ...] = ()
-# Counts the rule tables route_rules() put in force (not their id: a freed table's id can come back)
+# Counts the rule tables put in force (route_rules(), and reload_environment(), which reads a rules file
+# again): not their id, since a freed table's id can come back
 _rules_generation = 0
 
 
 def _update_state() -> None:
     global current_state
-    current_state = (
-        _forced,
-        _env_route,
-        _env_rules_path,
-        _rules_generation if _rules_override is not None else None,
-    )
+    current_state = (_forced, _env_route, _env_rules_path, _rules_generation)
 
 
 def reload_environment() -> None:
-    """Read ``NORMSWAP_KERNEL_ROUTE`` and ``NORMSWAP_ROUTE_RULES`` again (they are read at import)."""
-    global _env_route, _env_rules_path
+    """Read ``NORMSWAP_KERNEL_ROUTE`` and ``NORMSWAP_ROUTE_RULES`` again (they are read at import),
+    the rules file itself too, even at the same path."""
+    global _env_route, _env_rules_path, _rules_generation
     _env_route = os.environ.get("NORMSWAP_KERNEL_ROUTE")
     _env_rules_path = os.environ.get("NORMSWAP_ROUTE_RULES") or None
+    _environment_rules.cache_clear()
+    _rules_generation += 1
     _min_rows.cache_clear()
     _update_state()
 
@@ -137,8 +136,26 @@ def load_rules(path: str | Path) -> dict[str, RouteRule]:
             raise ValueError(f"{path}: rule {key!r} is not a list of [n_max, min_rows] pairs") from e
         if [n for n, _ in rule] != sorted({n for n, _ in rule}):
             raise ValueError(f"{path}: rule {key!r} must list n_max in ascending order, once each")
-        checked[str(key)] = rule
+        checked[str(key)] = _measured_to_the_end(str(key), rule, data.get("meta"))
     return checked
+
+
+def _measured_to_the_end(key: str, rule: RouteRule, meta: object) -> RouteRule:
+    """``rule`` with the kernel's verdict at the lengths its tuner measured past the last entry.
+
+    The tuner before 2026-11-27 left out the trailing lengths where the kernel won at every row count,
+    since rows past the last entry then took the kernel; they now follow the last entry. So a rule ending
+    with rows to wait for, short of the longest length its run measured (``meta["lengths"]``,
+    ``meta["fp32_lengths"]`` for fp32 keys where the run kept them apart), gets that length with no rows
+    to wait for, as measured. Today's tuner writes that entry itself; a file without ``meta`` is taken
+    as it is."""
+    if not isinstance(meta, dict) or not rule or rule[-1][1] == 0:
+        return rule
+    lengths = meta.get("fp32_lengths") if ":fp32:" in key and "fp32_lengths" in meta else meta.get("lengths")
+    if not isinstance(lengths, list) or not lengths:
+        return rule
+    longest = max(int(n) for n in lengths)
+    return (*rule, (longest, 0)) if rule[-1][0] < longest else rule
 
 
 BUILTIN_RULES: dict[str, RouteRule] = load_rules(BUILTIN_RULES_FILE)

@@ -91,10 +91,10 @@ class FusedNorm(nn.Module):
         inside a model each Python call of a norm costs the model (see normswap.kernels._eager)."""
         parameters, w_key, b_key = self._parameters, self._weight_key, self._bias_key
         return (
-            # a parametrized weight (torch.nn.utils.parametrize) has left _parameters: its attribute
-            # (not .get(key, self.weight): that would compute the attribute on every call)
-            parameters[w_key] if w_key in parameters else self.weight,  # noqa: SIM401
-            parameters[b_key] if b_key in parameters else self.bias,  # noqa: SIM401
+            # a parametrized weight (torch.nn.utils.parametrize) has left _parameters: its attribute,
+            # under the name it is stored by (not .get(key, getattr(...)): that would compute it every call)
+            parameters[w_key] if w_key in parameters else getattr(self, w_key),  # noqa: SIM401
+            parameters[b_key] if b_key in parameters else getattr(self, b_key),  # noqa: SIM401
             self.eps,
             self.casting,
             self.weight_offset,

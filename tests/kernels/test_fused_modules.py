@@ -146,3 +146,12 @@ def test_a_parametrized_weight_is_the_one_the_forward_uses(fused_cls):
     assert "weight" not in fused._parameters
     x = torch.randn(3, 16)
     torch.testing.assert_close(fused(x), reference(x))
+    # a fused module keeping a hand-written norm's names (gain/shift), its gain parametrized
+    renamed = _randomize(fused_cls(16))
+    renamed._rename_parameters("gain", "shift")
+    with torch.no_grad():
+        renamed.gain.copy_(reference.weight / 2)
+        if renamed.shift is not None and reference.bias is not None:
+            renamed.shift.copy_(reference.bias)
+    parametrize.register_parametrization(renamed, "gain", _Doubled())
+    torch.testing.assert_close(renamed(x), reference(x))

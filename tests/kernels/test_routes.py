@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from normswap.kernels import kernel_route, layer_norm, rms_norm, route_rules
+from normswap.kernels import _routes, kernel_route, layer_norm, rms_norm, route_rules
 from normswap.kernels._routes import choose_route, load_rules, reload_environment, route_key
 from normswap.modules.fused import FusedRMSNorm
 from tests.kernels.conftest import CASTINGS, check_all, fused_grads, make_params, randn, reference_grads
@@ -59,6 +59,34 @@ def test_rules_file_is_checked(tmp_path):
         load_rules(bad)
 
 
+def test_a_rules_file_of_the_earlier_tuner_keeps_its_measured_kernel_lengths(tmp_path):
+    """The tuner before rows past the last entry followed it left out the trailing lengths where the
+    kernel won at every count (past the last entry then meant the kernel). Read today, such a rule gets
+    its run's longest length with no rows to wait for: the lengths it measured as kernel wins stay so
+    (benchmarks/results/routes_h100_bf16.json). A rule measured to the end, ending in a kernel verdict,
+    or from a file without the run's lengths, is taken as it is."""
+    old = tmp_path / "old.json"
+    meta = {"lengths": [512, 1024, 2048, 4096, 8192, 16384], "fp32_lengths": [512, 4096]}
+    rules = {
+        KEY: [[512, 4096]],
+        "rms:native:half:train": [[512, 4096], [16384, 64]],
+        "rms+add:native:half:infer": [[512, 4096], [1024, 0]],
+        "rms:native:fp32:infer": [[512, 4096]],
+    }
+    old.write_text(json.dumps({"meta": meta, "rules": rules}))
+    loaded = load_rules(old)
+    assert loaded[KEY] == ((512, 4096), (16384, 0))
+    assert loaded["rms:native:half:train"] == ((512, 4096), (16384, 64))
+    assert loaded["rms+add:native:half:infer"] == ((512, 4096), (1024, 0))
+    assert loaded["rms:native:fp32:infer"] == ((512, 4096), (4096, 0))  # the run's fp32 lengths
+    with route_rules(loaded):
+        assert choose_route("rms", False, True, torch.bfloat16, False, 1, 2048) == "triton"
+        assert choose_route("rms", False, True, torch.bfloat16, False, 1, 512) == "torch"
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"rules": {KEY: [[512, 4096]]}}))
+    assert load_rules(bare)[KEY] == ((512, 4096),)
+
+
 def test_environment_forces_a_route_or_refuses_a_bad_one(monkeypatch):
     try:
         monkeypatch.setenv("NORMSWAP_KERNEL_ROUTE", "torch")
@@ -83,6 +111,13 @@ def test_environment_rules_file(monkeypatch, tmp_path):
         reload_environment()
         assert choose_route("rms", False, True, torch.bfloat16, False, 511, 768) == "torch"
         assert choose_route("rms", False, True, torch.bfloat16, False, 512, 768) == "triton"
+        # the file rewritten at the same path is read again by reload_environment, and the cached
+        # decisions of eager calls (keyed by current_state) are not served for the new rules
+        state = _routes.current_state
+        rules.write_text(json.dumps({"rules": {KEY: [[1024, 64]]}}))
+        reload_environment()
+        assert choose_route("rms", False, True, torch.bfloat16, False, 100, 768) == "triton"
+        assert _routes.current_state != state
     finally:
         monkeypatch.delenv("NORMSWAP_ROUTE_RULES")
         reload_environment()

@@ -236,6 +236,8 @@ def print_calibration(calibration: Any) -> None:
         "after calibration, whole model vs original on the example inputs: SQNR "
         f"{fmt_float(calibration.overall.worst_sqnr_db)} dB"
     )
+    for note in fitted.notes:
+        out.print(f"note: {note}")
 
 
 def print_saved(saved: Any) -> None:

@@ -60,6 +60,8 @@ class AffineCalibrationReport:
     sites: list[SiteFit] = field(default_factory=list)
     model_sqnr_before_db: float | None = None
     model_sqnr_after_db: float | None = None
+    # how the batches were fed, where it differs from the data (a key a model does not take, use_cache)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -306,8 +308,9 @@ def fit_sites_in_order(
     ``sites`` recorded once, then each site, in execution order, fitted by ``fit`` on its inputs in the
     converted model as calibrated so far; the whole model's SQNR before and after."""
     # both models run on the same inputs, as both take them (feeding's one rule)
-    data = [fed(original, as_model_inputs(b), compared_with=(converted,)) for b in batches]
-    report = AffineCalibrationReport(batches=len(data))
+    notes: list[str] = []
+    data = [fed(original, as_model_inputs(b), notes, compared_with=(converted,)) for b in batches]
+    report = AffineCalibrationReport(batches=len(data), notes=notes)
     if not data or not sites:
         return report
     with modes_restored(original, converted, inference=True), torch.no_grad():

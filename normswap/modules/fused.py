@@ -93,8 +93,8 @@ class FusedNorm(nn.Module):
         return (
             # a parametrized weight (torch.nn.utils.parametrize) has left _parameters: its attribute,
             # under the name it is stored by (not .get(key, getattr(...)): that would compute it every call)
-            parameters[w_key] if w_key in parameters else getattr(self, w_key),  # noqa: SIM401
-            parameters[b_key] if b_key in parameters else getattr(self, b_key),  # noqa: SIM401
+            parameters[w_key] if w_key in parameters else getattr(self, w_key),
+            parameters[b_key] if b_key in parameters else getattr(self, b_key),
             self.eps,
             self.casting,
             self.weight_offset,

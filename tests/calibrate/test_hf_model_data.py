@@ -207,6 +207,12 @@ def test_convert_calibrate_keyword_batches_into_a_causal_lm(gpt2, model, tmp_pat
     assert fit["batches"] == 4 and len(fit["sites"]) == 5  # two blocks' two LayerNorms and ln_f
     assert all(site["alpha"] != 0.5 for site in fit["sites"])
     assert all(site["sqnr_after_db"] > site["sqnr_before_db"] for site in fit["sites"])
+    # how the batches were fed is said, in the report and the output, as recalibrate and distill say it
+    if model == "gpt2.pt2":
+        assert NOT_FED in fit["notes"] and CACHE_OFF in fit["notes"]
+        assert f"note: {NOT_FED}" in " ".join(output.split())
+    else:
+        assert fit["notes"] == []
 
 
 def test_a_batch_is_fitted_to_every_model_it_is_fed_to(gpt2):

@@ -84,6 +84,30 @@ def test_launch_key_merges_sizes_triton_merges():
     assert launch_key((base,), {"A": 1, "B": 2}) != launch_key((base,), {"A": 2, "B": 1})
 
 
+def test_argument_lists_of_mixed_kinds_share_a_key_only_when_triton_specializes_them_alike():
+    """The key is one flat sequence (a tensor gives two entries, its dtype and alignment): lists of
+    several arguments of mixed kinds, including lists of different lengths, never share a key unless
+    they are as long and every position is of one kind and specialized alike by Triton."""
+    import random
+
+    pool = [*INTS, *FLOATS, *_tensors(), True, False, None]
+    rng = random.Random(0)
+    lists = [tuple(rng.choice(pool) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    seen: dict = {}
+    shared = 0
+    for args in lists:
+        other = seen.setdefault(launch_key(args, {}), args)
+        if other is args:
+            continue
+        shared += 1
+        assert len(other) == len(args), (other, args)
+        for a, b in zip(other, args, strict=True):
+            assert type(a) is type(b), (other, args)
+            if a is not None:
+                assert _triton_specialization(a) == _triton_specialization(b), (other, args)
+    assert shared > 100  # lists that may share a kernel do share a key
+
+
 class _RecordingKernel:
     """Stands in for a jit kernel: ``kernel[grid](...)`` records the call and returns a compiled
     kernel whose launcher records what it is given."""

@@ -2,18 +2,16 @@
 
     python benchmarks/diag_model_host_gpu.py --out DIR
 
-The H200 whole-model run (benchmarks/results/models_fused_h200.json) put a converted GPT-2's prefill at
-0.85x its original: 0.87 ms more per forward over 25 norm calls, ~35 µs a call, where a fused call on
-torch's route adds ~3 µs to ``F.layer_norm`` on a CPU. This builds the same GPT-2 (bf16, random
-weights), converts it with the FuseNorm pass, and in one process:
+The H200 whole-model run (benchmarks/results/models_fused_h200.json of 2026-11-26) put a converted
+GPT-2's prefill at 0.85x its original: 0.87 ms more per forward over 25 norm calls, ~35 µs a call, where
+a fused call on torch's route adds ~3 µs to ``F.layer_norm`` in a loop on a CPU. This builds the same
+GPT-2 (bf16, random weights), converts it with the FuseNorm pass, and in one process:
 
 - times a prefill (batch 1, seq 512, no grad) of the original, the converted model, and the converted
   model with every fused module's forward replaced by a bare ``F.layer_norm`` (what is left is not the
-  route's wrapper), the three interleaved;
-- times one norm module alone at the prefill's shape: ``nn.LayerNorm`` against ``FusedLayerNorm``;
-- counts the operators and CUDA runtime calls of one prefill of each model (torch.profiler) and prints
-  those whose counts differ;
-- profiles 20 prefills of the converted model with cProfile (top functions by own time).
+  route's wrapper), interleaved, in three orders, and with the garbage collector off;
+- times each norm call inside the model (the original's ``nn.LayerNorm``, the converted ``FusedLayerNorm``);
+- profiles one prefill of each (GPU busy time, kernel launches and their CPU time, the top operators).
 """
 
 from __future__ import annotations
@@ -41,20 +39,6 @@ def _bench_module():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _host_us(fn: Callable[[], object], calls: int = 2000) -> float:
-    for _ in range(200):
-        fn()
-    runs = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        runs.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(runs)
 
 
 def _op_counts(fn: Callable[[], object]) -> Counter:

@@ -36,7 +36,7 @@ from normswap.calibrate.feeding import fed, run_batch
 from normswap.errors import CheckFailedError
 from normswap.util.finite import first_nonfinite
 from normswap.util.modes import modes_restored
-from normswap.verify.metrics import flatten_outputs, sqnr_db
+from normswap.verify.metrics import PooledSqnr, flatten_outputs, sqnr_db
 
 # DyT's alpha candidates: log-spaced over the range trained models end up in (Zhu et al. 2025).
 DYT_ALPHAS = tuple(float(a) for a in torch.logspace(-2, 1, 31))
@@ -284,11 +284,13 @@ def fit_site(module: nn.Module, inputs: list[torch.Tensor], targets: list[torch.
 
 
 def _model_sqnr(reference: list[Any], model: nn.Module, batches: list[ModelInputs]) -> float:
-    worst = math.inf
+    """The whole model's SQNR on the calibration data: per output, over all batches together (as
+    validate computes it), the worst output's."""
+    pooled: dict[str, PooledSqnr] = {}
     for ref, batch in zip(reference, batches, strict=True):
-        for (_, r), (_, o) in zip(flatten_outputs(ref), flatten_outputs(_run(model, batch)), strict=True):
-            worst = min(worst, sqnr_db(r, o))
-    return worst
+        for (name, r), (_, o) in zip(flatten_outputs(ref), flatten_outputs(_run(model, batch)), strict=True):
+            pooled.setdefault(name, PooledSqnr()).add(r, o)
+    return min((p.db for p in pooled.values()), default=math.inf)
 
 
 # Fits one site from its inputs in the converted model and the original's outputs there, each a list

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from normswap.verify.blockwise import (
     head_output,
     with_hidden,
 )
-from normswap.verify.metrics import TensorComparison, compare_tensors, sqnr_db
+from normswap.verify.metrics import PooledSqnr, TensorComparison, compare_tensors
 
 # (full module path, the original norm with its weights, its input on the example inputs) -> the new norm
 Build = Callable[[str, nn.Module, torch.Tensor | None], nn.Module]
@@ -101,8 +101,14 @@ def _run_block(block: nn.Module, run: tuple[tuple, dict[str, Any]], hidden: torc
         return first_output(block(*args, **kwargs))
 
 
-def _worst(values: list[float]) -> float:
-    return min(values) if values else math.nan
+def _pooled(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The SQNR of (reference, output) pairs over all calibration batches together, as validate
+    computes it (NaN without a pair)."""
+    pooled, any_pair = PooledSqnr(), False
+    for reference, output in pairs:
+        pooled.add(reference, output)
+        any_pair = True
+    return pooled.db if any_pair else math.nan
 
 
 class _Calibration:
@@ -186,10 +192,10 @@ class _Calibration:
         news = {p: self.build(full[p], block.get_submodule(p), inputs[p][0]) for p in inside}
         del inputs
         with _swapped(block, news):
-            before = []
+            before = PooledSqnr()
             for b in range(n):
                 hidden = _run_block(block, self.runs[b], store.get(("u", b)))
-                before.append(sqnr_db(store.get(("o", b)), hidden))
+                before.add(store.get(("o", b)), hidden)
                 store.put(("u", b), hidden)
             for p in order:
 
@@ -197,13 +203,14 @@ class _Calibration:
                     _run_block(block, self.runs[b], store.get(("c", b)))
 
                 self.fit(prefix + p, news[p], targets[p], run, full[p])
-            after = []
+            after = PooledSqnr()
             for b in range(n + 1):
                 hidden = _run_block(block, self.runs[b], store.get(("c", b)))
                 if b < n:
-                    after.append(sqnr_db(store.get(("o", b)), hidden))
+                    after.add(store.get(("o", b)), hidden)
                 store.put(("c", b), hidden)
-            self.report.blocks.append(BlockFit(index, _worst(before), _worst(after)))
+            # over the calibration batches together, as validate computes it (n >= 1: refused before)
+            self.report.blocks.append(BlockFit(index, before.db, after.db))
             on_block(index, block)
 
     def head(self, post: list[str], pre_news: dict[str, nn.Module]) -> dict[str, nn.Module]:
@@ -225,13 +232,13 @@ class _Calibration:
         news = {p: self.build(p, model.get_submodule(p), inputs[p][0] if inputs[p] else None) for p in post}
         del inputs
         with _swapped(model, {**pre_news, **news}):
-            before = [sqnr_db(store.get(("logits", b)), output(b, "u")) for b in range(n)]
+            before = _pooled((store.get(("logits", b)), output(b, "u")) for b in range(n))
             for p in order:
                 self.fit(p, news[p], targets[p], lambda b: output(b, "c"), p)
-            after = [sqnr_db(store.get(("logits", b)), output(b, "c")) for b in range(n)]
+            after = _pooled((store.get(("logits", b)), output(b, "c")) for b in range(n))
             example = compare_tensors("output", store.get(("logits", n)), output(n, "c"))
-        self.report.model_sqnr_before_db = _worst(before)
-        self.report.model_sqnr_after_db = _worst(after)
+        self.report.model_sqnr_before_db = before
+        self.report.model_sqnr_after_db = after
         self.report.example = example
         return news
 

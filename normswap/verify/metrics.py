@@ -60,6 +60,29 @@ def sqnr_db(reference: torch.Tensor, output: torch.Tensor) -> float:
 
 
 @dataclass
+class PooledSqnr:
+    """The SQNR of several output pairs taken together (batches of one output), as validate reports it:
+    the signal and the noise summed over all of them, not the worst or the mean of their SQNRs; NaN
+    once any pair holds a NaN or Inf."""
+
+    signal_sq: float = 0.0
+    noise_sq: float = 0.0
+    nonfinite: bool = False
+
+    def add(self, reference: torch.Tensor, output: torch.Tensor) -> None:
+        if nonfinite_where("", reference, output) is not None:
+            self.nonfinite = True
+            return
+        ref = reference.detach().double()
+        self.signal_sq += float(ref.norm()) ** 2
+        self.noise_sq += float((ref - output.detach().double()).norm()) ** 2
+
+    @property
+    def db(self) -> float:
+        return math.nan if self.nonfinite else _sqnr(self.signal_sq, self.noise_sq)
+
+
+@dataclass
 class TensorComparison:
     name: str
     shape: tuple[int, ...]

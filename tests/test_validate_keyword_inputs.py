@@ -106,3 +106,50 @@ def test_a_pt2_exported_with_an_attention_mask_validates_against_its_directory(l
     # without the mask the program was exported with, it cannot run: said, exit 2
     code, _, output = _validate(llama, "folded.pt2", tmp=tmp_path)
     assert code == 2 and "expected ['input_ids', 'attention_mask']" in output
+
+
+def test_a_graph_rewrites_pt_is_the_same_model_as_its_pt2(llama, tmp_path):
+    """`--fuse-add -o x.pt` pickles the program (ExportedModule). It held it under a `graph_module`
+    submodule with a `(*args, **kwargs)` forward: the original's state_dict did not load into it, its
+    keyword batches were not fitted (validate and distill exited 2 on `labels`), and validate compared 0
+    layers where the `.pt2` compares 18. Loaded by normswap it is now read as its `.pt2` is; loaded by
+    torch it keeps the program's names and signature."""
+    for out in ("fused.pt", "fused.pt2"):
+        result = runner.invoke(
+            app, ["convert", str(llama["source"]), "--to", "fused", "--fuse-add", "-o", str(tmp_path / out)]
+        )
+        assert result.exit_code == 0, result.output
+    llama = {**llama, "fused.pt": tmp_path / "fused.pt", "fused.pt2": tmp_path / "fused.pt2"}
+    options = ("--data", str(llama["labels"]))
+    code_pt, pt_report, output = _validate(llama, "fused.pt", *options, "--trust-pickle", tmp=tmp_path)
+    code_pt2, pt2_report, _ = _validate(llama, "fused.pt2", *options, tmp=tmp_path)
+    assert code_pt == code_pt2 == 0, output
+    assert len(pt_report["layers"]) == len(pt2_report["layers"]) > 10
+    assert pt_report["notes"] == pt2_report["notes"]
+    assert (
+        "the inputs' labels is not fed: the model's forward does not take it (GraphModule)"
+        in pt_report["notes"]
+    )
+    distilled = runner.invoke(
+        app,
+        ["distill", str(llama["source"]), str(llama["fused.pt"]), "--trust-pickle", "--data",
+         str(llama["labels"]), "--steps", "1", "-o", str(tmp_path / "d.pt2")],
+    )  # fmt: skip
+    assert distilled.exit_code == 0, distilled.output
+
+    from normswap.load import load_model
+
+    pickled = torch.load(llama["fused.pt"], weights_only=False)
+    original = load_model(str(llama["source"])).model
+    assert list(pickled.state_dict()) == list(original.state_dict())
+    missing, unexpected = pickled.load_state_dict(original.state_dict())
+    assert not missing and not unexpected
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(4))
+    params = {name: p * 1.0 for name, p in original.named_parameters()}
+    with torch.no_grad():
+        via_functional = torch.func.functional_call(
+            pickled, params, (), {"input_ids": ids, "use_cache": False}
+        )
+        torch.testing.assert_close(
+            via_functional.logits, original(ids, use_cache=False).logits, atol=1e-5, rtol=1e-5
+        )

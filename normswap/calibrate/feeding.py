@@ -79,9 +79,12 @@ def fit_keywords(model: nn.Module, inputs: ModelInputs, notes: list[str] | None 
 
     Each change is said once in ``notes``; positional inputs are left as they are."""
     from normswap.graph.capture import CAPTURE_HOSTILE
+    from normswap.load.exported_module import ExportedModule
 
+    # a graph rewrite's .pt runs its program: the forward that names the inputs is the program's
+    forward = model.inputs_of if isinstance(model, ExportedModule) else model.forward
     try:
-        signature = inspect.signature(model.forward)
+        signature = inspect.signature(forward)
         parameters, given = signature.parameters, set(signature.bind_partial(*inputs.args).arguments)
     except (TypeError, ValueError):
         return inputs

@@ -20,15 +20,35 @@ from torch import nn
 
 
 class ExportedModule(nn.Module):
-    """Runs ``program`` (a ``torch.export.ExportedProgram``); pickles as the program's ``.pt2`` bytes."""
+    """Runs ``program`` (a ``torch.export.ExportedProgram``); pickles as the program's ``.pt2`` bytes.
+
+    It is the program's module as a ``.pt2`` loads it, seen through one more class: the same submodules,
+    parameters and buffers under the same names (its ``_modules``, ``_parameters`` and ``_buffers`` are
+    that module's), so the original's state_dict loads into it, ``torch.func.functional_call`` and
+    ``validate``'s per-layer comparison find the original's names, and its forward's signature is the
+    program's (``inputs_of`` names it: the feeding rule fits keyword batches to it as to the ``.pt2``).
+    ``train()`` is the program's (torch refuses it: an exported program is traced in one mode).
+    """
 
     def __init__(self, program: torch.export.ExportedProgram) -> None:
         super().__init__()
         self.program = program
-        self.graph_module = program.module()
+        runs = program.module()
+        # not registered as a child (its names would gain a prefix): its members are this module's
+        object.__setattr__(self, "runs", runs)
+        self._modules, self._parameters, self._buffers = runs._modules, runs._parameters, runs._buffers
+
+    @property
+    def inputs_of(self) -> Any:
+        """The callable whose signature the program takes (what ``inspect.signature`` should read)."""
+        return self.runs.forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.graph_module(*args, **kwargs)
+        return self.runs(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> ExportedModule:
+        self.runs.train(mode)  # torch's verdict for an exported program (it raises for a change)
+        return super().train(mode)
 
     def __reduce__(self) -> tuple[Any, tuple[bytes, list[str]]]:
         from normswap.load.pt2_file import program_needs

@@ -320,6 +320,16 @@ def _load_pickled_module(path: Path, source: str) -> LoadedModel:
     except Exception as exc:
         raise BadInputError(f"cannot unpickle {path}: {describe(exc)}") from None
     model, args, kwargs = unpack_model_and_inputs(result, f"pickle {path}")
+    from normswap.load.exported_module import ExportedModule
+
+    if isinstance(model, ExportedModule):
+        # a graph rewrite's .pt holds its program: read as the same program's .pt2 is (norms lifted to
+        # modules, its example inputs), so every command sees one model whichever file holds it
+        from normswap.load.program import program_module
+
+        model, program_args, program_kwargs = program_module(path, model.program)
+        if args is None and kwargs is None:
+            args, kwargs = program_args, program_kwargs
     return LoadedModel(model=model, example_args=args, example_kwargs=kwargs, source=source, format="pickle")
 
 

@@ -219,7 +219,7 @@ def load_program(path: Path, *, trust_pickle: bool) -> tuple[nn.Module, tuple | 
         raise
     except Exception as exc:
         raise BadInputError(f"cannot load torch.export archive {path}: {describe(exc)}") from None
-    return _program_module(path, ep)
+    return program_module(path, ep)
 
 
 def load_program_on_meta(
@@ -251,14 +251,16 @@ def load_program_on_meta(
         try:
             module: nn.Module = torch.export.unflatten(ep)
         except Exception:  # a program unflatten cannot rebuild: the flat graph, blocks or not
-            module, args, kwargs = _program_module(path, ep)
+            module, args, kwargs = program_module(path, ep)
     else:
-        module, args, kwargs = _program_module(path, ep)
+        module, args, kwargs = program_module(path, ep)
     located = weights_of_module(module, state, stored)
     return None if located is None else (module, args, kwargs, located)
 
 
-def _program_module(path: Path, ep: Any) -> tuple[nn.Module, tuple | None, dict | None]:
+def program_module(path: Path, ep: Any) -> tuple[nn.Module, tuple | None, dict | None]:
+    """(module, example args, example kwargs) of the program ``ep`` read from ``path``: what a ``.pt2``
+    and a graph rewrite's ``.pt`` (its program pickled) are loaded as, the norms lifted to modules."""
     examples = _example_inputs_of(ep) or _synthesize_example_inputs(ep)
     args, kwargs = examples if examples is not None else (None, None)
     try:

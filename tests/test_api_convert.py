@@ -182,6 +182,42 @@ def test_config_mistakes_are_bad_input(config, message):
     assert raised.value.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"to": "dyt", "calibration_data": "x.pt", "calibration_batches": 0},
+            "--calibrate-batches must be a",
+        ),
+        ({"to": "dyt", "calibration_data": "x.pt", "calibration_batches": -2}, "got -2"),
+        ({"to": "dyt", "calibration_data": "x.pt", "batch_size": 0}, "--batch-size must be a whole number"),
+        ({"to": "groupnorm", "groups": 0}, "--groups must be a whole number of at least 1, got 0"),
+        ({"to": "groupnorm", "groups": "4"}, "--groups must be a whole number of at least 1, got '4'"),
+        ({"to": "groupnorm", "groups": True}, "got True"),
+        ({"fold_bn": True, "output": 5}, "-o must be a path (a str or a Path), got a int"),
+    ],
+)
+def test_counts_and_paths_of_a_config_built_in_python_are_checked(options, message):
+    """What the command line's own types check, checked where a library caller builds the config: 0 or
+    -2 calibration batches calibrated on nothing or raised ValueError inside islice, a str of groups raised
+    TypeError, an int output TypeError (a user hunt)."""
+    with pytest.raises(BadInputError) as raised:
+        ConvertConfig(**options)
+    assert message in str(raised.value) and raised.value.exit_code == 2
+
+
+def test_a_kind_given_as_a_str_and_a_config_given_as_a_dict():
+    """from_kinds="layer" was read letter by letter ("--from 'l'"); a dict as the config raised
+    AttributeError; a module given to inspect raised TypeError where validate says what to pass."""
+    assert ConvertConfig(to="dyt", from_kinds="layer").from_kinds == ("layer",)
+    assert ConvertConfig(to="dyt", from_kinds="layer, rms").from_kinds == ("layer", "rms")
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with pytest.raises(BadInputError, match=r"config must be a normswap\.ConvertConfig, not a dict"):
+        normswap.convert(model, {"to": "rmsnorm"}, (torch.randn(2, 4),))  # type: ignore[arg-type]
+    with pytest.raises(BadInputError, match=r"not a Sequential object; normswap\.convert takes a module"):
+        normswap.inspect(model)  # type: ignore[arg-type]
+
+
 def test_the_cli_report_is_the_results_to_dict(tmp_path):
     cli_out, cli_report = tmp_path / "cli" / "folded.pt2", tmp_path / "cli" / "report.json"
     cli_out.parent.mkdir()

@@ -6,6 +6,7 @@ convert`` builds from them, and one wording serves both.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,7 +97,21 @@ class ConvertConfig:
 
     def __post_init__(self) -> None:
         if self.from_kinds is not None:
-            object.__setattr__(self, "from_kinds", tuple(self.from_kinds) or None)
+            # one kind as a str, or "layer,rms" as the command line takes it: not iterated letter by letter
+            given = [self.from_kinds] if isinstance(self.from_kinds, str) else list(self.from_kinds)
+            kinds = tuple(k.strip() for text in given for k in str(text).split(",") if k.strip())
+            object.__setattr__(self, "from_kinds", kinds or None)
+        for option, value in (
+            ("--groups", self.groups),
+            ("--calibrate-batches", self.calibration_batches),
+            ("--batch-size", self.batch_size),
+        ):
+            # counts, as the command line's own check makes them (a str, 0 or -2 raised TypeError or
+            # ValueError deep in the run, or calibrated on nothing)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise BadInputError(f"{option} must be a whole number of at least 1, got {value!r}")
+        if self.output is not None and not isinstance(self.output, str | os.PathLike):
+            raise BadInputError(f"-o must be a path (a str or a Path), got a {type(self.output).__name__}")
         if self.layers is not None:
             given = [self.layers] if isinstance(self.layers, str) else list(self.layers)
             patterns = tuple(p.strip() for text in given for p in text.split(",") if p.strip())
@@ -208,7 +223,7 @@ class ConvertConfig:
             if (flag := self._graph_flag()) is not None:
                 raise BadInputError(
                     f"{flag} makes the model an exported torch.fx GraphModule, which a model directory cannot "
-                    f"hold: save {output} as .pt2 or .onnx"
+                    f"hold: save {output} as .pt2, .onnx or .pt (its program pickled)"
                 )
             return
         check_output_format(output)

@@ -368,6 +368,7 @@ def load_model_structure(
     """Like :func:`load_model`, but a Hugging Face model directory is built from its config on the meta
     device, its weights not read, with example inputs on the meta device too: for work that needs the
     model's structure and shapes only (``inspect``)."""
+    _refuse_what_is_no_spec(spec)
     path = Path(spec)
     if path.is_dir() and is_checkpoint_directory(path):
         if weights is not None:
@@ -387,12 +388,17 @@ def _load_directory(path: Path, spec: str) -> LoadedModel:
     return _directory_model(load_checkpoint_directory(checkpoint), checkpoint, spec)
 
 
-def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:
+def _refuse_what_is_no_spec(spec: object) -> None:
+    """The one sentence for a module (or anything else) passed where a spec is read, on every reader."""
     if not isinstance(spec, str | Path):
         raise BadInputError(
             f"a model is given as a spec here (a model file, a model directory or package.module:callable), "
             f"not a {type(spec).__name__} object; normswap.convert takes a module"
         )
+
+
+def _load_model(spec: str, *, weights: str | Path | None, trust_pickle: bool) -> LoadedModel:
+    _refuse_what_is_no_spec(spec)
     path = Path(spec)
     if path.exists():
         if weights is not None:

@@ -95,9 +95,9 @@ def check_paths(
     """Refuse (``BadInputError``) a write path that is a read path or another write path.
 
     ``reads`` and ``writes`` map an option's name (``MODEL``, ``--inputs``, ``-o``, ``--report``) to the
-    path it was given, or None when it was not. A write may not be a file inside a folder that is read
-    either when that file exists (an image of a ``--data`` folder), nor a folder that holds a read path
-    or the working directory (an output folder replaces what was there; ``working`` names the labels of
+    path it was given, or None when it was not. A write may not be inside a folder that is read either,
+    existing or not (an image of a ``--data`` folder, a new file the folder would then hold), nor a folder
+    that holds a read path or the working directory (an output folder replaces what was there; ``working`` names the labels of
     folders a command writes into across runs, which it never replaces). Call it before loading
     anything.
     """
@@ -110,9 +110,12 @@ def check_paths(
         for read_label, read in given_reads:
             if same_path(path, read):
                 raise BadInputError(_show(label, path, read_label, read))
-            if read.is_dir() and path.exists() and _inside(path, read):
+            if read.is_dir() and _inside(path, read):
+                # existing or not: once written, the folder holds it (a data folder then holds a model
+                # file, which the next run on that data refuses; a model directory holds another model)
                 raise BadInputError(
-                    f"{label} {path} is a file inside {read_label} {read}: choose another path"
+                    f"{label} {path} is inside {read_label} {read}, which this command reads: choose a "
+                    "path outside it"
                 )
             if label not in working and _inside(read, path):  # replacing it would delete what it holds
                 raise BadInputError(

@@ -226,9 +226,16 @@ def test_check_paths_lets_distinct_paths_through(tmp_path):
     images.mkdir()
     (images / "cat.jpg").write_bytes(b"jpeg")
     reads = {"MODEL": tmp_path / "model.pt", "--data": images, "--inputs": None}
-    check_paths(reads, {"-o": tmp_path / "out.pt", "--report": images / "report.json", "--json": None})
-    with pytest.raises(BadInputError, match=r"^--report .*cat\.jpg is a file inside --data .*images: choose"):
+    check_paths(reads, {"-o": tmp_path / "out.pt", "--report": tmp_path / "report.json", "--json": None})
+    with pytest.raises(BadInputError, match=r"^--report .*cat\.jpg is inside --data .*images, which this"):
         check_paths(reads, {"-o": tmp_path / "out.pt", "--report": images / "cat.jpg"})
+    # a new file too: the folder would then hold it, and the next run on that data refuses a non-image
+    # (a user hunt: recalibrate --data imgs -o imgs/x.pt2, then 'x.pt2 is not a JPEG')
+    for label, inside in (("--report", images / "report.json"), ("-o", images / "x.pt2")):
+        with pytest.raises(
+            BadInputError, match=rf"^{label} .* is inside --data .*images, which this command"
+        ):
+            check_paths(reads, {label: inside})
 
 
 def test_source_paths_of_model_and_data_specs(tmp_path, monkeypatch):
@@ -445,3 +452,26 @@ def test_a_library_call_never_writes_a_folder_that_holds_its_input(tmp_path, rou
             result = normswap.convert(source, normswap.ConvertConfig(fold_norm_affine=True))
             normswap.save(result, holder, overwrite=True)
     assert sorted(p.name for p in source.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["recalibrate", "convert"])
+def test_an_output_inside_the_data_folder_is_refused_before_any_work(files, tmp_path, command):
+    """recalibrate --data imgs -o imgs/x.pt2 wrote the model into the image folder, and the next run on the
+    same data refused it ('x.pt2 is not a JPEG'): an output inside a folder the command reads is refused,
+    on every command (one rule: check_paths), before the model is loaded (the fixture fails a load)."""
+    images = tmp_path / "imgs"
+    images.mkdir()
+    (images / "cat.jpg").write_bytes(b"jpeg")
+    out = images / "x.pt2"
+    argv = {
+        "recalibrate": ["recalibrate", f"{files['conv']}:build", "--data", str(images), "-o", str(out)],
+        "convert": ["convert", f"{files['conv']}:build", "--to", "groupnorm", "--groups", "2", "--calibrate",
+                    str(images), "-o", str(out)],
+    }[command]  # fmt: skip
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"error: -o {out} is inside --{'data' if command == 'recalibrate' else 'calibrate'} {images}, which "
+        "this command reads: choose a path outside it"
+    )
+    assert sorted(p.name for p in images.iterdir()) == ["cat.jpg"]

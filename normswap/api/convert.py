@@ -179,11 +179,8 @@ def convert(
     inputs that cannot work and :class:`~normswap.errors.CheckFailedError` for a config the exact
     policy refuses outright; every check that needs the conversion itself is in the result's verdict.
     """
-    if not isinstance(config, ConvertConfig):
-        raise BadInputError(
-            f"config must be a normswap.ConvertConfig, not a {type(config).__name__}: "
-            "normswap.ConvertConfig(to=..., ...) (ConvertConfig(**options) for a dict)"
-        )
+    if not isinstance(config, ConvertConfig):  # a dict of options: ConvertConfig(**options)
+        raise BadInputError(f"config must be a normswap.ConvertConfig, not a {type(config).__name__}")
     if not isinstance(source, nn.Module):
         from normswap.api.routes import convert_source
 

@@ -55,8 +55,7 @@ def use_triton(*tensors: torch.Tensor | None) -> bool:
     return x.device.type == "cpu" and _force_triton_on_cpu > 0
 
 
-# Parameters are plain tensors too; any other subclass (FakeTensor, DTensor, ...) must see the op.
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+# A Parameter is a plain tensor too; any other subclass (FakeTensor, DTensor, ...) must see the op.
 _PARAMETER = torch.nn.Parameter
 # torch's own C functions, bound once: every eager call asks them, and inside a model a norm's Python
 # calls cost several times what they cost in a tight loop (measured on an H200 host: a fused LayerNorm
@@ -97,7 +96,13 @@ def _watched(tensors: tuple[torch.Tensor | None, ...]) -> bool:
         return True
     # A loop, not any(<generator>): this runs on every eager call, and at a few rows host time counts.
     for t in tensors:
-        if t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or _is_legacy_batched(t)):
+        # a Parameter is never batched by the legacy vmap (it batches inputs and gradients): its type
+        # suffices, and a module's call skips one C call per parameter
+        if (
+            t is not None
+            and type(t) is not _PARAMETER
+            and (type(t) is not torch.Tensor or _is_legacy_batched(t))
+        ):
             return True
     return False
 
@@ -172,22 +177,8 @@ def eager_plan(
     so it is computed once per key; the watchers (torch.compile, dispatch modes, tracing, tensor
     subclasses) are looked at on every call.
     """
-    # _watched, spelled out: this runs on every eager call (see _dispatch_stack_depth above)
-    if torch.compiler.is_compiling() or _dispatch_stack_depth() or _tracing_state():
+    if _watched((x, residual, weight, bias)):
         return None
-    if type(x) not in _PLAIN_TENSOR_TYPES or _is_legacy_batched(x):
-        return None
-    if residual is not None and (type(residual) not in _PLAIN_TENSOR_TYPES or _is_legacy_batched(residual)):
-        return None
-    for t in (weight, bias):
-        # a Parameter is never batched by the legacy vmap (it batches inputs and gradients): its type
-        # suffices, and a module's call skips one C call per parameter
-        if (
-            t is not None
-            and type(t) is not _PARAMETER
-            and (type(t) is not torch.Tensor or _is_legacy_batched(t))
-        ):
-            return None
     key = (
         kind,
         x.shape,

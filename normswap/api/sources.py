@@ -160,9 +160,19 @@ def read_data(
     source = load_calibration_data(data, **options)
     held_out = None
     if holdout is not None:
-        held_out = next(iter(load_calibration_data(holdout, **options, ignore_inapplicable=True)), None)
+        holdout_data = load_calibration_data(holdout, **options, ignore_inapplicable=True)
+        batches = iter(holdout_data)
+        held_out = next(batches, None)
         if held_out is None:
             raise BadInputError(f"--holdout {holdout} yields no batch")
+        # one batch is compared: a source holding more is said so (its count, or one batch read ahead)
+        more = holdout_data.num_batches - 1 if holdout_data.num_batches is not None else None
+        if more is None:
+            more = 1 if next(batches, None) is not None else 0
+        if more:
+            source.notes.append(
+                f"--holdout {holdout}: its first batch is compared; it holds more, which are not read"
+            )
     return source, held_out
 
 

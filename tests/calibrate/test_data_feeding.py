@@ -113,3 +113,29 @@ def test_data_beyond_the_models_dtype_is_refused_not_fed_as_inf():
         to_model(batch, torch.device("cpu"), torch.float16)
     (cast,) = to_model(ModelInputs((torch.tensor([[1.0, 6.0e4]]),)), torch.device("cpu"), torch.float16).args
     assert cast.dtype == torch.float16 and float(cast[0, 1]) == 6.0e4
+
+
+def test_a_holdout_of_several_batches_is_said_to_be_compared_on_its_first(tmp_path):
+    """recalibrate and distill compare on the first batch of --holdout (read_data, their one reader):
+    a source that holds more says so, whether it knows its length (a file) or not (a generator, read
+    one batch ahead); one batch says nothing."""
+    from normswap.api.sources import read_data
+
+    data, one, two = tmp_path / "data.pt", tmp_path / "one.pt", tmp_path / "two.pt"
+    for path, n in ((data, 8), (one, 4), (two, 8)):
+        torch.save(torch.randn(n, 3, 8, 8), path)
+    example = (torch.randn(1, 3, 8, 8),)
+    source, held = read_data(str(data), str(two), example, {}, 4, None)
+    assert held is not None and source.notes == [
+        f"--holdout {two}: its first batch is compared; it holds more, which are not read"
+    ]
+    source, _ = read_data(str(data), str(one), example, {}, 4, None)
+    assert source.notes == []
+    factory = tmp_path / "gen.py"
+    factory.write_text(
+        "import torch\ndef batches():\n    return (torch.randn(2, 3, 8, 8) for _ in range(3))\n"
+    )
+    source, _ = read_data(str(data), f"{factory}:batches", example, {}, None, None)
+    assert source.notes == [
+        f"--holdout {factory}:batches: its first batch is compared; it holds more, which are not read"
+    ]

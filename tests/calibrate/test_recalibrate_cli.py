@@ -94,6 +94,9 @@ def test_recalibrate_image_folder_with_batches_and_holdout(tmp_path):
     assert "6 images at 3x32x32 in batches of 2, imagenet-normalized" in result.output
     assert "re-estimated on 2 batches (4 samples)" in result.output
     assert "held-out batch (2 samples, separate held-out batch)" in result.output
+    # the holdout holds 2 batches of 2: one is compared, and that is said
+    said = f"--holdout {holdout}: its first batch is compared; it holds more, which are not read"
+    assert said in " ".join(result.output.split())
     model = torch.load(out, weights_only=False)
     assert int(model.bn1.num_batches_tracked) == 2 and model.bn1.momentum == 0.1
     assert not any(m.training for m in model.modules())

@@ -6,6 +6,7 @@ with an index, and a tokenizer file beside them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,13 @@ def make_directory(root: Path, name: str, dtype: torch.dtype = torch.float32) ->
     model.save_pretrained(path, max_shard_size=total // 4 + 1)
     (path / "tokenizer.json").write_text('{"version": "1.0"}')
     return path
+
+
+def with_cache_on(directory: Path) -> Path:
+    """``directory`` with ``use_cache: true`` in its config, as Hugging Face's configs come."""
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "use_cache": True}))
+    return directory
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

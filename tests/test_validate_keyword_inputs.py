@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_dirs import make_directory
+from hf_dirs import make_directory, with_cache_on
 from normswap_cli.app import app
 from typer.testing import CliRunner
 
@@ -26,9 +26,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("kw")
-    source = make_directory(root, "llama")
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "use_cache": True}))  # as HF's configs come
+    source = with_cache_on(make_directory(root, "llama"))
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     files = {
         "ids": [{"input_ids": ids}] * 2,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_dirs import make_directory
+from hf_dirs import make_directory, with_cache_on
 from normswap_cli.app import app
 from typer.testing import CliRunner
 
@@ -165,9 +165,7 @@ def test_images_for_a_model_whose_example_holds_two_image_tensors_are_refused(tm
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gpt2")
-    source = make_directory(root, "gpt2")
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({**config, "use_cache": True}))  # as HF's configs come
+    source = with_cache_on(make_directory(root, "gpt2"))
     made = {"gpt2": source, "gpt2.pt2": _saved_pt2(source, root / "gpt2.pt2")}
     code, _, output = _cli("convert", str(source), "--to", "dyt", "-o", str(root / "gpt2-dyt.pt2"))
     assert code == 0, output

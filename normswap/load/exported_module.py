@@ -24,10 +24,11 @@ class ExportedModule(nn.Module):
 
     It is the program's module as a ``.pt2`` loads it, seen through one more class: the same submodules,
     parameters and buffers under the same names (its ``_modules``, ``_parameters`` and ``_buffers`` are
-    that module's), so the original's state_dict loads into it, ``torch.func.functional_call`` and
-    ``validate``'s per-layer comparison find the original's names, and its forward's signature is the
-    program's (``inputs_of`` names it: the feeding rule fits keyword batches to it as to the ``.pt2``).
-    ``train()`` is the program's (torch refuses it: an exported program is traced in one mode).
+    that module's), so the original's state_dict loads into it and ``torch.func.functional_call`` finds
+    the original's names, and its forward's signature is the program's (``inputs_of`` names it: the
+    feeding rule fits keyword batches to it as to the ``.pt2``). normswap's own commands read such a
+    ``.pt`` as the program's ``.pt2`` (``normswap.load.model_file``). ``train()`` is the program's (torch
+    refuses it: an exported program is traced in one mode).
     """
 
     def __init__(self, program: torch.export.ExportedProgram) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -99,16 +99,6 @@ def _run_block(block: nn.Module, run: tuple[tuple, dict[str, Any]], hidden: torc
     args, kwargs = with_hidden(run[0], run[1], hidden)
     with torch.no_grad():
         return first_output(block(*args, **kwargs))
-
-
-def _pooled(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """The SQNR of (reference, output) pairs over all calibration batches together, as validate
-    computes it (NaN without a pair)."""
-    pooled, any_pair = PooledSqnr(), False
-    for reference, output in pairs:
-        pooled.add(reference, output)
-        any_pair = True
-    return pooled.db if any_pair else math.nan
 
 
 class _Calibration:
@@ -209,7 +199,7 @@ class _Calibration:
                 if b < n:
                     after.add(store.get(("o", b)), hidden)
                 store.put(("c", b), hidden)
-            # over the calibration batches together, as validate computes it (n >= 1: refused before)
+            # over the calibration batches together, as validate computes it
             self.report.blocks.append(BlockFit(index, before.db, after.db))
             on_block(index, block)
 
@@ -232,13 +222,17 @@ class _Calibration:
         news = {p: self.build(p, model.get_submodule(p), inputs[p][0] if inputs[p] else None) for p in post}
         del inputs
         with _swapped(model, {**pre_news, **news}):
-            before = _pooled((store.get(("logits", b)), output(b, "u")) for b in range(n))
+            # over the calibration batches together, as validate computes it
+            before, after = PooledSqnr(), PooledSqnr()
+            for b in range(n):
+                before.add(store.get(("logits", b)), output(b, "u"))
             for p in order:
                 self.fit(p, news[p], targets[p], lambda b: output(b, "c"), p)
-            after = _pooled((store.get(("logits", b)), output(b, "c")) for b in range(n))
+            for b in range(n):
+                after.add(store.get(("logits", b)), output(b, "c"))
             example = compare_tensors("output", store.get(("logits", n)), output(n, "c"))
-        self.report.model_sqnr_before_db = before
-        self.report.model_sqnr_after_db = after
+        self.report.model_sqnr_before_db = before.db
+        self.report.model_sqnr_after_db = after.db
         self.report.example = example
         return news
 

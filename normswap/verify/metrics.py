@@ -52,11 +52,9 @@ def nonfinite_where(
 def sqnr_db(reference: torch.Tensor, output: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB; ``inf`` when the two are identical, NaN (not a number of
     dB) when either holds a NaN or Inf: nothing measures the noise there."""
-    if nonfinite_where("", reference, output) is not None:
-        return math.nan
-    ref = reference.detach().double()
-    noise = (ref - output.detach().double()).norm()
-    return _sqnr(float(ref.norm()) ** 2, float(noise) ** 2)
+    pooled = PooledSqnr()
+    pooled.add(reference, output)
+    return pooled.db
 
 
 @dataclass
@@ -68,8 +66,10 @@ class PooledSqnr:
     signal_sq: float = 0.0
     noise_sq: float = 0.0
     nonfinite: bool = False
+    pairs: int = 0
 
     def add(self, reference: torch.Tensor, output: torch.Tensor) -> None:
+        self.pairs += 1
         if nonfinite_where("", reference, output) is not None:
             self.nonfinite = True
             return
@@ -79,7 +79,8 @@ class PooledSqnr:
 
     @property
     def db(self) -> float:
-        return math.nan if self.nonfinite else _sqnr(self.signal_sq, self.noise_sq)
+        """NaN with no pair (nothing compared) or a non-finite one."""
+        return math.nan if self.nonfinite or not self.pairs else _sqnr(self.signal_sq, self.noise_sq)
 
 
 @dataclass

@@ -44,6 +44,8 @@ def print_sequential(result: Any) -> None:
         out.print(
             f"after calibration, whole model vs original on the example inputs: SQNR {fmt_float(fit.example.sqnr_db)} dB"
         )
+    for note in fit.notes:  # how the batches were fed, as the in-memory calibration says it
+        out.print(f"note: {note}", soft_wrap=True)
     where = (
         f", {fit.activations_spilled / 1e6:.1f} MB of them spilled to disk" if fit.activations_spilled else ""
     )

@@ -245,13 +245,15 @@ def convert_checkpoint_sequential(
     held in memory before they go to disk (default: a quarter of the available memory, at most 4 GiB).
 
     The fitted parameters are those of the in-memory ``convert`` with the same calibration data (the same
-    fit, fed the same tensors). BadInputError for a conversion or model the route cannot take (a model
-    with no list of blocks of one class, flags other than the swap); nothing is written then, nor on any
-    failure. A model with no norm to swap is written as it was (every tensor copied as bytes, nothing
-    calibrated), as the in-memory route writes it."""
+    fit, fed the same tensors: the batches as :func:`normswap.calibrate.feeding.fed` makes them).
+    BadInputError for a conversion or model the route cannot take (a model with no list of blocks of one
+    class, flags other than the swap) or data it cannot be fed (in the in-memory route's words); nothing
+    is written then, nor on any failure. A model with no norm to swap is written as it was (every tensor
+    copied as bytes, nothing calibrated), as the in-memory route writes it."""
     from normswap.api.convert import calibration_batches
     from normswap.calibrate.activations import ActivationStore
     from normswap.calibrate.data import ModelInputs, as_model_inputs
+    from normswap.calibrate.feeding import check_batch_fits
     from normswap.calibrate.sequential import calibrate_blocks
     from normswap.passes.swap.swap_norm import build_layout_norm
     from normswap.verify.blockwise import BlockShell
@@ -284,6 +286,8 @@ def convert_checkpoint_sequential(
     if hasattr(shell.model.config, "use_cache"):
         shell.model.config.use_cache = False  # no key/value cache: nothing carried from one block to the next
     shell.take_block(0)
+    # data the model cannot be fed is refused before any work, in the in-memory route's sentence (feeding)
+    check_batch_fits(shell.model, batches[0], "calibration batch 0")
     say("deciding the swap on the model with one block")
     swap, plan = _plan_swap(shell.model, config, args, kwargs)
     shell_block = f"{blocks}.0."

@@ -6,13 +6,14 @@ models a command compares (ORIGINAL and CONVERTED, a teacher and its student) ru
 is moved to the model's device and cast to its floating dtype (data saved as float64 feeds a float32
 model; token ids stay integers), and a batch the model cannot run on is the data's fault, said in one
 sentence (:class:`~normswap.errors.BadInputError`, exit 2) before any work: ``recalibrate``,
-``distill``, ``convert --calibrate`` and ``validate --data`` alike.
+``distill``, ``convert --calibrate`` (in memory and block by block) and ``validate --data`` alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -51,10 +52,13 @@ def to_model(inputs: ModelInputs, device: torch.device | None, dtype: torch.dtyp
     return ModelInputs(tuple(move(a) for a in inputs.args), {k: move(v) for k, v in inputs.kwargs.items()})
 
 
-def run_batch(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
-    """``model`` on ``inputs``; a failure is the data's: "``what`` (shapes) does not fit the model"."""
+@contextlib.contextmanager
+def data_fault(model: nn.Module, inputs: ModelInputs, what: str) -> Iterator[None]:
+    """Inside, a failure of ``model`` run on ``inputs`` is the data's: "``what`` (shapes) does not fit the
+    model" (:class:`~normswap.errors.BadInputError`). :func:`run_batch` calls the model in it; the
+    block-by-block route, which runs a batch through the model's parts in turn, runs each part in it."""
     try:
-        return model(*inputs.args, **inputs.kwargs)
+        yield
     except Exception as exc:
         hint = ""
         if isinstance(model, fx.GraphModule) and "Guard failed" in str(exc):
@@ -65,6 +69,13 @@ def run_batch(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
         raise BadInputError(
             f"{what} ({inputs.describe()}) does not fit the model: {_describe(exc)}{hint}"
         ) from None
+
+
+def run_batch(model: nn.Module, inputs: ModelInputs, what: str) -> Any:
+    """``model`` on ``inputs``; a failure is the data's (:func:`data_fault`)."""
+    with data_fault(model, inputs, what):
+        output = model(*inputs.args, **inputs.kwargs)
+    return output
 
 
 def fit_keywords(model: nn.Module, inputs: ModelInputs, notes: list[str] | None = None) -> ModelInputs:
@@ -149,6 +160,7 @@ def check_batch_fits(model: nn.Module, inputs: ModelInputs, what: str) -> None:
 
 __all__ = [
     "check_batch_fits",
+    "data_fault",
     "device_and_dtype",
     "fed",
     "fit_keywords",

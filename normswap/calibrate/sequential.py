@@ -22,6 +22,11 @@ calibrated and its targets from the whole original. A block's input depends only
 it, so both routes feed every fit the same tensors (up to the order of float sums) and fit the same
 parameters. Norms outside the blocks are fitted the same way: those that run before the first block
 (an embedding LayerNorm) first, those after the last (a final norm) on the shell's head.
+
+The batches are fed as the in-memory fit feeds them (:func:`normswap.calibrate.feeding.fed`, the one
+rule): their keywords fitted to the model's forward, cast to its floating dtype, each change said once in
+the report's ``notes``; and a batch the original cannot run on is the data's fault, said in the same
+sentence (:func:`~normswap.calibrate.feeding.data_fault`), wherever in the model it fails.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from torch import nn
 from normswap.calibrate.activations import ActivationStore
 from normswap.calibrate.affine_fit import SiteFit, call_order, fit_site, recording
 from normswap.calibrate.data import ModelInputs
+from normswap.calibrate.feeding import data_fault, fed
 from normswap.verify.blockwise import (
     BlockShell,
     block_hidden,
@@ -76,6 +82,8 @@ class SequentialCalibrationReport:
     activation_budget: int = 0
     activations_peak_held: int = 0
     activations_spilled: int = 0
+    # what feeding the batches to the model changed in them (feeding's rule: the in-memory fit's notes)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,13 +122,22 @@ class _Calibration:
         report: SequentialCalibrationReport,
     ) -> None:
         self.shell = shell
-        self.inputs = [*batches, example]  # the example inputs last: index n, never fitted on
+        # the batches as the model takes them (feeding's one rule, as in memory: the same batches on both
+        # routes); the example inputs last, as the config made them: index n, never fitted on
+        self.inputs = [*(fed(shell.model, b, report.notes) for b in batches), example]
         self.n = len(batches)
         self.store = store
         self.build = build
         self.report = report
         # per batch, what the model hands its first block (masks, position embeddings), the hidden aside
         self.runs: list[tuple[tuple, dict[str, Any]]] = []
+
+    def original(self, b: int) -> contextlib.AbstractContextManager[None]:
+        """Around batch ``b``'s run through a part of the original (the in-memory fit's first run of each
+        batch): a failure there is the data's. The example inputs are the config's: a failure is a bug."""
+        if b == self.n:
+            return contextlib.nullcontext()
+        return data_fault(self.shell.model, self.inputs[b], f"calibration batch {b}")
 
     def fit(
         self, path: str, module: nn.Module, targets: list[torch.Tensor], run: Callable[[int], Any], name: str
@@ -148,7 +165,8 @@ class _Calibration:
             call_order(model, outside) as order,
         ):
             for b, batch in enumerate(self.inputs):
-                args, kwargs = block_inputs(shell, batch.args, batch.kwargs)
+                with self.original(b):
+                    args, kwargs = block_inputs(shell, batch.args, batch.kwargs)
                 store.put(("o", b), block_hidden(args, kwargs))
                 self.runs.append(with_hidden(args, kwargs, None))  # type: ignore[arg-type]
         pre = [p for p in order if targets[p]]
@@ -176,7 +194,10 @@ class _Calibration:
             store.put(("o", n), _run_block(block, self.runs[n], store.get(("o", n))))
         with recording(block, inside, "output") as targets, call_order(block, inside) as order:
             for b in range(n):
-                store.put(("o", b), _run_block(block, self.runs[b], store.get(("o", b))))
+                hidden = store.get(("o", b))
+                with self.original(b):
+                    hidden = _run_block(block, self.runs[b], hidden)
+                store.put(("o", b), hidden)
         order += [p for p in inside if p not in order]
         full = {p: f"{shell.blocks}.{index}.{p}" for p in inside}
         news = {p: self.build(full[p], block.get_submodule(p), inputs[p][0]) for p in inside}
@@ -217,7 +238,10 @@ class _Calibration:
             store.put(("logits", n), output(n, "o"))
         with recording(model, post, "output") as targets, call_order(model, post) as order:
             for b in range(n):
-                store.put(("logits", b), output(b, "o"))
+                batch, hidden = self.inputs[b], store.get(("o", b))
+                with self.original(b):
+                    logits = head_output(shell, batch.args, batch.kwargs, hidden)
+                store.put(("logits", b), logits)
         order += [p for p in post if p not in order]
         news = {p: self.build(p, model.get_submodule(p), inputs[p][0] if inputs[p] else None) for p in post}
         del inputs

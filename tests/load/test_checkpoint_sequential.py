@@ -265,3 +265,52 @@ def test_every_route_says_the_config_made_inputs_run_without_the_cache(dirs, tmp
         data = json.loads(report.read_text())
         assert data["route"] == route.split(",")[0], route
         assert CACHE_OFF_NOTE in data["notes"], (route, data["notes"])
+
+
+def _embeddings(path: Path, width: int) -> Path:
+    """Keyword batches of ``inputs_embeds`` saved as float64 (a float32 model's data, kept in float64)."""
+    generator = torch.Generator().manual_seed(5)
+    batches = [{"inputs_embeds": torch.randn(4, 10, width, dtype=torch.float64, generator=generator)}]
+    torch.save(batches * 2, path)
+    return path
+
+
+def test_both_routes_feed_the_batches_as_the_feeding_rule_makes_them(dirs, tmp_path):
+    """float64 keyword batches for a float32 model: in memory, feeding's rule cast them to the model's
+    dtype; block by block fed them as they came, and the first block failed with "expected m1 and m2 to
+    have the same dtype" (exit 3, "internal error"). Now both routes feed the same batches."""
+    from normswap import convert
+
+    options = {"to": "layernorm", "calibration_data": str(_embeddings(tmp_path / "embeds.pt", 64))}
+    loaded = load_model(str(dirs["llama"]))
+    in_memory = convert(loaded.model, ConvertConfig(**options), loaded.example_args, loaded.example_kwargs)
+    done = convert_checkpoint_sequential(dirs["llama"], ConvertConfig(**options, output=tmp_path / "seq"))
+    ours, theirs = _tensors(tmp_path / "seq"), in_memory.model.state_dict()
+    fitted = [k for k in ours if "norm" in k]
+    assert len(fitted) == 5  # two LayerNorms per block and the final one, fitted on the same batches
+    for key in fitted:
+        assert rel(theirs[key].double(), ours[key].double()) <= 1e-6, key
+    fit, theirs_fit = done.calibration, in_memory.calibration.fit
+    assert fit.batches == theirs_fit.batches == 2
+    assert fit.notes == theirs_fit.notes  # what the rule changed, said the same way (here: nothing)
+    assert fit.model_sqnr_after_db == pytest.approx(theirs_fit.model_sqnr_after_db, abs=1e-4)
+    assert fit.model_sqnr_after_db > fit.model_sqnr_before_db
+
+
+def test_data_the_model_cannot_be_fed_is_refused_alike_on_both_routes(dirs, tmp_path):
+    """Embeddings 32 wide for a 64-wide model: the in-memory route refused them before any work (exit 2,
+    "calibration batch 0 ... does not fit the model"); block by block crashed inside the first block
+    (exit 3, "internal error ... this is a bug in normswap")."""
+    data = _embeddings(tmp_path / "narrow.pt", 32)
+    args = ["convert", str(dirs["llama"]), "--to", "layernorm", "--calibrate", str(data)]
+    said = {}
+    for route, extra in (("seq", ["--sequential"]), ("memory", [])):
+        shown = runner.invoke(app, [*args, *extra, "-o", str(tmp_path / route)])
+        assert shown.exit_code == 2, shown.output
+        said[route] = " ".join(shown.output.split())
+    expected = (
+        "error: calibration batch 0 (kwargs['inputs_embeds'] (4, 10, 32)) does not fit the model: "
+        "RuntimeError: The size of tensor a (64) must match the size of tensor b (32)"
+    )
+    assert expected in said["seq"] and expected in said["memory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["narrow.pt"]  # nothing written

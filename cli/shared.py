@@ -30,7 +30,7 @@ def handles_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except NormswapError as exc:
-            render.error(str(exc))
+            render.error(worded(exc))
             raise typer.Exit(exc.exit_code) from None
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
@@ -45,6 +45,16 @@ def handles_errors(fn: F) -> F:
             raise typer.Exit(INTERNAL_ERROR_EXIT) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def worded(exc: Exception) -> str:
+    """A library error as the command line says it: the library's sentence names its Python parameters
+    where a refusal tells how to go on (an existing output: ``overwrite=True``); here the option."""
+    from normswap.errors import OutputExistsError
+
+    if isinstance(exc, OutputExistsError):
+        return exc.sentence("--overwrite")
+    return str(exc)
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from normswap.errors import BadInputError, CheckFailedError, NormswapError
+from normswap.errors import BadInputError, CheckFailedError, NormswapError, OutputExistsError
 
 if TYPE_CHECKING:
     from normswap.api import (
@@ -98,6 +98,7 @@ __all__ = [
     "NormInventory",
     "NormSite",
     "NormswapError",
+    "OutputExistsError",
     "Pipeline",
     "PipelineReport",
     "RewriteKind",

@@ -1,7 +1,7 @@
 """Errors that carry their own exit code, so the CLI can map them without tracebacks.
 
 `BadInputError` means the user gave something we cannot use (exit 2; `BrokenModelError`: a model that
-holds or computes NaN/Inf); `CheckFailedError` means a
+holds or computes NaN/Inf; `OutputExistsError`: an output path that exists); `CheckFailedError` means a
 rewrite or an export did not pass its numerical check and nothing was written (exit 1). :func:`describe`
 and :func:`first_line` put an exception into a one-line message; :func:`write_error` and
 :func:`failed_write` say a write that failed in the user's environment (a full disk) the one way every
@@ -31,6 +31,24 @@ class BrokenModelError(BadInputError):
     """The model given holds or computes NaN/Inf where a check reads it: nothing can be compared there,
     so every command refuses it the same way (exit 2), before writing anything
     (:mod:`normswap.verify.finite`)."""
+
+
+class OutputExistsError(BadInputError):
+    """The output rule's refusal of a path that exists (or appeared while the output was written) when
+    replacing it was not asked for. It carries its cause (``label``, ``path``, ``appeared``) so that each
+    caller names the way to ask in its own terms: its text names the Python parameter (``overwrite=True``),
+    the command line says the same sentence with its option (:meth:`sentence`, ``--overwrite``)."""
+
+    def __init__(self, label: str, path: os.PathLike[str] | str, *, appeared: bool = False) -> None:
+        self.label = label
+        self.path = path
+        self.appeared = appeared
+        super().__init__(self.sentence("overwrite=True"))
+
+    def sentence(self, option: str) -> str:
+        """The refusal, naming ``option`` as the way to replace the path."""
+        what = "appeared while it was written" if self.appeared else "exists"
+        return f"{self.label} {self.path} {what}: pass {option} to replace it"
 
 
 class CheckFailedError(NormswapError):

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
-from normswap.errors import BadInputError
+from normswap.errors import BadInputError, OutputExistsError
 
 PathLike = str | os.PathLike[str]
 
@@ -159,9 +159,10 @@ def check_output(label: str, path: PathLike, *, overwrite: bool = False, directo
     """The output rule, for one path a command writes (``label`` names its option in the refusal).
 
     Refused (``BadInputError``), before any work: a symlink, even with ``overwrite`` (normswap never
-    writes through one); an existing path unless ``overwrite``; a file output where a folder is (even
-    with ``overwrite``: a .pt never replaces a folder of the user's; ``directory`` says the output is a
-    folder); a parent that is missing, not a folder, or not writable. The writers then write atomically
+    writes through one); an existing path unless ``overwrite`` (an
+    :class:`~normswap.errors.OutputExistsError`, which the command line words with ``--overwrite``); a
+    file output where a folder is (even with ``overwrite``: a .pt never replaces a folder of the user's;
+    ``directory`` says the output is a folder); a parent that is missing, not a folder, or not writable. The writers then write atomically
     (a temp beside the path, renamed over it) and, without ``overwrite``, never replace a path that
     appeared meanwhile. Which paths are inputs is :func:`check_paths`'s part.
     """
@@ -174,7 +175,7 @@ def check_output(label: str, path: PathLike, *, overwrite: bool = False, directo
         if not occupied.exists():
             continue
         if not overwrite:
-            raise BadInputError(f"{label} {occupied} exists: pass --overwrite to replace it")
+            raise OutputExistsError(label, occupied)
         if occupied.is_dir() and not directory:
             raise BadInputError(f"{label} {occupied} is a folder: choose a file path")
     parent = path.parent

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from normswap.errors import BadInputError, describe, failed_write, write_error
+from normswap.errors import BadInputError, OutputExistsError, describe, failed_write, write_error
 from normswap.load.paths import ONNX_DATA_SUFFIX, check_output, check_paths
 from normswap.load.pt2_file import captured_pt2_problem, pt2_refusal, write_pt2
 from normswap.util.dtypes import floating_dtype, onnx_check_problem
@@ -160,9 +160,10 @@ def place(temp: Path, path: Path, *, overwrite: bool = False, label: str = "-o")
     """Give the complete file or folder ``temp`` (beside ``path``) its name ``path``.
 
     Without ``overwrite`` an existing path is never replaced: one that appeared while the output was
-    written is refused (``label`` names it). With ``overwrite`` it is replaced atomically: a file by a
-    rename over it, a folder by swapping the two names (then the old one is removed), so the path holds
-    the old output or the new one, never a half of either. A symlink is never written through."""
+    written is refused (:class:`~normswap.errors.OutputExistsError`; ``label`` names it). With
+    ``overwrite`` it is replaced atomically: a file by a rename over it, a folder by swapping the two names
+    (then the old one is removed), so the path holds the old output or the new one, never a half of
+    either. A symlink is never written through."""
     if path.is_symlink():
         raise BadInputError(f"{label} {path} is a symlink: normswap never writes through one")
     if not overwrite:
@@ -172,9 +173,7 @@ def place(temp: Path, path: Path, *, overwrite: bool = False, label: str = "-o")
         except FileExistsError:
             pass
         if path.exists():
-            raise BadInputError(
-                f"{label} {path} appeared while it was written: pass --overwrite to replace it"
-            )
+            raise OutputExistsError(label, path, appeared=True)
         os.rename(temp, path)
         return
     if not path.exists() or (not temp.is_dir() and not path.is_dir()):

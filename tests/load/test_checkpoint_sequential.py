@@ -120,7 +120,7 @@ def test_a_failure_midway_leaves_nothing(dirs, tmp_path, monkeypatch):
 
 def test_an_existing_output_is_never_written_over(dirs, tmp_path):
     (tmp_path / "out").mkdir()
-    with pytest.raises(BadInputError, match="exists: pass --overwrite to replace it"):
+    with pytest.raises(BadInputError, match="exists: pass overwrite=True to replace it"):
         convert_checkpoint_sequential(dirs["llama"], ConvertConfig(**_options(dirs), output=tmp_path / "out"))
     assert list((tmp_path / "out").iterdir()) == []
 

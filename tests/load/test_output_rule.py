@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from normswap_cli.app import app
+from normswap_cli.shared import worded
 from typer.testing import CliRunner
 
+import normswap
 import normswap.load
-from normswap.errors import BadInputError
+from normswap import ConvertConfig
+from normswap.errors import BadInputError, OutputExistsError
 from normswap.load import save as save_module
 from normswap.load.paths import check_output
 
@@ -214,7 +217,7 @@ def test_a_folder_is_replaced_whole(tmp_path, monkeypatch, exchange):
     temp = save_module.reserve_temp_dir(out)
     (temp / "new.safetensors").write_bytes(b"new")
     with pytest.raises(
-        BadInputError, match=r"appeared while it was written: pass --overwrite to replace it$"
+        OutputExistsError, match=r"appeared while it was written: pass overwrite=True to replace it$"
     ):
         save_module.place(temp, out)
     assert [p.name for p in out.iterdir()] == ["old.safetensors"]
@@ -230,9 +233,44 @@ def test_a_file_appearing_while_written_is_not_replaced_without_overwrite(tmp_pa
         temp.write_bytes(b"new")
         out.write_bytes(b"another process's")
 
-    with pytest.raises(BadInputError, match=r"appeared while it was written: pass --overwrite"):
+    with pytest.raises(
+        OutputExistsError, match=r"appeared while it was written: pass overwrite=True"
+    ) as refused:
         save_module.atomic_write(out, write, overwrite=False)
     assert out.read_bytes() == b"another process's" and _no_temps(tmp_path)
+    # the command line says the same refusal with its option
+    assert worded(refused.value) == f"-o {out} appeared while it was written: pass --overwrite to replace it"
+
+
+# --- one refusal, in the words of whoever called ----------------------------------------------------
+
+API_CALLS = {
+    "convert": lambda f, out: normswap.convert(f"{f['conv']}:build", ConvertConfig(fold_bn=True, output=out)),
+    "save": lambda f, out: normswap.save(torch.nn.Linear(2, 2), out, (torch.randn(1, 2),)),
+    "export_onnx": lambda f, out: normswap.export_onnx(f"{f['conv']}:build", out),
+}
+
+
+@pytest.mark.parametrize("call", sorted(API_CALLS))
+def test_an_existing_output_is_refused_in_the_words_of_its_caller(tmp_path, call):
+    """The library's refusal told a Python caller to "pass --overwrite", an option of the command line;
+    its parameter is overwrite=True. The error carries its cause (OutputExistsError) and each caller
+    names its own way: the library's text the parameter, the command line its option."""
+    files = {"conv": tmp_path / "conv.py", "data": tmp_path / "data.pt", "model": tmp_path / "model.pt"}
+    shutil.copy(REPO / "examples" / "small_convnet.py", files["conv"])
+    out = tmp_path / ("out.onnx" if call == "export_onnx" else "out.pt2")
+    out.write_bytes(b"a file of the user's")
+    with pytest.raises(OutputExistsError) as refused:
+        API_CALLS[call](files, out)
+    assert str(refused.value) == f"-o {out} exists: pass overwrite=True to replace it"
+    assert isinstance(refused.value, BadInputError) and refused.value.exit_code == 2
+    assert (refused.value.label, Path(refused.value.path), refused.value.appeared) == ("-o", out, False)
+    assert out.read_bytes() == b"a file of the user's"
+    command = {"export_onnx": "export", "save": "convert"}.get(call, call)
+    shown = runner.invoke(app, _argv(command, files, "-o", out))
+    assert shown.exit_code == 2, shown.output
+    assert shown.stderr.strip() == f"error: -o {out} exists: pass --overwrite to replace it"
+    assert out.read_bytes() == b"a file of the user's"
 
 
 # --- a full disk, an unserializable program ---------------------------------------------------------

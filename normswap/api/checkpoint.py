@@ -398,16 +398,23 @@ def directory_route(
     return in_memory_instead(source, checkpoint, why), checkpoint
 
 
+def in_memory_shortfall(checkpoint: CheckpointDirectory) -> str | None:
+    """The one rule of whether a model directory converts in memory: None when it fits (or the available
+    memory is unknown), else what it needs against what there is (weights about three times: the model,
+    the converted copy, temporaries). Read by the in-memory route, which refuses, and by the block-by-block
+    route, which takes over."""
+    need, available = 3 * checkpoint.total_bytes, available_memory()
+    if available is None or need <= available:
+        return None
+    return f"converting in memory needs about {format_gb(need)} ({format_gb(available)} available)"
+
+
 def in_memory_instead(source: str | Path, checkpoint: CheckpointDirectory, why: str) -> str:
     """The note of a directory converted in memory because it cannot stream (``why``); BadInputError when
-    the model would not fit in memory (weights about three times: the model, the converted copy,
-    temporaries)."""
-    need, available = 3 * checkpoint.total_bytes, available_memory()
-    if available is not None and need > available:
-        raise BadInputError(
-            f"{source}: {why}, and converting in memory needs about {format_gb(need)} ({format_gb(available)} available); "
-            f"streamed rewrites: {streamed_options()}"
-        )
+    the model would not fit in memory (:func:`in_memory_shortfall`)."""
+    shortfall = in_memory_shortfall(checkpoint)
+    if shortfall is not None:
+        raise BadInputError(f"{source}: {why}, and {shortfall}; streamed rewrites: {streamed_options()}")
     return f"{why}: converting in memory ({format_gb(checkpoint.total_bytes)} of weights)"
 
 

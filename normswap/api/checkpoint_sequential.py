@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from normswap.api.checkpoint import available_memory, copy_all, format_gb
+from normswap.api.checkpoint import available_memory, copy_all, in_memory_shortfall
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.load.checkpoint_dir import (
@@ -121,14 +121,8 @@ def sequential_route(
         return "--sequential: calibrating block by block"
     if problem is not None:
         return None
-    checkpoint = read_checkpoint_directory(source)
-    need, available = 3 * checkpoint.total_bytes, available_memory()
-    if available is None or need <= available:
-        return None
-    return (
-        f"converting in memory needs about {format_gb(need)} ({format_gb(available)} available): calibrating block by "
-        "block (--sequential)"
-    )
+    shortfall = in_memory_shortfall(read_checkpoint_directory(source))
+    return None if shortfall is None else f"{shortfall}: calibrating block by block (--sequential)"
 
 
 def _blocks(checkpoint: CheckpointDirectory, meta: nn.Module) -> tuple[str, int]:

@@ -14,7 +14,7 @@ from normswap_cli.app import app
 from typer.testing import CliRunner
 
 from normswap.api import ConvertConfig
-from normswap.api import checkpoint_sequential as sequential
+from normswap.api import checkpoint as streaming
 from normswap.api.checkpoint_sequential import convert_checkpoint_sequential, sequential_route
 from normswap.errors import BadInputError
 from normswap.load import load_model
@@ -167,9 +167,9 @@ def test_a_model_without_one_list_of_blocks_of_its_layers_is_refused(tmp_path):
 def test_a_model_that_does_not_fit_is_routed_block_by_block(dirs, monkeypatch):
     config = ConvertConfig(**_options(dirs), output="out")
     size = sum(p.stat().st_size for p in dirs["llama"].glob("*.safetensors"))
-    monkeypatch.setattr(sequential, "available_memory", lambda: 3 * size + 1)
+    monkeypatch.setattr(streaming, "available_memory", lambda: 3 * size + 1)  # the one memory rule
     assert sequential_route(dirs["llama"], config, asked=False) is None  # fits: in memory
-    monkeypatch.setattr(sequential, "available_memory", lambda: 3 * size - 1)
+    monkeypatch.setattr(streaming, "available_memory", lambda: 3 * size - 1)
     note = sequential_route(dirs["llama"], config, asked=False)
     assert note is not None and "calibrating block by block" in note
     # a conversion the route cannot take is left to the in-memory rule (which refuses it there)

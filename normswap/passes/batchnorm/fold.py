@@ -60,13 +60,9 @@ from torch import fx, nn
 from normswap.discover import NormSite
 from normswap.discover.own_forward import norm_act_tail
 from normswap.modules.affine import ChannelAffine
-from normswap.passes.batchnorm.arithmetic import (
-    bn_scale_shift,
-    fold_bn_into_conv_transpose_weights,
-    fold_bn_into_conv_weights,
-)
-from normswap.passes.batchnorm.group import fold_group
-from normswap.passes.batchnorm.layers import CONV_TRANSPOSES, class_name, layer_text
+from normswap.passes.batchnorm.arithmetic import bn_scale_shift
+from normswap.passes.batchnorm.group import fold_group, folded_weights
+from normswap.passes.batchnorm.layers import class_name, layer_text
 from normswap.passes.batchnorm.match import (
     Fold,
     FunctionalCall,
@@ -99,16 +95,6 @@ def _set_weights(layer: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> 
             return True
         layer.bias.copy_(bias)
     return False
-
-
-def _fold_backward(layer: nn.Module, scale: torch.Tensor, shift: torch.Tensor) -> bool:
-    if isinstance(layer, CONV_TRANSPOSES):
-        weight, bias = fold_bn_into_conv_transpose_weights(
-            layer.weight, layer.bias, scale, shift, groups=layer.groups
-        )
-    else:
-        weight, bias = fold_bn_into_conv_weights(layer.weight, layer.bias, scale, shift, out_channel_dim=0)
-    return _set_weights(layer, weight, bias)
 
 
 @dataclass(frozen=True)
@@ -213,9 +199,13 @@ class FoldBatchNorm(Pass[NormSite, FoldPlan, None]):
             except AttributeError:
                 return ctx.model.get_buffer(name)
 
-        rm, rv = tensor("running_mean"), tensor("running_var")
-        assert rm is not None and rv is not None
-        scale, shift = bn_scale_shift(rm, rv, call.eps, tensor("weight"), tensor("bias"))
+        # the group both other routes run (a module's fold, the stream), on the call's tensors and the layer's
+        layer = ctx.model.get_submodule(fold.layer)
+        group = fold_group(site.path, names, call.eps, fold.layer, layer, "backward")
+        tensors = {name: tensor(key) for key, name in names.items() if name is not None}
+        tensors.update({group.weight: layer.weight, group.bias: layer.bias})
+        with torch.no_grad():
+            weight, bias = folded_weights(group, tensors)
         owner = ctx.model.get_submodule(fold.owner)
         graph, bn_node = call.graph, call.node
         read = bn_node.all_input_nodes
@@ -231,7 +221,7 @@ class FoldBatchNorm(Pass[NormSite, FoldPlan, None]):
         module.training = owner.training
         inner = str(call.input.target)  # the layer's path inside the owner
         layer = copy.deepcopy(module.get_submodule(inner))
-        bias_added = _fold_backward(layer, scale, shift)
+        bias_added = _set_weights(layer, weight, bias)
         module.set_submodule(inner, layer)
         if fold.owner:
             ctx.model.set_submodule(fold.owner, module)

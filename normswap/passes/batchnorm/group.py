@@ -61,10 +61,21 @@ class FoldGroup:
 
 
 def fold_group(
-    bn_path: str, bn: nn.Module, eps: float, layer_path: str, layer: nn.Module, direction: str
+    bn_path: str,
+    bn: nn.Module | dict[str, str | None],
+    eps: float,
+    layer_path: str,
+    layer: nn.Module,
+    direction: str,
 ) -> FoldGroup:
-    """The group folding the BatchNorm ``bn`` at ``bn_path`` into ``layer`` at ``layer_path``."""
-    stats = {key: (f"{bn_path}.{key}" if getattr(bn, key, None) is not None else None) for key in _STATISTICS}
+    """The group folding the BatchNorm ``bn`` at ``bn_path`` into ``layer`` at ``layer_path``; ``bn`` is
+    the module, or an ``F.batch_norm`` call's tensors by full name (key -> name, None where not given)."""
+    if isinstance(bn, dict):
+        stats = bn
+    else:
+        stats = {
+            key: (f"{bn_path}.{key}" if getattr(bn, key, None) is not None else None) for key in _STATISTICS
+        }
     transpose = isinstance(layer, CONV_TRANSPOSES)
     weight = layer.weight
     out_features = int(weight.shape[1] * layer.groups if transpose else weight.shape[0])

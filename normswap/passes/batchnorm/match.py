@@ -125,6 +125,24 @@ def unbatched(layer_path: str, value_rank: int | None) -> str:
     return f"{layer_path} runs on an unbatched input, so its channels are not BatchNorm's dim 1"
 
 
+def _layer_channels(layer_path: str, layer: nn.Module, bn_rank: int | None, direction: str) -> str | int:
+    """The channels of ``layer`` on the BatchNorm's side (its output folding backward, its input forward),
+    or why BatchNorm's dim 1 (of a ``bn_rank``-D tensor) is not them: a Linear acts on the last dim, so
+    only a 2-D BatchNorm input is its features; a conv's channels are dim 1 of a batched input."""
+    backward = direction == "backward"
+    if isinstance(layer, nn.Linear):
+        if bn_rank != 2:
+            ndim = "an unknown rank" if bn_rank is None else f"a {bn_rank}-D"
+            acts = "acts on" if backward else "reads"
+            return (
+                f"BatchNorm normalizes dim 1 of {ndim} input while {layer_path} (Linear) {acts} the last dim"
+            )
+        return layer.out_features if backward else layer.in_features
+    if bn_rank != layer.weight.ndim:
+        return unbatched(layer_path, bn_rank)
+    return layer.out_channels if backward else layer.in_channels
+
+
 def _backward(
     bn: nn.Module, bn_call: ModuleCall, producer: fx.Node, channels: int | None, ctx: PassContext
 ) -> str | Fold | None:
@@ -143,18 +161,9 @@ def _backward(
     readers = [u for u in layer_call.consumers() if u not in bn_call.node_set]
     if readers:
         return f"{layer_path} output also feeds {view.describe(readers[0], ctx.modules)}"
-    out_rank = _bn_rank(producer, bn)
-    if isinstance(layer, nn.Linear):
-        if out_rank != 2:
-            ndim = "an unknown rank" if out_rank is None else f"a {out_rank}-D"
-            return (
-                f"BatchNorm normalizes dim 1 of {ndim} input while {layer_path} (Linear) acts on the last dim"
-            )
-        out_channels = layer.out_features
-    else:
-        if out_rank != layer.weight.ndim:
-            return unbatched(layer_path, out_rank)
-        out_channels = layer.out_channels
+    out_channels = _layer_channels(layer_path, layer, _bn_rank(producer, bn), "backward")
+    if isinstance(out_channels, str):
+        return out_channels
     if channels != out_channels:
         return f"BatchNorm has {channels} channels but {layer_path} produces {out_channels}"
     return computes_own_layer(layer_path, layer, layer_call, ctx, output=producer) or Fold(
@@ -191,25 +200,16 @@ def _forward(
         return layer_call
     if layer_call.inputs(view) != outputs:
         return f"{layer_path} reads more than the BatchNorm's output"
-    in_rank = _bn_rank(bn_input, bn)
-    if isinstance(layer, nn.Linear):
-        if in_rank != 2:
-            ndim = "an unknown rank" if in_rank is None else f"a {in_rank}-D"
-            return (
-                f"BatchNorm normalizes dim 1 of {ndim} input while {layer_path} (Linear) reads the last dim"
-            )
-        in_channels = layer.in_features
-    else:
-        if in_rank != layer.weight.ndim:
-            return unbatched(layer_path, in_rank)
-        # a class with its own forward pads as its graph shows: computes_own_layer checks that
-        pads = zero_padding(layer) if computes_as_base(layer) else None
-        if pads is not None:
-            return (
-                f"next layer {layer_text(layer_path, layer)} pads its input with zeros (padding={pads}): "
-                "zero padding does not commute with the BatchNorm's shift"
-            )
-        in_channels = layer.in_channels
+    in_channels = _layer_channels(layer_path, layer, _bn_rank(bn_input, bn), "forward")
+    if isinstance(in_channels, str):
+        return in_channels
+    # a class with its own forward pads as its graph shows: computes_own_layer checks that
+    pads = zero_padding(layer) if not isinstance(layer, nn.Linear) and computes_as_base(layer) else None
+    if pads is not None:
+        return (
+            f"next layer {layer_text(layer_path, layer)} pads its input with zeros (padding={pads}): "
+            "zero padding does not commute with the BatchNorm's shift"
+        )
     if channels != in_channels:
         return f"BatchNorm has {channels} channels but {layer_path} reads {in_channels}"
     return computes_own_layer(layer_path, layer, layer_call, ctx, input=outputs[0]) or Fold(

@@ -26,7 +26,7 @@ from normswap_cli.options import (
     WeightsOpt,
     flag,
 )
-from normswap_cli.shared import check_paths, handles_errors, write_json
+from normswap_cli.shared import handles_errors
 
 from normswap import rewrites
 
@@ -189,10 +189,10 @@ def convert(
     **flags: bool,
 ) -> None:
     """Rewrite MODEL's norms, check the result against the original, and write it to -o."""
-    from normswap.api import SAVE_FORMATS, ConvertConfig, convert, save
+    from normswap.api import SAVE_FORMATS, ConvertConfig, check_run_paths, convert, save, write_report
     from normswap.errors import CheckFailedError
 
-    check_paths(
+    check_run_paths(
         {"MODEL": model, "--weights": weights, "--inputs": inputs, "--calibrate": calibrate},
         {"-o": output, "--report": report},
         overwrite,
@@ -243,7 +243,7 @@ def convert(
             saved = save(result, opset=opset)
         render.print_saved(saved)
     if report is not None:
-        write_json(report, {"model": model, **result.to_dict()})
+        write_report(report, {"model": model, **result.to_dict()})
     if not result.ok:
         raise CheckFailedError(result.refusal or "nothing written")
 

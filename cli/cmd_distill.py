@@ -30,7 +30,7 @@ from normswap_cli.options import (
     flag,
 )
 from normswap_cli.render_training import print_distillation, print_training
-from normswap_cli.shared import check_paths, handles_errors, write_json
+from normswap_cli.shared import handles_errors
 
 
 @handles_errors
@@ -137,10 +137,11 @@ def distill(
 ) -> None:
     """Fine-tune CONVERTED for a few steps so its outputs match ORIGINAL's on DATA; write it to -o (a .dcp
     output is a sharded torch.distributed.checkpoint folder). Runs data-parallel under torchrun."""
+    from normswap.api import check_run_paths, write_report
     from normswap.api import distill as distill_model
     from normswap.errors import CheckFailedError
 
-    check_paths(
+    check_run_paths(
         {
             "ORIGINAL": original,
             "CONVERTED": converted,
@@ -192,6 +193,6 @@ def distill(
     if run.main:
         print_training(run, print_distillation)
         if report is not None:
-            write_json(report, run.to_dict())
+            write_report(report, run.to_dict())
     if not run.ok:
         raise CheckFailedError(run.refusal or "nothing written")

@@ -19,7 +19,7 @@ from normswap_cli.options import (
     TrustPickleOpt,
     WeightsOpt,
 )
-from normswap_cli.shared import check_paths, handles_errors, write_json
+from normswap_cli.shared import handles_errors
 
 
 @handles_errors
@@ -45,9 +45,9 @@ def export(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Export MODEL to ONNX and check the file in onnxruntime against PyTorch before writing it."""
-    from normswap.api import export_onnx
+    from normswap.api import check_run_paths, export_onnx, write_report
 
-    check_paths(
+    check_run_paths(
         {"MODEL": model, "--weights": weights, "--inputs": inputs},
         {"-o": output, "--report": report},
         overwrite,
@@ -69,4 +69,4 @@ def export(
         )
     render.print_saved(saved)
     if report is not None:
-        write_json(report, {"model": model, "output": str(output), "written": True, **saved.to_dict()})
+        write_report(report, {"model": model, "output": str(output), "written": True, **saved.to_dict()})

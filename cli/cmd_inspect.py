@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from normswap_cli import render
 from normswap_cli.options import InputShapeOpt, InputsOpt, ModelArg, OverwriteOpt, TrustPickleOpt, WeightsOpt
-from normswap_cli.shared import check_paths, handles_errors, write_json
+from normswap_cli.shared import handles_errors
 
 
 @handles_errors
@@ -22,9 +22,12 @@ def inspect(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """List every normalization in MODEL: kind, shape, eps, affine, and what feeds and reads it."""
+    from normswap.api import check_run_paths, write_report
     from normswap.api import inspect as find
 
-    check_paths({"MODEL": model, "--weights": weights, "--inputs": inputs}, {"--json": json_out}, overwrite)
+    check_run_paths(
+        {"MODEL": model, "--weights": weights, "--inputs": inputs}, {"--json": json_out}, overwrite
+    )
     with render.activity(quiet=json_out is not None) as shown:
         found = find(
             model,
@@ -37,7 +40,7 @@ def inspect(
     render.print_inventory(found.inventory, model)
     _print_cosine(found.cosine, not found.weights_read)
     if json_out is not None:
-        write_json(json_out, found.to_dict())
+        write_report(json_out, found.to_dict())
 
 
 def _print_cosine(sites: list[Any], directory: bool) -> None:

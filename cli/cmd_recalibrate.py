@@ -23,7 +23,7 @@ from normswap_cli.options import (
     WeightsOpt,
 )
 from normswap_cli.render_training import print_recalibration, print_training
-from normswap_cli.shared import check_paths, handles_errors, write_json
+from normswap_cli.shared import handles_errors
 
 
 @handles_errors
@@ -60,10 +60,11 @@ def recalibrate(
     dtype: DtypeOpt = None,
 ) -> None:
     """Re-estimate MODEL's BatchNorm statistics as averages over the batches of DATA; write it to -o."""
+    from normswap.api import check_run_paths, write_report
     from normswap.api import recalibrate as recalibrate_model
     from normswap.errors import CheckFailedError
 
-    check_paths(
+    check_run_paths(
         {"MODEL": model, "--data": data, "--holdout": holdout, "--weights": weights, "--inputs": inputs},
         {"-o": output, "--report": report},
         overwrite,
@@ -93,6 +94,6 @@ def recalibrate(
         )
     print_training(run, print_recalibration)
     if report is not None:
-        write_json(report, run.to_dict())
+        write_report(report, run.to_dict())
     if not run.ok:
         raise CheckFailedError(run.refusal or "nothing written")

@@ -19,7 +19,7 @@ from normswap_cli.options import (
     WeightsOpt,
     flag,
 )
-from normswap_cli.shared import check_paths, handles_errors, write_json
+from normswap_cli.shared import handles_errors
 
 
 @handles_errors
@@ -75,10 +75,11 @@ def validate(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Compare CONVERTED with ORIGINAL on the same inputs: per output, per layer, per norm site."""
+    from normswap.api import check_run_paths, write_report
     from normswap.api import validate as compare
     from normswap.errors import CheckFailedError
 
-    check_paths(
+    check_run_paths(
         {
             "ORIGINAL": original,
             "CONVERTED": converted,
@@ -120,7 +121,7 @@ def validate(
     if result.plot is not None:
         render.final(f"wrote {result.plot}")
     if report is not None:
-        write_json(report, result.to_dict())
+        write_report(report, result.to_dict())
     if not result.ok:
         raise CheckFailedError(result.refusal or "the comparison failed")
 

@@ -63,27 +63,6 @@ def progress(disable: bool = False) -> Any:
     return Progress(*columns, console=err, transient=True, disable=disable or not err.is_terminal)
 
 
-@contextlib.contextmanager
-def status(text: str, quiet: bool = False) -> Iterator[Callable[[str], None]]:
-    """A spinner on stderr saying what is being done, for phases that take long (a capture, a pass, a
-    validation, an export); yields a function that changes the text. Shown only on a terminal and not in
-    ``quiet`` (--report) runs, so pipes, logs and scripted runs stay clean; it leaves no line behind."""
-    if quiet or not err.is_terminal:
-        yield lambda _text: None
-        return
-    from rich.live import Live
-    from rich.spinner import Spinner
-
-    spinner = Spinner("dots", text=text, style="status.spinner")
-    with Live(spinner, console=err, transient=True, refresh_per_second=12.5) as live:
-
-        def say(new: str) -> None:
-            spinner.update(text=new)
-            live.refresh()  # shown at once: a phase may end before the next timed refresh
-
-        yield say
-
-
 class Activity:
     """What a long library call says it is doing, on stderr: a spinner naming the phase (:meth:`step`),
     a bar once the work counts (:meth:`count`, from ``least`` items on). Nothing is shown before the
@@ -138,6 +117,17 @@ def activity(quiet: bool = False, least: int = 0) -> Iterator[Activity]:
         yield shown
     finally:
         shown.close()
+
+
+@contextlib.contextmanager
+def status(text: str, quiet: bool = False) -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr saying what is being done, for phases that take long (a capture, a pass, a
+    validation, an export); yields a function that changes the text. Shown only on a terminal and not in
+    ``quiet`` (--report) runs, so pipes, logs and scripted runs stay clean; it leaves no line behind. The
+    spinner of an :class:`Activity` that never counts."""
+    with activity(quiet) as shown:
+        shown.step(text)
+        yield shown.step
 
 
 @contextlib.contextmanager
@@ -280,14 +270,7 @@ def print_streamed(report: Any, result: Any) -> None:
     """A streamed conversion: its pass's ``report`` (what changed, what was refused and why) and, when it
     was written, the :class:`normswap.api.checkpoint.StreamedConversion`: how the tensors were written,
     and the verification against the source."""
-    out.print(
-        f"{report.pass_name} (exact, streamed): {len(report.changes)} changed, {len(report.skips)} skipped"
-    )
-    for reason, sites in _by_reason(report.skips).items():
-        out.print(
-            f"  skipped {len(sites)}: {reason} ({', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''})",
-            soft_wrap=True,
-        )
+    print_directory_pass(report, "exact, streamed")
     print_inside_changes(report)
     if result is None:
         return
@@ -315,6 +298,17 @@ def print_streamed(report: Any, result: Any) -> None:
     if result.config_changes:
         out.print(f"  config.json: {', '.join(f'{k}={v}' for k, v in result.config_changes.items())}")
     final(f"wrote {result.path} (directory)")
+
+
+def print_directory_pass(report: Any, how: str) -> None:
+    """A pass run on a model directory as it is written (streamed, block by block): its counts, and its
+    skipped sites under each reason, the same on both routes."""
+    out.print(f"{report.pass_name} ({how}): {len(report.changes)} changed, {len(report.skips)} skipped")
+    for reason, sites in _by_reason(report.skips).items():
+        out.print(
+            f"  skipped {len(sites)}: {reason} ({', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''})",
+            soft_wrap=True,
+        )
 
 
 def how_it_loads(recorded: dict[str, Any], stock_refused: str | None) -> str:

@@ -4,25 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from normswap_cli.render import final, fmt_float, how_it_loads, out
+from normswap_cli.render import final, fmt_float, how_it_loads, out, print_directory_pass
 
 
 def print_sequential(result: Any) -> None:
     """A :class:`normswap.api.checkpoint_sequential.SequentialConversion`: the swap, each block's hidden
     states against the original's before and after calibration, the model's, and how it was written."""
-    report, fit = result.report, result.calibration
-    out.print(
-        f"{report.pass_name} (architectural, block by block): {len(report.changes)} changed, "
-        f"{len(report.skips)} skipped",
-        soft_wrap=True,
-    )
-    reasons: dict[str, list[str]] = {}
-    for skip in report.skips:
-        reasons.setdefault(skip.reason, []).append(skip.site)
-    for reason, sites in reasons.items():
-        out.print(
-            f"  skipped {len(sites)}: {reason} ({', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''})"
-        )
+    fit = result.calibration
+    print_directory_pass(result.report, "architectural, block by block")
     if fit is None:  # no norm to swap: the model was written as it was, its tensors copied as bytes
         out.print(f"{result.copied_tensors} tensors copied as bytes into {len(result.shards)} shards")
         out.print(f"  {how_it_loads(result.recorded_modules, result.stock_refused)}", soft_wrap=True)

@@ -1,11 +1,12 @@
-"""What every command does the same way on the command line: turn errors into exit codes, check a run's
-paths before any work, write a JSON report. The work itself is the library's (:mod:`normswap.api`)."""
+"""What every command does the same way on the command line: turn errors into exit codes. Checking a
+run's paths before any work and writing a JSON report are the library's, which every command calls
+(:func:`normswap.api.check_run_paths`, :func:`normswap.api.write_report`), as is the work itself
+(:mod:`normswap.api`)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -55,18 +56,3 @@ def worded(exc: Exception) -> str:
     if isinstance(exc, OutputExistsError):
         return exc.sentence("--overwrite")
     return str(exc)
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write a report as strict JSON (non-finite floats as strings), atomically."""
-    from normswap.api import write_report
-
-    write_report(path, data)
-
-
-def check_paths(reads: dict[str, Any], writes: dict[str, Any], overwrite: bool = False) -> None:
-    """Refuse, before any work, an output that is an input or another output, or that breaks the output
-    rule (keys name the options): :func:`normswap.api.check_run_paths`."""
-    from normswap.api import check_run_paths
-
-    check_run_paths(reads, writes, overwrite)

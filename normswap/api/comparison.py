@@ -23,8 +23,9 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from normswap.api.sources import example_inputs, load_for_inference, read_data, required_inputs
+from normswap.api.sources import load_for_inference, read_data
 from normswap.errors import BadInputError, BrokenModelError
+from normswap.load.inputs import require_inputs, resolve_inputs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -117,11 +118,11 @@ def validate(
     reference = _load("ORIGINAL", original, weights, trust_pickle)
     candidate = _load("CONVERTED", converted, converted_weights, trust_pickle)
     if blockwise:
-        pair = required_inputs(reference, inputs, input_shapes)
+        pair = require_inputs(reference, inputs, input_shapes)
         return _blockwise(original, converted, centered, on_step, (reference.model, candidate.model, pair))
     notes: list[str] = []
     if data is not None:
-        resolved = example_inputs(reference, inputs, input_shapes)
+        resolved = resolve_inputs(reference, inputs, input_shapes)
         args, kwargs = resolved if resolved is not None else (None, None)
         from normswap.calibrate.feeding import fed
 
@@ -142,7 +143,7 @@ def validate(
                 "of them were compared"
             )
     else:
-        pairs = [required_inputs(reference, inputs, input_shapes)]
+        pairs = [require_inputs(reference, inputs, input_shapes)]
     pairs = _as_both_take_them(reference.model, candidate.model, pairs, notes)
     if on_step is not None:
         on_step("finding the norm sites of ORIGINAL")

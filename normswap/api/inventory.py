@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from normswap.api.sources import check_inputs_fit, example_inputs, load_for_inference
+from normswap.api.sources import check_inputs_fit, load_for_inference
 from normswap.errors import BadInputError
+from normswap.load.inputs import resolve_inputs
 
 if TYPE_CHECKING:
     from normswap.discover.cosine import CosineSite
@@ -63,7 +64,7 @@ def inspect(
     from normswap.discover import find_norms
 
     loaded = load_for_inference(model, weights, trust_pickle, structure_only=True)
-    resolved = example_inputs(loaded, inputs, input_shapes)
+    resolved = resolve_inputs(loaded, inputs, input_shapes)
     args, kwargs = resolved if resolved is not None else (None, None)
     directory = loaded.format == "directory"
     if directory and resolved is not None:

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap.api.sources import check_inputs_fit, load_for_inference, never_written, required_inputs
+from normswap.api.sources import check_inputs_fit, load_for_inference, never_written
 from normswap.errors import BadInputError
+from normswap.load.inputs import require_inputs
 
 if TYPE_CHECKING:
     from normswap.api.save import SavedOutput
@@ -60,7 +61,7 @@ def export_onnx(
     loaded = load_for_inference(model, weights, trust_pickle)
     # the ONNX packages and a dtype onnxruntime can check (the one the file is cast to), before the model runs
     check_writable(loaded.model, output, None, dtype=cast)
-    args, kwargs = required_inputs(loaded, inputs, input_shapes)
+    args, kwargs = require_inputs(loaded, inputs, input_shapes)
     check_inputs_fit(loaded.model, args, kwargs)  # the user's model, in its own dtype
     if cast is not None:
         loaded.model.to(cast)  # normswap's own copy, read from the file a moment ago

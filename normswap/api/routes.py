@@ -25,8 +25,9 @@ from typing import Any
 
 from normswap.api.config import ConvertConfig
 from normswap.api.convert import ConversionResult, Verdict, convert_model, judge
-from normswap.api.sources import check_run_paths, load_for_inference, never_written, required_inputs
+from normswap.api.sources import check_run_paths, load_for_inference, never_written
 from normswap.errors import BadInputError, CheckFailedError
+from normswap.load.inputs import require_inputs
 from normswap.passes.core.pipeline import PipelineReport
 
 
@@ -90,7 +91,7 @@ def convert_source(
     # in memory: the model read as every command reads it, then the in-memory route itself
     loaded = load_for_inference(str(source), weights, trust_pickle)
     if example_args is None and example_kwargs is None:
-        example_args, example_kwargs = required_inputs(loaded, inputs, input_shapes)
+        example_args, example_kwargs = require_inputs(loaded, inputs, input_shapes)
         if inputs is None and not input_shapes:
             notes += loaded.notes  # the inputs normswap made
     result = convert_model(loaded.model, config, example_args, example_kwargs, on_step=say)

@@ -1,6 +1,7 @@
 """What every command reads and writes the same way, as library calls: a model loaded in inference mode,
-its example inputs, the paths of a run checked before any work, the data and held-out batch of a
-data-driven command, a JSON report, and a trained model written as ``convert`` writes.
+its example inputs checked on it (found by :func:`normswap.load.resolve_inputs`, which every command
+calls), the paths of a run checked before any work, the data and held-out batch of a data-driven
+command, a JSON report, and a trained model written as ``convert`` writes.
 
 Heavy modules (torch, the loaders) are imported inside the functions: ``normswap.api`` re-exports these
 names and the command line must start without torch.
@@ -91,26 +92,6 @@ def write_report(path: Path, data: Any) -> None:
 
     text = to_json(data)
     atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
-
-
-def example_inputs(
-    loaded: LoadedModel, inputs: str | Path | None = None, input_shapes: list[str] | None = None
-) -> tuple[tuple, dict[str, Any]] | None:
-    """The example inputs of a run: ``inputs`` (a torch.save file), ``input_shapes``, or the model's own
-    (a factory's, a .pt2's, a model directory's config); None when none is known."""
-    from normswap.load import resolve_inputs
-
-    return resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
-
-
-def required_inputs(
-    loaded: LoadedModel, inputs: str | Path | None = None, input_shapes: list[str] | None = None
-) -> tuple[tuple, dict[str, Any]]:
-    """The example inputs as :func:`example_inputs` finds them; when none is known a
-    :class:`~normswap.errors.BadInputError` says how to give them."""
-    from normswap.load import require_inputs
-
-    return require_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
 
 
 def check_inputs_fit(

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 from normswap.api.sources import (
     check_inputs_fit,
     check_output_before_work,
-    example_inputs,
     load_for_inference,
     read_data,
     save_trained,
 )
 from normswap.errors import BadInputError
+from normswap.load.inputs import resolve_inputs
 from normswap.load.save import check_output_format
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def _inputs_checked(
 ) -> tuple[Any, Any, bool]:
     """The example inputs (``None, None`` when unknown) and whether they are known; known ones are run
     once on the model, so minutes of training do not end in a refusal."""
-    resolved = example_inputs(loaded, inputs, input_shapes)
+    resolved = resolve_inputs(loaded, inputs, input_shapes)
     args, kwargs = resolved if resolved is not None else (None, None)
     if resolved is not None:
         check_inputs_fit(loaded.model, args, kwargs, outputs_judged=outputs_judged)
@@ -250,7 +250,7 @@ def distill(
                 f"--dtype: {output} is written shard by shard in {converted}'s dtypes; convert the written "
                 "directory with --dtype, or write a single file"
             )
-        resolved = example_inputs(teacher, inputs, input_shapes) or example_inputs(student)
+        resolved = resolve_inputs(teacher, inputs, input_shapes) or resolve_inputs(student)
         args, kwargs = resolved if resolved is not None else (None, None)
         if resolved is not None:
             # before training: minutes of training must not end in a refusal (a student on the meta

@@ -228,7 +228,7 @@ def distill(
             "the converted model shares parameters with the original: training it would change both"
         )
     if checkpoints is not None:
-        check_checkpointable(target)
+        check_checkpointable(target.state_dict())
 
     train_batches, held_out, holdout_source, more = _read_batches(batches, steps, holdout)
     # both models run on every batch as both take it (feeding's one rule): a model directory's labels

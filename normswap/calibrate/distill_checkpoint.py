@@ -145,7 +145,10 @@ def _json_value(value: Any, where: str) -> Any:
     )
 
 
-def _tensors_only(state: dict[str, Any]) -> None:
+def check_checkpointable(state: dict[str, Any]) -> None:
+    """Before any step (the model's ``state_dict()``) and when a checkpoint is written: a model whose state
+    holds a non-tensor (a module's extra state) is refused, since a checkpoint holds tensors only (module
+    doc)."""
     for name, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise BadInputError(
@@ -154,19 +157,13 @@ def _tensors_only(state: dict[str, Any]) -> None:
             )
 
 
-def check_checkpointable(model: nn.Module) -> None:
-    """Before any step: a model whose state holds a non-tensor (a module's extra state) is refused, since a
-    checkpoint holds tensors only (module doc)."""
-    _tensors_only(model.state_dict())
-
-
 def _split_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what DCP writes: the model's and the optimizer's tensors; what run.json holds: the optimizer's other
     values, i.e. its param_groups and any non-tensor entry of a parameter's state)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    _tensors_only(model_state)
+    check_checkpointable(model_state)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     state: dict[str, Any] = {}
     for fqn, entries in optimizer_state["state"].items():

@@ -136,7 +136,9 @@ class _StreamBuilder(ParamRecorder):
         name = op_name(node)
         shape = shape_of_node(node)
         if self.view.is_param(node):
-            self.write_param(node, d, "direct", self.view.innermost_path(node))
+            self.write_param_name(
+                self.view.param_name(node), d, "direct", self.view.innermost_path(node), node
+            )
             return
         if node.op == "placeholder":
             raise StreamRefused(

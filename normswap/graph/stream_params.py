@@ -238,9 +238,6 @@ class ParamRecorder:
             return -1, [(node.args[0] if aten else arg(node, 1, "weight"), 1)]
         return None
 
-    def write_param(self, node: fx.Node, dim: int, via: str, path: str) -> None:
-        self.write_param_name(self.view.param_name(node), dim, via, path, node)
-
     def write_param_name(
         self, name: str | None, dim: int, via: str, path: str, node: fx.Node | None, scale: str | None = None
     ) -> None:

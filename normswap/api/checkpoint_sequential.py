@@ -185,38 +185,51 @@ def _layout(
     checkpoint: CheckpointDirectory,
     headers: dict[str, Any],
     new: dict[str, list[tuple[str, str, tuple[int, ...]]]],
-) -> dict[str, list[tuple[str, str, tuple[int, ...]]]]:
+    loaded: dict[str, str],
+) -> tuple[dict[str, list[tuple[str, str, tuple[int, ...]]]], dict[str, str]]:
     """Output shard -> rows in file order: the input's tensors, a swapped norm's new tensors (``new``:
-    module path -> rows) where its first old one was (at the end of the last shard when it had none)."""
+    module path -> rows) where its first old one was (at the end of the last shard when it had none); and
+    each new tensor's model name -> the name it is stored under. ``loaded``: each stored name -> the
+    model's (transformers' renamings): a new tensor is stored beside its old ones, under their module's
+    stored name (ViT's ``vit.encoder.layer.0.layernorm_before``, the model's ``vit.layers.0...``)."""
     placed: set[str] = set()
     layout: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}
+    as_stored: dict[str, str] = {}
+
+    def rows_of(owner: str, stored_owner: str) -> list[tuple[str, str, tuple[int, ...]]]:
+        as_stored.update({f"{owner}.{n}": f"{stored_owner}.{n}" for n, _, _ in new[owner]})
+        return [(f"{stored_owner}.{n}", dtype, shape) for n, dtype, shape in new[owner]]
+
     for shard in checkpoint.shards:
         rows: list[tuple[str, str, tuple[int, ...]]] = []
         for name, entry in sorted(headers[shard][0].items(), key=lambda kv: kv[1].start):
             if checkpoint.weight_map.get(name) != shard:
                 continue
-            owner = name.rpartition(".")[0]
+            owner = loaded.get(name, name).rpartition(".")[0]
             if owner not in new:
                 rows.append((name, entry.dtype, entry.shape))
             elif owner not in placed:
                 placed.add(owner)
-                rows += [(f"{owner}.{n}", dtype, shape) for n, dtype, shape in new[owner]]
+                rows += rows_of(owner, name.rpartition(".")[0])
         layout[shard] = rows
     last = checkpoint.shards[-1]
-    for owner, rows in new.items():
+    for owner in new:
         if owner not in placed:
-            layout[last] += [(f"{owner}.{n}", dtype, shape) for n, dtype, shape in rows]
-    return layout
+            layout[last] += rows_of(owner, owner)
+    return layout, as_stored
 
 
 def _check_written(written: CheckpointDirectory) -> None:
     """The written directory's model (built on meta, recorded modules in place) has every tensor the
-    files hold, and the files every tensor it has (tied ones under one name)."""
+    files hold, and the files every tensor it has (tied ones under one name), the files' names read as
+    transformers' loader reads them (:func:`~normswap.verify.block_shell.shell_names`)."""
+    from normswap.verify.block_shell import shell_names
+
     model = build_on_meta(written)
     groups: dict[int, list[str]] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         groups.setdefault(id(tensor), []).append(name)
-    stored = set(written.weight_map)
+    stored = set(shell_names(model, written))
     missing = [names[0] for names in groups.values() if not stored.intersection(names)]
     extra = stored - {n for names in groups.values() for n in names}
     if missing or extra:
@@ -250,7 +263,7 @@ def convert_checkpoint_sequential(
     from normswap.calibrate.feeding import check_batch_fits
     from normswap.calibrate.sequential import calibrate_blocks
     from normswap.passes.swap.swap_norm import build_layout_norm
-    from normswap.verify.blockwise import BlockShell
+    from normswap.verify.block_shell import BlockShell, shell_names
     from normswap.verify.metrics import sqnr_db
 
     say = on_step or (lambda _: None)
@@ -268,6 +281,9 @@ def convert_checkpoint_sequential(
     check_output("-o", output, overwrite=config.overwrite, directory=True)
     meta = build_on_meta(checkpoint)
     blocks, count = _blocks(checkpoint, meta)
+    # the stored names as the model reads them (transformers renames ViT's as it loads them); a model
+    # whose loader merges tensors is refused here, before any work
+    loaded = {stored: name for name, stored in shell_names(meta, checkpoint).items()}
     args, kwargs = example_inputs(meta, checkpoint.config, device="cpu")
     # the meta model's embedding size is all the token-id check reads
     batches = [as_model_inputs(b) for b in calibration_batches(config, meta, args, kwargs)]
@@ -313,9 +329,9 @@ def convert_checkpoint_sequential(
         return new
 
     headers = stored_headers(checkpoint)
-    layout = _layout(checkpoint, headers, new_tensors)
+    layout, as_stored = _layout(checkpoint, headers, new_tensors, loaded)
     where = {name: shard for shard, rows in layout.items() for name, _, _ in rows}
-    written_names = {f"{owner}.{n}" for owner, rows in new_tensors.items() for n, _, _ in rows}
+    written_names = set(as_stored.values())
     budget = activation_memory
     if budget is None:
         available = available_memory() or 4 * _ACTIVATION_CAP
@@ -334,7 +350,8 @@ def convert_checkpoint_sequential(
 
                 def write(prefix: str, module: nn.Module) -> None:
                     for name, tensor in module.state_dict().items():
-                        writers[where[f"{prefix}.{name}"]].write(f"{prefix}.{name}", tensor)
+                        stored = as_stored[f"{prefix}.{name}"]
+                        writers[where[stored]].write(stored, tensor)
 
                 def write_block(index: int, block: nn.Module) -> None:
                     for local in inside:

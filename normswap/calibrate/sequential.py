@@ -1,6 +1,6 @@
 """Calibrate swapped norms block by block, never holding the model: sequential onloading.
 
-The model runs in a shell (:class:`normswap.verify.blockwise.BlockShell`: its config with one block,
+The model runs in a shell (:class:`normswap.verify.block_shell.BlockShell`: its config with one block,
 whose block takes block ``i``'s weights in turn; embeddings, final norm and head real). Every
 calibration batch is carried from block to block in three streams of hidden states (kept by an
 :class:`~normswap.calibrate.activations.ActivationStore`, on disk past its budget):
@@ -44,8 +44,8 @@ from normswap.calibrate.activations import ActivationStore
 from normswap.calibrate.affine_fit import SiteFit, call_order, fit_site, recording
 from normswap.calibrate.data import ModelInputs
 from normswap.calibrate.feeding import data_fault, fed
+from normswap.verify.block_shell import BlockShell
 from normswap.verify.blockwise import (
-    BlockShell,
     block_hidden,
     block_inputs,
     first_output,

@@ -24,6 +24,14 @@ def loaded_names(model: nn.Module, names: list[str]) -> dict[str, str] | None:
     return {name: rename_source_key(name, transforms, [])[0] for name in names}
 
 
+def stored_names(model: nn.Module, names: list[str]) -> dict[str, str] | None:
+    """The other way round: each name ``model`` gives a stored tensor (of the stored ``names``) -> its
+    stored name, by :func:`loaded_names` (the one renaming rule), for a reader that starts from the
+    model's names (a model with one block, filled block by block). None where that is None."""
+    loaded = loaded_names(model, names)
+    return None if loaded is None else {as_loaded: stored for stored, as_loaded in loaded.items()}
+
+
 # Why a model directory with recorded modules cannot hold (or be read back as) an architecture whose
 # loading merges or splits tensors: one sentence for the reader and for the writer, which refuses first.
 MERGED_ON_LOAD = (

@@ -25,7 +25,6 @@ layers configured by index (alternating sliding windows) run as block 0 is, in b
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,16 +33,9 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError
-from normswap.load.checkpoint_dir import (
-    CheckpointDirectory,
-    build_on_meta,
-    build_to_load,
-    stored_tensor_reader,
-    transformers_config,
-)
-from normswap.load.recorded import replace_recorded
-from normswap.load.safetensors_io import TensorEntry, fill_tensor, read_header
+from normswap.load.checkpoint_dir import CheckpointDirectory, build_on_meta, stored_tensor_reader
 from normswap.util.shapes import format_shapes, input_shapes
+from normswap.verify.block_shell import BlockShell, shell_names
 from normswap.verify.finite import refuse_nonfinite_outputs
 from normswap.verify.metrics import TensorComparison, compare_tensors
 
@@ -166,75 +158,6 @@ def blockwise_problem(model: nn.Module) -> str | None:
     if any(s != shapes[0] for s in shapes[1:]):
         return f"the block-by-block verification runs every block in one slot, and the blocks of {blocks} differ in shape"
     return None
-
-
-class BlockShell:
-    """One model directory's model with one block, whose block takes any block's weights; ``checked``:
-    what a refusal calls the model held to the broken-model rule as it is read (None: normswap's output)."""
-
-    def __init__(
-        self, checkpoint: CheckpointDirectory, blocks: str, checked: str | None = "the model"
-    ) -> None:
-        self.checked = checked
-        config = transformers_config(checkpoint)
-        config = copy.deepcopy(config)
-        config.num_hidden_layers = 1
-        for key in ("layer_types",):
-            if isinstance(getattr(config, key, None), list):
-                setattr(config, key, getattr(config, key)[:1])
-        # weights left uninitialized: _load below fills every one the shell has (or refuses)
-        self.model = build_to_load(checkpoint, config).eval()
-        self.checkpoint = checkpoint
-        self.blocks = blocks
-        self.last_block = f"{blocks}.0"  # the block whose output the head reads
-        self._headers: dict[str, dict[str, TensorEntry]] = {}
-        self.recipes = checkpoint.replaced_modules
-        # modules normswap changed outside the blocks (a final norm) are put in once
-        outside = {p: r for p, r in self.recipes.items() if not p.startswith(blocks + ".")}
-        replace_recorded(self.model, checkpoint, device="cpu", only=outside)
-        self._load(lambda name: None if name.startswith(blocks + ".") else name)
-
-    def _load(self, stored_name: Callable[[str], str | None]) -> None:
-        """Copy into the shell every tensor whose name ``stored_name`` maps to a stored one (tied names
-        share one tensor: one stored name fills them all)."""
-        wanted: dict[str, list[torch.Tensor]] = {}
-        missing = []
-        groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            groups.setdefault(id(tensor), []).append((name, tensor))
-        for members in groups.values():
-            sources = [stored_name(name) for name, _ in members]
-            if all(s is None for s in sources):
-                continue
-            stored = next((s for s in sources if s in self.checkpoint.weight_map), None)
-            if stored is None:
-                missing.append(next(s for s in sources if s is not None))
-                continue
-            wanted.setdefault(stored, []).append(members[0][1])
-        if missing:
-            raise BadInputError(
-                f"{self.checkpoint.path}: {len(missing)} tensors not stored (e.g. {missing[0]})"
-            )
-        with torch.no_grad():
-            for name, targets in wanted.items():
-                shard = self.checkpoint.weight_map[name]
-                if shard not in self._headers:
-                    self._headers[shard] = read_header(self.checkpoint.path / shard)[0]
-                entry = self._headers[shard][name]
-                value = fill_tensor(
-                    self.checkpoint.path / shard, name, entry, targets[0], checked=self.checked
-                )
-                for target in targets[1:]:
-                    target.copy_(value)
-
-    def take_block(self, index: int) -> nn.Module:
-        """The shell's block, now block ``index`` of the directory's model."""
-        prefix, shell_prefix = f"{self.blocks}.{index}.", f"{self.blocks}.0."
-        inside = {shell_prefix + p[len(prefix) :]: r for p, r in self.recipes.items() if p.startswith(prefix)}
-        if inside:
-            replace_recorded(self.model, self.checkpoint, device="cpu", only=inside)
-        self._load(lambda name: prefix + name[len(shell_prefix) :] if name.startswith(shell_prefix) else None)
-        return self.model.get_submodule(shell_prefix[:-1])
 
 
 class _Resident:
@@ -385,10 +308,12 @@ def verify_blockwise(
     The original runs first, through all its blocks, keeping each block's input and output (activations
     are small beside weights); its shell is then dropped and the converted model runs block by block on
     those inputs. So one model's shell is in memory at a time, and each block is read once."""
-    blocks, count = _same_blocks(find_blocks(build_on_meta(original)), find_blocks(build_on_meta(converted)))
+    ours, theirs = build_on_meta(original), build_on_meta(converted)
+    blocks, count = _same_blocks(find_blocks(ours), find_blocks(theirs))
     last = f"{blocks}.{count - 1}."
     if changed is None:  # a comparison of two directories (validate): the last block's stored tensors say
-        changed = _changed_tensors(original, converted, last)
+        names = shell_names(ours, original), shell_names(theirs, converted)
+        changed = _changed_tensors(original, converted, last, names)
     return _compare(
         lambda: BlockShell(original, blocks, checked=user_names[0] if user_names else "the model"),
         lambda: BlockShell(converted, blocks, checked=user_names[1] if user_names else None),
@@ -400,20 +325,26 @@ def verify_blockwise(
     )
 
 
-def _changed_tensors(original: CheckpointDirectory, converted: CheckpointDirectory, prefix: str) -> list[str]:
-    """The tensors under ``prefix`` (one block) that the two directories store differently."""
+def _changed_tensors(
+    original: CheckpointDirectory,
+    converted: CheckpointDirectory,
+    prefix: str,
+    names: tuple[dict[str, str], dict[str, str]],
+) -> list[str]:
+    """The model's tensors under ``prefix`` (one block) that the two directories store differently, each
+    read under the name its directory stores it by (``names``: :func:`shell_names` of each)."""
     ours, theirs = (
         stored_tensor_reader(original, checked=False),
         stored_tensor_reader(converted, checked=False),
     )
     found = []
-    for name in original.weight_map:
+    for name, stored in names[0].items():
         if not name.startswith(prefix):
             continue
-        if name not in converted.weight_map:
+        if name not in names[1]:
             found.append(name)
             continue
-        a, b = ours(name), theirs(name)
+        a, b = ours(stored), theirs(names[1][name])
         if a.shape != b.shape or not torch.equal(a, b):
             found.append(name)
     return found

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_dirs import convert_in_memory, logits, make_directory, rel, token_ids
+from hf_dirs import convert_in_memory, logits, make_directory, randomize_norms, rel, token_ids
 from hf_dirs import stored_tensors as _tensors
 from normswap_cli.app import app
 from typer.testing import CliRunner
@@ -314,3 +314,71 @@ def test_data_the_model_cannot_be_fed_is_refused_alike_on_both_routes(dirs, tmp_
     )
     assert expected in said["seq"] and expected in said["memory"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["narrow.pt"]  # nothing written
+
+
+def _vision_directory(root: Path, name: str) -> Path:
+    """A ViT (transformers renames its stored ``vit.encoder.layer.0.attention.attention.query`` to the
+    model's ``vit.layers.0.attention.q_proj`` as it loads) or a Dinov2, saved by save_pretrained."""
+    import transformers
+
+    sizes = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+    sizes |= {"image_size": 32, "patch_size": 8}
+    torch.manual_seed(0)
+    if name == "vit":
+        model = transformers.ViTForImageClassification(transformers.ViTConfig(**sizes, num_labels=3))
+    else:
+        model = transformers.Dinov2Model(transformers.Dinov2Config(**sizes))
+    randomize_norms(model.eval())
+    model.save_pretrained(root / name)
+    return root / name
+
+
+def test_a_model_whose_tensors_transformers_renames_runs_block_by_block_as_in_memory(tmp_path):
+    """ViT's files store other names than its model's: block by block refused it ('vit: 16 tensors not
+    stored (e.g. vit.layers.0.attention.q_proj.weight)'), convert --sequential and validate --blockwise
+    alike. The one-block model now reads each tensor under the name transformers' loader maps to it."""
+    from safetensors.torch import save_file
+
+    vit = _vision_directory(tmp_path, "vit")
+    torch.manual_seed(1)
+    torch.save(torch.randn(8, 3, 32, 32), tmp_path / "images.pt")
+    args = ["convert", str(vit), "--to", "layernorm", "--calibrate", str(tmp_path / "images.pt")]
+    args += ["--batch-size", "4"]
+    seen = {}
+    for route, extra in (("seq", ["--sequential"]), ("memory", [])):
+        report = tmp_path / f"{route}.json"
+        shown = runner.invoke(app, [*args, *extra, "-o", str(tmp_path / route), "--report", str(report)])
+        assert shown.exit_code == 0, shown.output
+        data = json.loads(report.read_text())
+        seen[route] = (data["verdict"], data["passes"][0]["changes"], data["passes"][0]["skips"])
+    assert json.loads((tmp_path / "seq.json").read_text())["route"] == "block by block"
+    assert seen["seq"] == seen["memory"] == ("ok", [], [])  # its norms are LayerNorms already
+    source, seq, memory = _tensors(vit), _tensors(tmp_path / "seq"), _tensors(tmp_path / "memory")
+    assert set(seq) == set(memory) == set(source) and "vit.encoder.layer.1.layernorm_after.weight" in seq
+    assert all(torch.equal(seq[k], source[k]) and torch.equal(memory[k], source[k]) for k in source)
+    # block by block verification reads every block's own tensors: the output passes, and a copy with
+    # block 1's layernorm_after changed in its file fails at block 1
+    shown = runner.invoke(app, ["validate", str(vit), str(tmp_path / "seq"), "--blockwise"])
+    assert shown.exit_code == 0, shown.output
+    assert "vit.layers (2 blocks): 4 stages, worst 0 x max|ref| PASS" in shown.output
+    doubled = "vit.encoder.layer.1.layernorm_after.weight"
+    save_file({**seq, doubled: 2 * seq[doubled]}, tmp_path / "seq" / "model.safetensors", {"format": "pt"})
+    shown = runner.invoke(app, ["validate", str(vit), str(tmp_path / "seq"), "--blockwise"])
+    assert shown.exit_code == 1, shown.output
+    assert "outside the exact tolerance: block 1:" in " ".join(shown.output.split())
+
+
+def test_a_model_whose_loading_merges_tensors_is_refused_block_by_block_with_the_reason(tmp_path):
+    """Dinov2's loader may merge stored tensors (its SwiGLU weights): no model name is one stored tensor,
+    so its one-block model cannot be filled; refused in one sentence before any data is read."""
+    dino = _vision_directory(tmp_path, "dinov2")
+    config = ConvertConfig(
+        to="layernorm", calibration_data=str(tmp_path / "absent.pt"), output=tmp_path / "o"
+    )
+    with pytest.raises(
+        BadInputError,
+        match="merges or splits this architecture's tensors as it loads them, "
+        "and a model with one block is filled tensor by tensor",
+    ):
+        convert_checkpoint_sequential(dino, config)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dinov2"]

@@ -109,6 +109,7 @@ def validate(
             blockwise=blockwise,
             centered=centered,
             plot=plot,
+            overwrite=overwrite,
             on_step=shown.step,
             on_progress=shown.count,
         )

@@ -23,7 +23,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from normswap.api.sources import load_for_inference, read_data
+from normswap.api.sources import check_run_paths, load_for_inference, read_data
 from normswap.errors import BadInputError, BrokenModelError
 from normswap.load.inputs import require_inputs, resolve_inputs
 
@@ -90,6 +90,7 @@ def validate(
     blockwise: bool = False,
     centered: bool = False,
     plot: Path | None = None,
+    overwrite: bool = False,
     on_step: Callable[[str], None] | None = None,
     on_progress: Callable[[int, int | None, str], None] | None = None,
 ) -> Validation:
@@ -99,12 +100,17 @@ def validate(
     ``exact``: fail unless every output is within the exact tolerance; ``min_sqnr``: fail below this
     many dB (also the per-layer threshold of the first divergent layer); neither: figures only, failed
     only by a NaN or Inf in an output. ``blockwise`` (``centered``: CONVERTED carries the residual stream
-    centred) compares block by block. ``plot``: write a PNG of the per-layer SQNR there. ``on_step``
+    centred) compares block by block. ``plot``: write a PNG of the per-layer SQNR there (an existing
+    file only with ``overwrite``, refused before any model is read). ``on_step``
     hears the phase, ``on_progress`` (done, total, "comparing") the batches compared. Bad options and inputs raise
     :class:`~normswap.errors.BadInputError`; a failed comparison is returned (``ok`` False).
     """
     from normswap.verify.layerwise import DEFAULT_MIN_SQNR_DB, validate_models
 
+    if plot is not None:  # the output rule every command checks first, as the CLI does
+        reads = {"ORIGINAL": original, "CONVERTED": converted, "--data": data, "--inputs": inputs}
+        reads |= {"--weights": weights, "--converted-weights": converted_weights}
+        check_run_paths(reads, {"--plot": plot}, overwrite)
     if blockwise and Path(original).is_dir() and Path(converted).is_dir():
         return _blockwise(original, converted, centered, on_step)
     if centered and not blockwise:
@@ -181,7 +187,7 @@ def validate(
     result = Validation(original, converted, _verdict(report, exact, min_sqnr), layerwise=report, notes=notes)
     result.refusal = _refusal(report, exact, min_sqnr) if not result.ok else None
     if plot is not None:
-        _plot(result, plot)
+        _plot(result, plot, overwrite)
     return result
 
 
@@ -225,7 +231,7 @@ def _refusal(report: ValidationReport, exact: bool, min_sqnr: float | None) -> s
     return f"outputs are not within the {what}: {report.failure}{where}"
 
 
-def _plot(result: Validation, path: Path) -> None:
+def _plot(result: Validation, path: Path, overwrite: bool) -> None:
     """The per-layer SQNR as a PNG, norm sites marked, written atomically over what the caller's path
     check let through (:func:`normswap.api.check_run_paths`)."""
     from normswap.load import atomic_write
@@ -235,7 +241,7 @@ def _plot(result: Validation, path: Path) -> None:
     assert report is not None  # a block-by-block comparison has no per-layer SQNR
     title = f"{result.converted} vs {result.original}"
     try:
-        atomic_write(path, lambda tmp: plot_norm_sites(report, str(tmp), title=title))
+        atomic_write(path, lambda tmp: plot_norm_sites(report, str(tmp), title=title), overwrite=overwrite)
     except ImportError:
         raise BadInputError("--plot needs matplotlib: pip install 'normswap[plot]'") from None
     result.plot = path

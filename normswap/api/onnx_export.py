@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from normswap.api.sources import check_inputs_fit, load_for_inference, never_written
+from normswap.api.sources import check_inputs_fit, check_run_paths, load_for_inference, never_written
 from normswap.errors import BadInputError
 from normswap.load.inputs import require_inputs
 
@@ -57,6 +57,8 @@ def export_onnx(
     if output.suffix.lower() != ".onnx":
         raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
     check_target(target)  # before the model is loaded
+    # the output rule every command checks first (an existing output, one that is an input), as the CLI
+    check_run_paths({"MODEL": model, "--weights": weights, "--inputs": inputs}, {"-o": output}, overwrite)
     cast = None if dtype is None else output_dtype(dtype)  # an unknown name, before the model is read
     loaded = load_for_inference(model, weights, trust_pickle)
     # the ONNX packages and a dtype onnxruntime can check (the one the file is cast to), before the model runs

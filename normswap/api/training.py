@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from normswap.api.sources import (
     check_inputs_fit,
     check_output_before_work,
+    check_run_paths,
     load_for_inference,
     read_data,
     save_trained,
@@ -124,6 +125,9 @@ def recalibrate(
 
     output = Path(output)  # a str as ConvertConfig(output=...) takes one
     check_output_format(output)
+    # the output rule every command checks first (an existing output, one that is an input), as the CLI
+    reads = {"MODEL": model, "--data": data, "--holdout": holdout, "--weights": weights, "--inputs": inputs}
+    check_run_paths(reads, {"-o": output}, overwrite)
     # the statistics are re-estimated without being read: broken ones are what this command repairs
     loaded = load_for_inference(model, weights, trust_pickle, statistics_replaced=True)
     args, kwargs, known = _inputs_checked(loaded, inputs, input_shapes, outputs_judged=False)
@@ -229,6 +233,10 @@ def distill(
     if (checkpoint_every is not None or resume) and checkpoint_dir is None:
         raise BadInputError("--checkpoint-every and --resume need --checkpoint-dir")
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature or 1.0, train=train)
+    # the output rule every command checks first (an existing output, one that is an input), as the CLI
+    reads = {"ORIGINAL": original, "CONVERTED": converted, "--data": data, "--holdout": holdout}
+    reads |= {"--weights": weights, "--converted-weights": converted_weights, "--inputs": inputs}
+    check_run_paths(reads, {"-o": output, "--checkpoint-dir": checkpoint_dir}, overwrite)
     plan = CheckpointPlan(checkpoint_dir, checkpoint_every, resume) if checkpoint_dir is not None else None
     if plan is not None:
         plan.check()  # before minutes of loading: another run's checkpoints, no rhythm

@@ -273,6 +273,44 @@ def test_an_existing_output_is_refused_in_the_words_of_its_caller(tmp_path, call
     assert out.read_bytes() == b"a file of the user's"
 
 
+# A model (and data) factory that fails as soon as anything reads it: a refusal that names the output
+# proves the output was checked before the model or the data was loaded.
+UNREADABLE = "raise RuntimeError('the model was loaded')\n"
+
+
+class _Unrunnable(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("the model was run")
+
+
+BEFORE_WORK = {
+    "convert": lambda m, out: normswap.convert(m, ConvertConfig(fold_bn=True, output=out)),
+    "save": lambda m, out: normswap.save(_Unrunnable(), out, (torch.randn(1, 2),)),
+    "export_onnx": lambda m, out: normswap.export_onnx(m, out),
+    "recalibrate": lambda m, out: normswap.recalibrate(m, m.replace(":build", ":batches"), out),
+    "distill": lambda m, out: normswap.distill(m, m, m.replace(":build", ":batches"), out, steps=1),
+    "validate": lambda m, out: normswap.validate(m, m, plot=out),
+}
+
+
+@pytest.mark.parametrize("call", sorted(BEFORE_WORK))
+def test_every_writing_entry_point_refuses_an_existing_output_before_any_work(tmp_path, call):
+    """recalibrate refused an existing output only as it saved, after the recalibration had run;
+    export_onnx loaded the model first; validate replaced an existing --plot (it had no overwrite). Every
+    library call that writes now checks its outputs first, by the command line's rule (check_run_paths):
+    the model below fails as soon as it is loaded (or run), so the refusal proves nothing was."""
+    (tmp_path / "unreadable.py").write_text(UNREADABLE)
+    model = f"{tmp_path / 'unreadable.py'}:build"
+    out = tmp_path / {"export_onnx": "out.onnx", "validate": "out.png"}.get(call, "out.pt2")
+    out.write_bytes(b"a file of the user's")
+    with pytest.raises(OutputExistsError) as refused:
+        BEFORE_WORK[call](model, out)
+    label = "--plot" if call == "validate" else "-o"
+    assert str(refused.value) == f"{label} {out} exists: pass overwrite=True to replace it"
+    assert out.read_bytes() == b"a file of the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, "unreadable.py"])
+
+
 # --- a full disk, an unserializable program ---------------------------------------------------------
 
 _FULL_DISK = textwrap.dedent(

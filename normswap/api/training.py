@@ -234,7 +234,7 @@ def distill(
         raise BadInputError("--checkpoint-every and --resume need --checkpoint-dir")
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature or 1.0, train=train)
     # the output rule every command checks first (an existing output, one that is an input), as the CLI
-    reads = {"ORIGINAL": original, "CONVERTED": converted, "--data": data, "--holdout": holdout}
+    reads: dict[str, Any] = {"ORIGINAL": original, "CONVERTED": converted, "--data": data, "--holdout": holdout}
     reads |= {"--weights": weights, "--converted-weights": converted_weights, "--inputs": inputs}
     check_run_paths(reads, {"-o": output, "--checkpoint-dir": checkpoint_dir}, overwrite)
     plan = CheckpointPlan(checkpoint_dir, checkpoint_every, resume) if checkpoint_dir is not None else None

@@ -11,8 +11,10 @@ output says it.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import re
+from typing import Any
 
 
 class NormswapError(Exception):
@@ -36,19 +38,28 @@ class BrokenModelError(BadInputError):
 class OutputExistsError(BadInputError):
     """The output rule's refusal of a path that exists (or appeared while the output was written) when
     replacing it was not asked for. It carries its cause (``label``, ``path``, ``appeared``) so that each
-    caller names the way to ask in its own terms: its text names the Python parameter (``overwrite=True``),
-    the command line says the same sentence with its option (:meth:`sentence`, ``--overwrite``)."""
+    caller says it in its own terms: its text names the path and the Python parameter
+    (``overwrite=True``); the command line names its option for the path (``label``, e.g. ``-o``) and
+    ``--overwrite`` (:meth:`sentence`)."""
 
     def __init__(self, label: str, path: os.PathLike[str] | str, *, appeared: bool = False) -> None:
         self.label = label
         self.path = path
         self.appeared = appeared
-        super().__init__(self.sentence("overwrite=True"))
+        super().__init__(self._refusal(str(path), "overwrite=True"))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt from its cause (pickle, copy), not from the sentence its args hold
+        return (functools.partial(type(self), appeared=self.appeared), (self.label, self.path))
+
+    def _refusal(self, subject: str, option: str) -> str:
+        what = "appeared while it was written" if self.appeared else "exists"
+        return f"{subject} {what}: pass {option} to replace it"
 
     def sentence(self, option: str) -> str:
-        """The refusal, naming ``option`` as the way to replace the path."""
-        what = "appeared while it was written" if self.appeared else "exists"
-        return f"{self.label} {self.path} {what}: pass {option} to replace it"
+        """The refusal as a command line says it: the path after its option's name, and ``option`` as
+        the way to replace it."""
+        return self._refusal(f"{self.label} {self.path}", option)
 
 
 class CheckFailedError(NormswapError):

@@ -174,10 +174,11 @@ def check_output(label: str, path: PathLike, *, overwrite: bool = False, directo
             )
         if not occupied.exists():
             continue
-        if not overwrite:
-            raise OutputExistsError(label, occupied)
+        # a folder where a file goes first: overwrite would not help, so the refusal must not offer it
         if occupied.is_dir() and not directory:
             raise BadInputError(f"{label} {occupied} is a folder: choose a file path")
+        if not overwrite:
+            raise OutputExistsError(label, occupied)
     parent = path.parent
     if not parent.exists():
         raise BadInputError(f"{label} {path}: folder {parent} does not exist")

@@ -4,7 +4,9 @@ read-only folder before the work; a full disk in one line; a .pt2 torch cannot s
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -184,10 +186,26 @@ def test_a_folder_that_cannot_be_written_is_refused_before_any_work(files, tmp_p
     assert result.stderr.strip() == f"error: {option} {out}: {reason}"
 
 
-def test_a_file_output_never_replaces_a_folder(tmp_path):
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_file_output_never_replaces_a_folder(tmp_path, overwrite):
+    """Without overwrite the refusal offered overwrite=True, which then gave this refusal: the folder's
+    refusal comes first, so no refusal offers a way that does not work."""
     (tmp_path / "out.pt2").mkdir()
-    with pytest.raises(BadInputError, match=r"^-o .*out\.pt2 is a folder: choose a file path$"):
-        check_output("-o", tmp_path / "out.pt2", overwrite=True)
+    with pytest.raises(BadInputError, match=r"^-o .*out\.pt2 is a folder: choose a file path$") as refused:
+        check_output("-o", tmp_path / "out.pt2", overwrite=overwrite)
+    assert not isinstance(refused.value, OutputExistsError)
+
+
+def test_the_output_refusal_survives_pickling_and_copying():
+    """A worker process raises it to its parent by pickling: its args hold only the sentence, so it is
+    rebuilt from its cause (it raised TypeError in pickle.loads and copy.copy)."""
+    refusal = OutputExistsError("--plot", "out.png", appeared=True)
+    for again in (pickle.loads(pickle.dumps(refusal)), copy.copy(refusal)):
+        assert (again.label, again.path, again.appeared) == ("--plot", "out.png", True)
+        assert str(again) == "out.png appeared while it was written: pass overwrite=True to replace it"
+        assert again.sentence("--overwrite") == (
+            "--plot out.png appeared while it was written: pass --overwrite to replace it"
+        )
 
 
 # --- --overwrite replaces, atomically ---------------------------------------------------------------
@@ -262,7 +280,7 @@ def test_an_existing_output_is_refused_in_the_words_of_its_caller(tmp_path, call
     out.write_bytes(b"a file of the user's")
     with pytest.raises(OutputExistsError) as refused:
         API_CALLS[call](files, out)
-    assert str(refused.value) == f"-o {out} exists: pass overwrite=True to replace it"
+    assert str(refused.value) == f"{out} exists: pass overwrite=True to replace it"
     assert isinstance(refused.value, BadInputError) and refused.value.exit_code == 2
     assert (refused.value.label, Path(refused.value.path), refused.value.appeared) == ("-o", out, False)
     assert out.read_bytes() == b"a file of the user's"
@@ -305,8 +323,8 @@ def test_every_writing_entry_point_refuses_an_existing_output_before_any_work(tm
     out.write_bytes(b"a file of the user's")
     with pytest.raises(OutputExistsError) as refused:
         BEFORE_WORK[call](model, out)
-    label = "--plot" if call == "validate" else "-o"
-    assert str(refused.value) == f"{label} {out} exists: pass overwrite=True to replace it"
+    assert str(refused.value) == f"{out} exists: pass overwrite=True to replace it"
+    assert refused.value.label == ("--plot" if call == "validate" else "-o")  # what the CLI names
     assert out.read_bytes() == b"a file of the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, "unreadable.py"])
 

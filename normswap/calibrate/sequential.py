@@ -238,9 +238,8 @@ class _Calibration:
             store.put(("logits", n), output(n, "o"))
         with recording(model, post, "output") as targets, call_order(model, post) as order:
             for b in range(n):
-                batch, hidden = self.inputs[b], store.get(("o", b))
                 with self.original(b):
-                    logits = head_output(shell, batch.args, batch.kwargs, hidden)
+                    logits = output(b, "o")
                 store.put(("logits", b), logits)
         order += [p for p in post if p not in order]
         news = {p: self.build(p, model.get_submodule(p), inputs[p][0] if inputs[p] else None) for p in post}

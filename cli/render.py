@@ -303,12 +303,14 @@ def print_streamed(report: Any, result: Any) -> None:
 def print_directory_pass(report: Any, how: str) -> None:
     """A pass run on a model directory as it is written (streamed, block by block): its counts, and its
     skipped sites under each reason, the same on both routes."""
-    out.print(f"{report.pass_name} ({how}): {len(report.changes)} changed, {len(report.skips)} skipped")
+    out.print(
+        f"{report.pass_name} ({how}): {len(report.changes)} changed, {len(report.skips)} skipped",
+        soft_wrap=True,
+    )
     for reason, sites in _by_reason(report.skips).items():
-        out.print(
-            f"  skipped {len(sites)}: {reason} ({', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''})",
-            soft_wrap=True,
-        )
+        listed = f"{', '.join(sites[:3])}{', ...' if len(sites) > 3 else ''}"
+        # escaped: a reason or a site name is text (a module path may hold [0]), not rich markup
+        out.print(f"  skipped {len(sites)}: {escape(reason)} ({escape(listed)})", soft_wrap=True)
 
 
 def how_it_loads(recorded: dict[str, Any], stock_refused: str | None) -> str:

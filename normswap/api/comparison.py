@@ -124,11 +124,11 @@ def validate(
     reference = _load("ORIGINAL", original, weights, trust_pickle)
     candidate = _load("CONVERTED", converted, converted_weights, trust_pickle)
     if blockwise:
-        pair = require_inputs(reference, inputs, input_shapes)
+        pair = require_inputs(reference, inputs_file=inputs, input_shapes=input_shapes)
         return _blockwise(original, converted, centered, on_step, (reference.model, candidate.model, pair))
     notes: list[str] = []
     if data is not None:
-        resolved = resolve_inputs(reference, inputs, input_shapes)
+        resolved = resolve_inputs(reference, inputs_file=inputs, input_shapes=input_shapes)
         args, kwargs = resolved if resolved is not None else (None, None)
         from normswap.calibrate.feeding import fed
 
@@ -149,7 +149,7 @@ def validate(
                 "of them were compared"
             )
     else:
-        pairs = [require_inputs(reference, inputs, input_shapes)]
+        pairs = [require_inputs(reference, inputs_file=inputs, input_shapes=input_shapes)]
     pairs = _as_both_take_them(reference.model, candidate.model, pairs, notes)
     if on_step is not None:
         on_step("finding the norm sites of ORIGINAL")

@@ -64,7 +64,7 @@ def inspect(
     from normswap.discover import find_norms
 
     loaded = load_for_inference(model, weights, trust_pickle, structure_only=True)
-    resolved = resolve_inputs(loaded, inputs, input_shapes)
+    resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
     args, kwargs = resolved if resolved is not None else (None, None)
     directory = loaded.format == "directory"
     if directory and resolved is not None:

@@ -63,7 +63,7 @@ def export_onnx(
     loaded = load_for_inference(model, weights, trust_pickle)
     # the ONNX packages and a dtype onnxruntime can check (the one the file is cast to), before the model runs
     check_writable(loaded.model, output, None, dtype=cast)
-    args, kwargs = require_inputs(loaded, inputs, input_shapes)
+    args, kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
     check_inputs_fit(loaded.model, args, kwargs)  # the user's model, in its own dtype
     if cast is not None:
         loaded.model.to(cast)  # normswap's own copy, read from the file a moment ago

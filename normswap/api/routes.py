@@ -91,7 +91,7 @@ def convert_source(
     # in memory: the model read as every command reads it, then the in-memory route itself
     loaded = load_for_inference(str(source), weights, trust_pickle)
     if example_args is None and example_kwargs is None:
-        example_args, example_kwargs = require_inputs(loaded, inputs, input_shapes)
+        example_args, example_kwargs = require_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
         if inputs is None and not input_shapes:
             notes += loaded.notes  # the inputs normswap made
     result = convert_model(loaded.model, config, example_args, example_kwargs, on_step=say)

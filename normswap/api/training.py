@@ -89,7 +89,7 @@ def _inputs_checked(
 ) -> tuple[Any, Any, bool]:
     """The example inputs (``None, None`` when unknown) and whether they are known; known ones are run
     once on the model, so minutes of training do not end in a refusal."""
-    resolved = resolve_inputs(loaded, inputs, input_shapes)
+    resolved = resolve_inputs(loaded, inputs_file=inputs, input_shapes=input_shapes)
     args, kwargs = resolved if resolved is not None else (None, None)
     if resolved is not None:
         check_inputs_fit(loaded.model, args, kwargs, outputs_judged=outputs_judged)
@@ -234,7 +234,12 @@ def distill(
         raise BadInputError("--checkpoint-every and --resume need --checkpoint-dir")
     check_options(steps=steps, lr=lr, loss=loss, temperature=temperature or 1.0, train=train)
     # the output rule every command checks first (an existing output, one that is an input), as the CLI
-    reads: dict[str, Any] = {"ORIGINAL": original, "CONVERTED": converted, "--data": data, "--holdout": holdout}
+    reads: dict[str, Any] = {
+        "ORIGINAL": original,
+        "CONVERTED": converted,
+        "--data": data,
+        "--holdout": holdout,
+    }
     reads |= {"--weights": weights, "--converted-weights": converted_weights, "--inputs": inputs}
     check_run_paths(reads, {"-o": output, "--checkpoint-dir": checkpoint_dir}, overwrite)
     plan = CheckpointPlan(checkpoint_dir, checkpoint_every, resume) if checkpoint_dir is not None else None
@@ -258,7 +263,9 @@ def distill(
                 f"--dtype: {output} is written shard by shard in {converted}'s dtypes; convert the written "
                 "directory with --dtype, or write a single file"
             )
-        resolved = resolve_inputs(teacher, inputs, input_shapes) or resolve_inputs(student)
+        resolved = resolve_inputs(teacher, inputs_file=inputs, input_shapes=input_shapes) or resolve_inputs(
+            student
+        )
         args, kwargs = resolved if resolved is not None else (None, None)
         if resolved is not None:
             # before training: minutes of training must not end in a refusal (a student on the meta

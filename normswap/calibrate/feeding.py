@@ -20,16 +20,21 @@ import torch
 from torch import fx, nn
 
 from normswap.calibrate.data import ModelInputs
-from normswap.errors import BadInputError
+from normswap.errors import BadInputError, NormswapError
 from normswap.errors import describe as _describe
 from normswap.util.finite import all_finite
 
 
 def device_and_dtype(model: nn.Module) -> tuple[torch.device | None, torch.dtype | None]:
-    """The device of ``model``'s first tensor, and its one floating dtype (None when it has several)."""
-    tensors = list(model.parameters()) + list(model.buffers())
+    """The device of ``model``'s first tensor, and the one floating dtype of its parameters (of its
+    buffers when it has no floating parameter; None when there are several): a bf16 HF model keeps its
+    rotary inverse frequencies in a float32 buffer, and its data is still fed in bf16."""
+    parameters, buffers = list(model.parameters()), list(model.buffers())
+    tensors = parameters + buffers
     device = tensors[0].device if tensors else None
-    float_dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+    float_dtypes = {t.dtype for t in parameters if t.is_floating_point()}
+    if not float_dtypes:
+        float_dtypes = {t.dtype for t in buffers if t.is_floating_point()}
     return device, (float_dtypes.pop() if len(float_dtypes) == 1 else None)
 
 
@@ -59,6 +64,8 @@ def data_fault(model: nn.Module, inputs: ModelInputs, what: str) -> Iterator[Non
     block-by-block route, which runs a batch through the model's parts in turn, runs each part in it."""
     try:
         yield
+    except NormswapError:
+        raise  # normswap's own refusal inside (e.g. a forward that never reached a block): not the data's
     except Exception as exc:
         hint = ""
         if isinstance(model, fx.GraphModule) and "Guard failed" in str(exc):

@@ -240,12 +240,12 @@ def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
 
 def resolve_inputs(
     loaded: LoadedModel,
+    *,
     inputs_file: str | Path | None = None,
     input_shapes: list[str] | None = None,
 ) -> tuple[tuple, dict] | None:
-    """Pick the example inputs: an explicit file, then shape specs, then what the model source carried.
-    The example inputs of every run: ``inputs_file`` (a torch.save file), ``input_shapes``, or the model's
-    own (a factory's, a .pt2's, a model directory's config); None when none is known."""
+    """The example inputs of every run: ``inputs_file`` (a torch.save file), then ``input_shapes``, then
+    the model's own (a factory's, a .pt2's, a model directory's config); None when none is known."""
     if inputs_file is not None:
         return load_inputs_file(inputs_file)
     if input_shapes:
@@ -258,12 +258,13 @@ def resolve_inputs(
 
 def require_inputs(
     loaded: LoadedModel,
+    *,
     inputs_file: str | Path | None = None,
     input_shapes: list[str] | None = None,
 ) -> tuple[tuple, dict]:
     """Like ``resolve_inputs`` for commands that cannot run without inputs; says how to give them (when
     none is known, a :class:`~normswap.errors.BadInputError`)."""
-    resolved = resolve_inputs(loaded, inputs_file, input_shapes)
+    resolved = resolve_inputs(loaded, inputs_file=inputs_file, input_shapes=input_shapes)
     if resolved is None:
         raise BadInputError(loaded.no_inputs_reason or _NEED_INPUTS)
     return resolved

@@ -139,3 +139,23 @@ def test_a_holdout_of_several_batches_is_said_to_be_compared_on_its_first(tmp_pa
     assert source.notes == [
         f"--holdout {factory}:batches: its first batch is compared; it holds more, which are not read"
     ]
+
+
+def test_data_for_a_bf16_model_directory_is_fed_in_bf16(tmp_path):
+    """A bf16 HF model keeps its rotary inverse frequencies in a float32 buffer: "one floating dtype" over
+    parameters and buffers found two and cast nothing, so float64 data met bf16 weights ("double !=
+    BFloat16") on every route. The parameters' dtype is the model's."""
+    from hf_dirs import make_directory
+    from normswap.calibrate.data import ModelInputs
+    from normswap.calibrate.feeding import device_and_dtype, fed
+    from normswap.load import load_model
+
+    model = load_model(str(make_directory(tmp_path, "llama", torch.bfloat16))).model
+    assert {b.dtype for b in model.buffers() if b.is_floating_point()} >= {torch.float32}  # the premise
+    assert device_and_dtype(model)[1] == torch.bfloat16
+    embeds = torch.randn(2, 5, model.config.hidden_size, dtype=torch.float64)
+    batch = fed(model, ModelInputs((), {"inputs_embeds": embeds}))
+    assert batch.kwargs["inputs_embeds"].dtype == torch.bfloat16
+    with torch.no_grad():
+        logits = model(**batch.kwargs).logits
+    assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())

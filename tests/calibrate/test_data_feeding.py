@@ -146,6 +146,7 @@ def test_data_for_a_bf16_model_directory_is_fed_in_bf16(tmp_path):
     parameters and buffers found two and cast nothing, so float64 data met bf16 weights ("double !=
     BFloat16") on every route. The parameters' dtype is the model's."""
     from hf_dirs import make_directory
+
     from normswap.calibrate.data import ModelInputs
     from normswap.calibrate.feeding import device_and_dtype, fed
     from normswap.load import load_model

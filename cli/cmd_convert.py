@@ -231,8 +231,9 @@ def convert(
             input_shapes=input_shape,
             on_step=say,
         )
-    render.print_conversion(result)
-    if result.ok and result.model is not None:
+    saving = result.ok and result.model is not None
+    render.print_conversion(result, saved_next=saving)
+    if saving:
         label = SAVE_FORMATS.get(output.suffix, "directory")
         what = {
             "onnx": f"exporting {output} to ONNX and checking it in onnxruntime",
@@ -242,6 +243,7 @@ def convert(
         with render.stdout_kept(label == "onnx"), render.status(what, quiet):
             saved = save(result, opset=opset)
         render.print_saved(saved)
+        render.print_size(result)  # what the output stores (a directory's shards, the model in its dtype)
     if report is not None:
         write_report(report, {"model": model, **result.to_dict()})
     if not result.ok:

@@ -182,9 +182,11 @@ def print_inventory(inventory: Any, model: str) -> None:
     print_capture_notes(capture.notes, captured_what(capture.method if capture.ok else None), ANALYSIS_ONLY)
 
 
-def print_conversion(result: Any) -> None:
+def print_conversion(result: Any, saved_next: bool = False) -> None:
     """A :class:`normswap.ConversionResult`, whichever route ran: changes, skips, figures, notes and
-    calibration; for a directory written as it went, what was written and how it was verified."""
+    calibration; for a directory written as it went, what was written and how it was verified.
+    ``saved_next``: its model is written next, and :func:`print_size` says the size after that (what the
+    output stores)."""
     if result.route == "streamed":
         print_streamed(result.report.passes[0], result.written_directory)
     elif result.route == "block by block":
@@ -194,9 +196,8 @@ def print_conversion(result: Any) -> None:
     else:
         print_pipeline(result.report)
         print_capture_notes(result.graph_notes, captured_what(result.graph_method), ANALYSIS_ONLY)
-    if result.size is not None:
-        (v0, b0), (v1, b1) = ((s.values, s.bytes) for s in result.size)
-        out.print(f"size: {v0:,} -> {v1:,} values, {b0 / 1e6:,.2f} -> {b1 / 1e6:,.2f} MB stored")
+    if not saved_next:
+        print_size(result)
     if result.operators is not None:
         out.print(result.operators.summary(), soft_wrap=True)
     for note in result.notes:
@@ -228,6 +229,13 @@ def print_calibration(calibration: Any) -> None:
     )
     for note in fitted.notes:
         out.print(f"note: {note}")
+
+
+def print_size(result: Any) -> None:
+    """What a conversion's model stored before and what its output stores after."""
+    if result.size is not None:
+        (v0, b0), (v1, b1) = ((s.values, s.bytes) for s in result.size)
+        out.print(f"size: {v0:,} -> {v1:,} values, {b0 / 1e6:,.2f} -> {b1 / 1e6:,.2f} MB stored")
 
 
 def print_saved(saved: Any) -> None:

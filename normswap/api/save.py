@@ -13,6 +13,7 @@ from torch import nn
 
 from normswap.errors import BadInputError, CheckFailedError
 from normswap.util.dtypes import cast_floating, floating_dtype
+from normswap.verify.size import ModelSize, model_size, stored_size
 from normswap.verify.variants import InputVariant
 from normswap.verify.written import WrittenShapes, shapes_taken
 
@@ -163,7 +164,21 @@ def save(
         )
     if conversion is not None:
         conversion.saved = saved
+        if conversion.size is not None:
+            # what the output stores, as the streamed routes report it: a directory's shards (a folded
+            # norm keeps neutral weights there, a weightless class in memory), the model as cast to dtype
+            conversion.size = (conversion.size[0], written_size(model, saved))
     return saved
+
+
+def written_size(model: nn.Module, saved: SavedOutput) -> ModelSize:
+    """What an output stores (values, bytes): a model directory's shards as written, else ``model``'s
+    tensors (the model the file was written from)."""
+    if saved.directory is None:
+        return model_size(model)
+    from normswap.load.checkpoint_dir import read_checkpoint_directory
+
+    return stored_size(read_checkpoint_directory(saved.path))
 
 
 def refuse_overflowing_cast(

@@ -284,7 +284,11 @@ def test_both_routes_feed_the_batches_as_the_feeding_rule_makes_them(dirs, tmp_p
     options = {"to": "layernorm", "calibration_data": str(_embeddings(tmp_path / "embeds.pt", 64))}
     loaded = load_model(str(dirs["llama"]))
     in_memory = convert(loaded.model, ConvertConfig(**options), loaded.example_args, loaded.example_kwargs)
-    done = convert_checkpoint_sequential(dirs["llama"], ConvertConfig(**options, output=tmp_path / "seq"))
+    sequential = convert(dirs["llama"], ConvertConfig(**options, sequential=True, output=tmp_path / "seq"))
+    assert sequential.route == "block by block"
+    done = sequential.written_directory
+    # the same report keys (block by block had no overall_after_calibration); what it wrote is "directory"
+    assert set(sequential.to_dict()) - {"directory"} == set(in_memory.to_dict())
     ours, theirs = _tensors(tmp_path / "seq"), in_memory.model.state_dict()
     fitted = [k for k in ours if "norm" in k]
     assert len(fitted) == 5  # two LayerNorms per block and the final one, fitted on the same batches

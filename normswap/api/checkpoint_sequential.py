@@ -105,6 +105,14 @@ def sequential_problem(config: ConvertConfig, custom_inputs: bool = False) -> st
     other += ["--inputs/--input-shape"] if custom_inputs else []
     if other:
         return f"{', '.join(other)} is not part of the sequential route (the swap and its calibration only)"
+    if config.dtype is not None:
+        # every tensor the swap leaves is copied as its stored bytes, so the output keeps the input's
+        # dtypes: refused, where it used to be dropped silently (the in-memory route casts and checks)
+        return (
+            f"--dtype {config.dtype}: the block-by-block route copies every tensor the swap leaves as its "
+            "stored bytes, so it writes the model's own dtype; convert without --dtype, or in memory "
+            "(without --sequential) where --dtype casts the result and checks the cast copy"
+        )
     return None
 
 
@@ -113,16 +121,25 @@ def sequential_route(
 ) -> str | None:
     """How ``convert DIR --calibrate DATA -o OUTDIR`` runs: the note saying why it runs block by block,
     or None (in memory, or as :func:`normswap.api.checkpoint.directory_route` says). ``asked``: the user
-    asked for it (``--sequential``); then a conversion it cannot run is a BadInputError."""
+    asked for it (``--sequential``); then a conversion it cannot run is a BadInputError, as is one
+    that does not fit in memory and that only its ``dtype`` keeps from running block by block."""
     problem = sequential_problem(config, custom_inputs)
     if asked:
         if problem is not None:
             raise BadInputError(f"--sequential: {problem}")
         return "--sequential: calibrating block by block"
-    if problem is not None:
-        return None
     shortfall = in_memory_shortfall(read_checkpoint_directory(source))
-    return None if shortfall is None else f"{shortfall}: calibrating block by block (--sequential)"
+    if shortfall is None:
+        return None
+    if (
+        problem is not None
+        and config.dtype is not None
+        and sequential_problem(replace(config, dtype=None), custom_inputs) is None
+    ):
+        # only --dtype keeps the block-by-block route from taking over: say so (the in-memory rule's
+        # refusal would name the stream, which was never the route for a calibration)
+        raise BadInputError(f"{source}: {shortfall}, and {problem}")
+    return None if problem is not None else f"{shortfall}: calibrating block by block (--sequential)"
 
 
 def _blocks(checkpoint: CheckpointDirectory, meta: nn.Module) -> tuple[str, int]:

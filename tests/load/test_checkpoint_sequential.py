@@ -134,6 +134,8 @@ def test_an_existing_output_is_never_written_over(dirs, tmp_path):
         ({"to": "crmsnorm"}, "--calibrate fits swapped norms: give an architectural --to KIND"),
         ({"fold_norm_affine": True}, "--fold-norm-affine is not part of the sequential route"),
         ({"calibration_data": None}, "calibrates swapped norms block by block: give --calibrate DATA"),
+        # the stored bytes are copied: a --dtype was dropped (float32 written), now refused up front
+        ({"dtype": "bfloat16"}, "--dtype bfloat16: the block-by-block route copies every tensor the swap"),
     ],
 )
 def test_what_the_sequential_route_cannot_do_is_refused_with_the_reason(dirs, tmp_path, extra, reason):
@@ -175,6 +177,11 @@ def test_a_model_that_does_not_fit_is_routed_block_by_block(dirs, monkeypatch):
     # a conversion the route cannot take is left to the in-memory rule (which refuses it there)
     assert sequential_route(dirs["llama"], ConvertConfig(to="rmsnorm", output="out"), asked=False) is None
     assert sequential_route(dirs["llama"], config, asked=False, custom_inputs=True) is None
+    # taken unasked, --dtype would be dropped as with --sequential: refused, saying why and what to do
+    with pytest.raises(BadInputError, match=r"needs about .*, and --dtype float16: the block-by-block route"):
+        sequential_route(
+            dirs["llama"], ConvertConfig(**_options(dirs), output="out", dtype="float16"), asked=False
+        )
 
 
 def test_a_config_that_caches_keys_gives_the_same_result(dirs, tmp_path):

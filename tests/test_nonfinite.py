@@ -291,12 +291,14 @@ def _tiny_convnet() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
 
 
-@pytest.mark.parametrize("command", ["convert", "export", "validate"])
-def test_a_nan_in_the_example_inputs_is_the_files_not_the_models(tmp_path, command):
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("command", ["convert", "export", "validate", "inspect"])
+def test_a_nan_in_the_example_inputs_is_the_files_not_the_models(tmp_path, command, value):
     """`--inputs` with a NaN pixel said "the model is broken" (convert, export) and "the original model is
-    broken" (validate): it is held to the one rule for data, as every --data batch is."""
+    broken" (validate), and a +Inf pixel still did: both are held to the one rule for data, as every
+    --data batch is (normswap.load.data_rules)."""
     images = torch.randn(1, 3, 8, 8)
-    images[0, 1, 2, 3] = float("nan")
+    images[0, 1, 2, 3] = float(value)
     inputs = tmp_path / "in.pt"
     torch.save((images,), inputs)
     model = f"{HERE}:_tiny_convnet"
@@ -304,12 +306,14 @@ def test_a_nan_in_the_example_inputs_is_the_files_not_the_models(tmp_path, comma
         "convert": ["convert", model, "--fold-bn", "-o", str(tmp_path / "out.pt2")],
         "export": ["export", model, "-o", str(tmp_path / "out.onnx")],
         "validate": ["validate", model, model],
+        "inspect": ["inspect", model],
     }[command]
     result = _run(*argv, "--inputs", str(inputs))
     assert result.exit_code == 2, result.output
-    assert f"inputs file {inputs}: args[0] holds 1 NaN value(s), the first (nan) at index [0, 1, 2, 3]" in (
-        " ".join(result.output.split())
+    said = (
+        f"inputs file {inputs}: args[0] holds 1 NaN/+Inf value(s), the first ({value}) at index [0, 1, 2, 3]"
     )
+    assert said in (" ".join(result.output.split()))
     assert "broken" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
 

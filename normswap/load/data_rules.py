@@ -1,8 +1,11 @@
-"""The one rule for what a tensor of data may hold, whichever command reads it and from whatever source:
-a plain dense tensor with values, each element in memory of its own, all of them finite.
+"""The one rule for what a tensor of data may hold, whichever command reads it and from whatever source
+(``--inputs``, ``--data``, ``--calibrate``, ``--holdout``, a factory's batches): a plain dense tensor with
+values, each element in memory of its own, none of them NaN or +Inf.
 :class:`normswap.calibrate.data.CalibrationData` applies it to every tensor of every batch;
-:func:`normswap.load.inputs.load_inputs_file` refuses a NaN in ``--inputs`` by the same sentence (an example
-input may hold ±Inf, an additive attention mask, and be an expanded view, ``arange(T).expand(B, T)``)."""
+:func:`normswap.load.inputs.load_inputs_file` to every example input (which may also be an expanded view,
+``arange(T).expand(B, T)``). -Inf is the one value exempt, on every route alike: an additive attention
+mask holds it (``nn.Transformer.generate_square_subsequent_mask``), and a batch that is a valid example
+input is valid data."""
 
 from __future__ import annotations
 
@@ -62,23 +65,23 @@ def check_data_tensor(tensor: torch.Tensor, where: str, *, rows_per_batch: int |
     refuse_nonfinite_values(tensor, where, rows_per_batch=rows_per_batch)
 
 
-def refuse_nonfinite_values(
-    tensor: torch.Tensor, where: str, *, rows_per_batch: int | None = None, infinity: bool = False
-) -> None:
-    """BadInputError naming the first NaN or Inf of ``tensor`` (``where``, and its batch when
-    ``rows_per_batch`` cuts it). ``infinity``: ±Inf is a value (an example input's additive attention
-    mask, ``nn.Transformer.generate_square_subsequent_mask``), NaN alone is refused."""
+def refuse_nonfinite_values(tensor: torch.Tensor, where: str, *, rows_per_batch: int | None = None) -> None:
+    """BadInputError naming the first NaN or +Inf of ``tensor`` (``where``, and its batch when
+    ``rows_per_batch`` cuts it): the data's fault, said before the model runs on it (a +Inf used to pass
+    --inputs and the model was then called broken for the NaN it computed). -Inf passes (the rule above)."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return
-    bad = torch.isnan(tensor) if infinity else ~torch.isfinite(tensor)
+    bad = torch.isnan(tensor)
+    for part in (tensor.real, tensor.imag) if tensor.is_complex() else (tensor,):
+        bad |= part == float("inf")
     if not bool(bad.any()):
         return
     first = int(bad.reshape(-1).nonzero()[0])
     value = tensor.reshape(-1)[first].item()
     index = position(first, tensor.shape)
     batch = f" (batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
-    what = "NaN" if infinity else "NaN/Inf"
     raise BadInputError(
-        f"{where} holds {int(bad.sum())} {what} value(s), the first ({value}) at index {list(index)}"
-        f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows"
+        f"{where} holds {int(bad.sum())} NaN/+Inf value(s), the first ({value}) at index {list(index)}"
+        f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows (-Inf is accepted: an "
+        "additive attention mask)"
     )

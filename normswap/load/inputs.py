@@ -210,8 +210,8 @@ def check_inputs_fit(
 
 def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
     """Read ``--inputs``: a tensor, a tuple/list (positional args), a dict (kwargs) or an (args, kwargs)
-    pair; a NaN in an example input is the file's, said with its index
-    (:func:`~normswap.load.data_rules.refuse_nonfinite_values`), not the model's."""
+    pair; a NaN or +Inf in an example input is the file's, said with its index, by the rule every data
+    route applies (:func:`~normswap.load.data_rules.refuse_nonfinite_values`), not the model's."""
     payload = read_tensor_file(path, what="inputs file")
     if isinstance(payload, torch.Tensor):
         args, kwargs = (payload,), {}
@@ -230,7 +230,7 @@ def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
         for name, value in named:
             for leaf in pytree.tree_leaves(value):
                 if isinstance(leaf, torch.Tensor):
-                    refuse_nonfinite_values(leaf, f"inputs file {path}: {name}", infinity=True)
+                    refuse_nonfinite_values(leaf, f"inputs file {path}: {name}")
         return args, kwargs
     raise BadInputError(
         f"inputs file {path} holds a {type(payload).__name__}: expected a tensor, a tuple/list of positional "

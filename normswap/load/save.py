@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from normswap.errors import BadInputError, OutputExistsError, describe, failed_write, write_error
+from normswap.load.file_modes import apply_output_modes
 from normswap.load.paths import ONNX_DATA_SUFFIX, check_output, check_paths
 from normswap.load.pt2_file import captured_pt2_problem, pt2_refusal, write_pt2
 from normswap.util.dtypes import floating_dtype, onnx_check_problem
@@ -163,9 +164,11 @@ def place(temp: Path, path: Path, *, overwrite: bool = False, label: str = "-o")
     written is refused (:class:`~normswap.errors.OutputExistsError`; ``label`` names it). With
     ``overwrite`` it is replaced atomically: a file by a rename over it, a folder by swapping the two names
     (then the old one is removed), so the path holds the old output or the new one, never a half of
-    either. A symlink is never written through."""
+    either. A symlink is never written through. Every file and folder in it first gets the modes the
+    umask gives (:func:`normswap.load.file_modes.apply_output_modes`), whichever writer made it."""
     if path.is_symlink():
         raise BadInputError(f"{label} {path} is a symlink: normswap never writes through one")
+    apply_output_modes(temp)
     if not overwrite:
         try:
             if _renameat2(temp, path, _RENAME_NOREPLACE):

@@ -214,6 +214,7 @@ def convert(
         overwrite=overwrite,
         portable=portable,
         static_shapes=static_shapes,
+        opset=opset,
         dtype=dtype,
         sequential=sequential,
         activation_memory=activation_memory,
@@ -241,7 +242,7 @@ def convert(
             "directory": f"writing the model directory {output} and loading it back",
         }.get(label, f"writing {output}")
         with render.stdout_kept(label == "onnx"), render.status(what, quiet):
-            saved = save(result, opset=opset)
+            saved = save(result)
         render.print_saved(saved)
         render.print_size(result)  # what the output stores (a directory's shards, the model in its dtype)
     if report is not None:

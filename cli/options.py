@@ -82,7 +82,8 @@ OpsetOpt = Annotated[
     typer.Option(
         "--opset",
         min=7,
-        help="ONNX opset of a .onnx output (RMSNormalization needs 23); default: the exporter's.",
+        help="ONNX opset of a .onnx output (RMSNormalization needs 23); default: the exporter's. Refused "
+        "for any other output.",
         rich_help_panel=OUTPUT_PANEL,
     ),
 ]
@@ -111,7 +112,7 @@ StaticShapesOpt = Annotated[
         "--static-shapes",
         help="Write the program (.pt2, .onnx, a graph's .pt) for the example's shapes only. By default it "
         "takes any batch and sequence length the model leaves free, and an exact conversion whose file "
-        "would not take a shape it was verified on is refused.",
+        "would not take a shape it was verified on is refused. Refused for outputs that hold no program.",
         panel=OUTPUT_PANEL,
     ),
 ]

@@ -55,6 +55,7 @@ class ConvertConfig:
       refused before the work (:func:`normswap.load.paths.check_output`).
     - ``portable``: a .pt2 ``output`` that plain ``torch.export.load`` reads with torch alone (its outputs
       plain containers, normswap's fused ops as torch's own); refused for any other output.
+    - ``opset``: the ONNX opset of an .onnx ``output`` (default: the exporter's); refused for any other.
     - ``static_shapes``: a written program (.pt2, .onnx, a graph's .pt) fixed at the example's shapes; by
       default it takes any batch and sequence length the model leaves free, and an exact conversion is
       refused when its file would not take a shape it was verified on. With it, the report says which
@@ -91,6 +92,7 @@ class ConvertConfig:
     # a .pt2 output that torch.export.load reads with torch alone (normswap.load.pt2_file.portable_program)
     portable: bool = False
     static_shapes: bool = False
+    opset: int | None = None
     dtype: str | None = None
     sequential: bool = False
     activation_memory: float | None = None
@@ -198,6 +200,22 @@ class ConvertConfig:
         """The rewrites this configuration asks for, by their command-line spelling."""
         return self.given(*BY_OPTION)
 
+    def check_output_options_for(self, model: torch.nn.Module) -> None:
+        """The output-option rule (:mod:`normswap.load.output_options`) judged on the model converted,
+        before the work: ``static_shapes`` with a .pt output is used only when the .pt holds a program
+        (the model is an exported graph, or a graph rewrite makes it one)."""
+        from torch.fx import GraphModule
+
+        from normswap.load.output_options import check_output_options
+
+        program = None if isinstance(model, GraphModule) or self.makes_graph() else False
+        check_output_options(self.output_path, static_shapes=self.static_shapes, program=program)
+
+    def makes_graph(self) -> bool:
+        """Whether a rewrite asked for makes the model an exported GraphModule (then a .pt holds its
+        program)."""
+        return self._graph_flag() is not None
+
     def _graph_flag(self) -> str | None:
         """The first option asking for a graph rewrite (whose result is a GraphModule), if any."""
         return next(iter(self.given(*graph_options())), None)
@@ -205,13 +223,22 @@ class ConvertConfig:
     def _check_output(self) -> None:
         from normswap.load import SAVE_FORMATS
         from normswap.load.checkpoint_write import is_directory_output
+        from normswap.load.output_options import check_output_options
         from normswap.load.paths import check_output
         from normswap.load.save import check_output_format
         from normswap.util.dtypes import onnx_check_problem
 
         output = self.output_path
-        if self.portable and (output is None or output.suffix.lower() != ".pt2"):
-            raise BadInputError(f"--portable is for a .pt2 output, not {output or 'no output'}")
+        # the one rule for output options the output does not use (a graph rewrite writes a program to
+        # a .pt; otherwise whether a .pt holds one is judged on the model, in convert_model and save)
+        program = True if self.makes_graph() else None
+        check_output_options(
+            output,
+            opset=self.opset,
+            static_shapes=self.static_shapes,
+            portable=self.portable,
+            program=program,
+        )
         if self.dtype is not None and output is None:
             raise BadInputError("--dtype is the dtype of the written output: give -o")
         dtype = self.output_dtype  # an unknown name, before the model is read

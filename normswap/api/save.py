@@ -77,7 +77,7 @@ def save(
     :class:`~normswap.errors.CheckFailedError` unless ``result.ok``; ``path`` defaults to its config's
     ``output``, the inputs to those it was checked on; the result records what was written), or a
     module with ``example_args``/``example_kwargs`` (a .pt2 or .onnx is an export on them). ``opset``
-    applies to .onnx, which is checked in onnxruntime before it is kept; ``portable`` to .pt2: a program
+    (default: the conversion's ``ConvertConfig.opset``) applies to .onnx, which is checked in onnxruntime before it is kept; ``portable`` to .pt2: a program
     that ``torch.export.load`` reads with torch alone (plain output containers, normswap's fused ops as
     torch's own), where by default the note says what loading it needs.
 
@@ -124,6 +124,8 @@ def save(
             portable = conversion.config.portable
         if static_shapes is None:
             static_shapes = conversion.config.static_shapes
+        if opset is None:
+            opset = conversion.config.opset
         if dtype is None:
             dtype = conversion.config.output_dtype
     else:
@@ -131,6 +133,18 @@ def save(
         model = result
     if path is None:
         raise BadInputError("save needs a path (or a ConvertConfig with output)")
+    from normswap.load.output_options import check_output_options
+    from normswap.load.save import pickled_as_program
+
+    # the one rule for output options the output does not use, judged on the model written (a .pt
+    # holds a program only for an exported graph), before anything is cast or written
+    check_output_options(
+        path,
+        opset=opset,
+        static_shapes=bool(static_shapes),
+        portable=bool(portable),
+        program=pickled_as_program(model),
+    )
     if dtype is not None and floating_dtype(model) not in (None, dtype):
         from normswap.modules.copying import copy_model
 
@@ -229,8 +243,6 @@ def _write(
 
     refuse = None if refuse_path is None else Path(refuse_path)
     label = SAVE_FORMATS.get(path.suffix.lower())
-    if portable and label != "pt2":
-        raise BadInputError(f"--portable is for a .pt2 program; {path} is {label}")
     if label != "pickle" and args is None and kwargs is None:
         raise BadInputError(f"writing {path} exports the model: give example inputs")
     args, kwargs = tuple(args or ()), dict(kwargs or {})

@@ -29,6 +29,7 @@ from normswap.api.sources import (
 )
 from normswap.errors import BadInputError
 from normswap.load.inputs import resolve_inputs
+from normswap.load.output_options import check_output_options
 from normswap.load.save import check_output_format
 
 if TYPE_CHECKING:
@@ -125,6 +126,8 @@ def recalibrate(
 
     output = Path(output)  # a str as ConvertConfig(output=...) takes one
     check_output_format(output)
+    # options the output does not use, before the work (a .pt's --static-shapes: judged as it is saved)
+    check_output_options(output, opset=opset, static_shapes=static_shapes)
     # the output rule every command checks first (an existing output, one that is an input), as the CLI
     reads = {"MODEL": model, "--data": data, "--holdout": holdout, "--weights": weights, "--inputs": inputs}
     check_run_paths(reads, {"-o": output}, overwrite)
@@ -228,6 +231,8 @@ def distill(
     sharded_output = output.suffix == SHARDED_SUFFIX
     if not sharded_output:
         check_output_format(output)
+    # options the output does not use, before the work (a .pt's --static-shapes: judged as it is saved)
+    check_output_options(output, opset=opset, static_shapes=static_shapes)
     if temperature is not None and loss != "kl":
         raise BadInputError("--temperature applies to --loss kl")
     if (checkpoint_every is not None or resume) and checkpoint_dir is None:

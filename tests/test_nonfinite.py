@@ -291,7 +291,7 @@ def _tiny_convnet() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
 
 
-@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("command", ["convert", "export", "validate", "inspect"])
 def test_a_nan_in_the_example_inputs_is_the_files_not_the_models(tmp_path, command, value):
     """`--inputs` with a NaN pixel said "the model is broken" (convert, export) and "the original model is
@@ -311,7 +311,7 @@ def test_a_nan_in_the_example_inputs_is_the_files_not_the_models(tmp_path, comma
     result = _run(*argv, "--inputs", str(inputs))
     assert result.exit_code == 2, result.output
     said = (
-        f"inputs file {inputs}: args[0] holds 1 NaN/+Inf value(s), the first ({value}) at index [0, 1, 2, 3]"
+        f"inputs file {inputs}: args[0] holds 1 NaN/Inf value(s), the first ({value}) at index [0, 1, 2, 3]"
     )
     assert said in (" ".join(result.output.split()))
     assert "broken" not in result.output

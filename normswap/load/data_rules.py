@@ -1,11 +1,11 @@
 """The one rule for what a tensor of data may hold, whichever command reads it and from whatever source
 (``--inputs``, ``--data``, ``--calibrate``, ``--holdout``, a factory's batches): a plain dense tensor with
-values, each element in memory of its own, none of them NaN or +Inf.
+values, each element in memory of its own, none of them NaN or infinite.
 :class:`normswap.calibrate.data.CalibrationData` applies it to every tensor of every batch;
 :func:`normswap.load.inputs.load_inputs_file` to every example input (which may also be an expanded view,
-``arange(T).expand(B, T)``). -Inf is the one value exempt, on every route alike: an additive attention
-mask holds it (``nn.Transformer.generate_square_subsequent_mask``), and a batch that is a valid example
-input is valid data."""
+``arange(T).expand(B, T)``). One exemption, on every route alike: an additive attention mask, a tensor of
+0 and -Inf only (``nn.Transformer.generate_square_subsequent_mask``), since a batch that is a valid example
+input is valid data; a -Inf among other values (an image's) is refused as the data's fault."""
 
 from __future__ import annotations
 
@@ -66,14 +66,18 @@ def check_data_tensor(tensor: torch.Tensor, where: str, *, rows_per_batch: int |
 
 
 def refuse_nonfinite_values(tensor: torch.Tensor, where: str, *, rows_per_batch: int | None = None) -> None:
-    """BadInputError naming the first NaN or +Inf of ``tensor`` (``where``, and its batch when
+    """BadInputError naming the first NaN or Inf of ``tensor`` (``where``, and its batch when
     ``rows_per_batch`` cuts it): the data's fault, said before the model runs on it (a +Inf used to pass
-    --inputs and the model was then called broken for the NaN it computed). -Inf passes (the rule above)."""
+    --inputs and the model was then called broken for the NaN it computed). An additive mask's -Inf (a
+    tensor of 0 and -Inf only) passes."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return
     bad = torch.isnan(tensor)
     for part in (tensor.real, tensor.imag) if tensor.is_complex() else (tensor,):
         bad |= part == float("inf")
+        minus = part == float("-inf")
+        if bool(minus.any()) and not bool((part[~minus] == 0).all()):
+            bad |= minus  # not a mask: a -Inf among data values is as broken as a +Inf
     if not bool(bad.any()):
         return
     first = int(bad.reshape(-1).nonzero()[0])
@@ -81,7 +85,7 @@ def refuse_nonfinite_values(tensor: torch.Tensor, where: str, *, rows_per_batch:
     index = position(first, tensor.shape)
     batch = f" (batch {index[0] // rows_per_batch})" if rows_per_batch and index else ""
     raise BadInputError(
-        f"{where} holds {int(bad.sum())} NaN/+Inf value(s), the first ({value}) at index {list(index)}"
-        f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows (-Inf is accepted: an "
-        "additive attention mask)"
+        f"{where} holds {int(bad.sum())} NaN/Inf value(s), the first ({value}) at index {list(index)}"
+        f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows (-Inf is accepted in an "
+        "additive attention mask, a tensor of 0 and -Inf only)"
     )

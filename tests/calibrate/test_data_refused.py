@@ -1,5 +1,5 @@
 """Data that no command may calibrate, fit or distil on is refused by the one data loader, on every
-command that reads data, with one line naming the file, the batch and where: NaN/+Inf values, tensors
+command that reads data, with one line naming the file, the batch and where: NaN/Inf values, tensors
 that are not plain dense data (a Parameter, sparse, meta, empty), and expanded views that declare far
 more rows than the file holds."""
 
@@ -53,7 +53,7 @@ def _refused(argv: list[str], cwd: Path, *parts: str) -> str:
     return lines[0]
 
 
-NAN_AT = "holds 1 NaN/+Inf value(s), the first (nan) at index [5, 1, 2, 3] (batch 1): clean the data"
+NAN_AT = "holds 1 NaN/Inf value(s), the first (nan) at index [5, 1, 2, 3] (batch 1): clean the data"
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ NAN_AT = "holds 1 NaN/+Inf value(s), the first (nan) at index [5, 1, 2, 3] (batc
         (["distill", CONV, CONV, *SHAPE, "--data", "good.pt", "--holdout", "nan.pt", "--steps", "1"], NAN_AT),
         (
             ["convert", "llama-float32", "--to", "layernorm", "--calibrate", "ids_inf.pt", "--sequential"],
-            "holds 1 NaN/+Inf value(s), the first (inf) at index [6, 4] (batch 1)",
+            "holds 1 NaN/Inf value(s), the first (inf) at index [6, 4] (batch 1)",
         ),
     ],
     ids=[
@@ -90,9 +90,9 @@ def test_a_nan_in_a_list_of_batches_is_named_by_its_batch(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     bad = [_images()[:4], _images(1)[:4]]
     bad[1][2, 0, 0, 1] = float("inf")
-    bad[1][3, 0, 0, 0] = float("-inf")  # the one exempt value (an additive mask's): not counted
+    bad[1][3, 0, 0, 0] = float("-inf")  # an image's -Inf is no mask's: counted as well
     torch.save(bad, tmp_path / "batches.pt")
-    line = "error: data file batches.pt: batch 1, args[0] holds 1 NaN/+Inf value(s), the first (inf) at "
+    line = "error: data file batches.pt: batch 1, args[0] holds 2 NaN/Inf value(s), the first (inf) at "
     _refused(
         ["recalibrate", CONV, *SHAPE, "--data", "batches.pt", "-o", "out.pt"],
         tmp_path,
@@ -169,12 +169,18 @@ def test_the_rule_is_the_loaders_whatever_the_source(tmp_path):
     torch.save(bad, path)
     with pytest.raises(
         BadInputError,
-        match=r"batch 1, args\[0\] holds 1 NaN/\+Inf value\(s\), the first \(inf\) at index \[0, 1\]",
+        match=r"batch 1, args\[0\] holds 1 NaN/Inf value\(s\), the first \(inf\) at index \[0, 1\]",
     ):
         list(load_calibration_data(path))
-    # -Inf is a value on every route (an additive mask, as an example input may hold): read as it is
-    torch.save([torch.ones(2, 3), torch.tensor([[1.0, float("-inf"), 0.0]])], path)
+    # an additive mask's -Inf (0 and -Inf only, as an example input may hold) is read as it is on every
+    # route; a -Inf among other values is the data's fault, as a +Inf is
+    torch.save([torch.zeros(2, 3), torch.tensor([[0.0, float("-inf"), 0.0]])], path)
     assert len(list(load_calibration_data(path))) == 2
+    torch.save([torch.ones(2, 3), torch.tensor([[1.0, float("-inf"), 0.0]])], path)
+    with pytest.raises(
+        BadInputError, match=r"holds 1 NaN/Inf value\(s\), the first \(-inf\) at index \[0, 1\]"
+    ):
+        list(load_calibration_data(path))
     # integer data cannot hold NaN: read as it is
     assert len(list(load_calibration_data(files_ids(tmp_path)))) == 1
 

@@ -140,8 +140,7 @@ class ConversionResult:
             written.pop("route", None)
             if "calibration" in written:  # where the in-memory route's calibration is
                 data["calibration"] = written.pop("calibration")
-                # the same keys on every route; no whole model runs block by block: null, as "overall"
-                data.setdefault("overall_after_calibration", None)
+                data.setdefault("overall_after_calibration", None)  # no whole model ran: null, as "overall"
             data["directory"] = written  # what was written, under one key whichever route wrote it
         if self.size is not None:
             data["size"] = {"before": self.size[0].to_dict(), "after": self.size[1].to_dict()}

@@ -59,9 +59,10 @@ def validate(
         bool,
         flag(
             "--blockwise",
-            help="Compare block by block (exact tolerance): every block of CONVERTED runs on ORIGINAL's "
-            "activation, and the first block outside is named. Two model directories are compared "
-            "holding neither model.",
+            help="Compare block by block: every block of CONVERTED runs on ORIGINAL's activation, and the "
+            "first block outside --exact or --min-sqnr is named. Two model directories are compared "
+            "holding neither model, on inputs from their config (no --data, --inputs, --input-shape); "
+            "no --plot.",
         ),
     ] = False,
     centered: Annotated[
@@ -128,11 +129,25 @@ def validate(
 
 
 def _print_blockwise(result: Any) -> None:
-    """One line per input shape of a block-by-block :class:`normswap.api.Validation`."""
+    """One line per input shape of a block-by-block :class:`normswap.api.Validation`, then its verdict
+    under the rule asked (as the whole-model comparison prints it)."""
     for shape, block in zip(result.blockwise_shapes, result.blockwise, strict=True):
-        verdict = "[green]PASS[/]" if block.ok else f"[red]FAIL[/] (first: {block.first_divergent})"
+        within = (
+            "all within the exact tolerance"
+            if block.ok
+            else f"first outside the exact tolerance: {block.first_divergent}"
+        )
+        output = "" if block.output is None else f"; output SQNR {render.fmt_float(block.output.sqnr_db)} dB"
         render.out.print(
             f"inputs {shape}, {block.blocks_path}: {len(block.stages)} stages, worst "
-            f"{render.fmt_float(block.worst_rel)} x max|ref| {verdict}",
+            f"{render.fmt_float(block.worst_rel)} x max|ref| ({within}), lowest SQNR "
+            f"{render.fmt_float(min(c.sqnr_db for _, c in block.stages))} dB{output}",
             soft_wrap=True,
         )
+    for note in result.notes:
+        render.out.print(f"note: {note}", soft_wrap=True)
+    rule = "figures only: give --exact or --min-sqnr for a verdict"
+    if result.exact or result.min_sqnr is not None:
+        rule = "exact tolerance" if result.exact else f"min SQNR {result.min_sqnr:g} dB"
+    shown = {"passed": "[green]PASS[/]", "failed": "[bold red]FAIL[/]", "not_judged": "not judged"}
+    render.out.print(f"verdict (block by block, {rule}): {shown[result.verdict.value]}", soft_wrap=True)

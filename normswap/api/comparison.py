@@ -10,7 +10,10 @@
 Whole-model and per-layer figures come from :func:`normswap.verify.layerwise.validate_models`; "exact"
 is judged by the one exact rule (:func:`normswap.verify.exact.judge_exact`), the rule ``convert``
 applies. ``blockwise`` compares block by block (:mod:`normswap.verify.blockwise`): two model directories
-without holding either model, other models held and compared on the example inputs.
+without holding either model, on the inputs their config gives; other models held, on the inputs the
+whole-model comparison uses. Both routes are judged by what was asked, the whole model by its outputs,
+block by block by :mod:`normswap.verify.block_verdict` (the same rule); every option is checked first,
+on every route, and one a route cannot honour is refused (:func:`_check_options`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class Validation:
     plot: Path | None = None
     # how the inputs were fitted to the two models (a key one of them does not take, use_cache turned off)
     notes: list[str] = field(default_factory=list)
+    # what was asked: the exact tolerance, an SQNR threshold (dB), or neither (figures only)
+    exact: bool = False
+    min_sqnr: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,7 +75,18 @@ class Validation:
     def to_dict(self) -> dict[str, Any]:
         head = {"original": self.original, "converted": self.converted}
         if self.layerwise is None:
-            return {**head, "blockwise": [r.to_dict() for r in self.blockwise]}
+            from normswap.verify.block_verdict import output_sqnr_db
+
+            return {
+                **head,
+                "exact": self.exact,
+                "min_sqnr_db": self.min_sqnr,
+                "verdict": self.verdict.value,
+                "failure": self.refusal,
+                "output_sqnr_db": output_sqnr_db(self.blockwise),
+                "blockwise": [r.to_dict() for r in self.blockwise],
+                "notes": self.notes,
+            }
         return {**head, **self.layerwise.to_dict(), "notes": self.notes}
 
 
@@ -100,57 +117,41 @@ def validate(
     ``exact``: fail unless every output is within the exact tolerance; ``min_sqnr``: fail below this
     many dB (also the per-layer threshold of the first divergent layer); neither: figures only, failed
     only by a NaN or Inf in an output. ``blockwise`` (``centered``: CONVERTED carries the residual stream
-    centred) compares block by block. ``plot``: write a PNG of the per-layer SQNR there (an existing
-    file only with ``overwrite``, refused before any model is read). ``on_step``
+    centred) compares block by block under the same verdict (``min_sqnr``: the converted model's output
+    run through its own blocks); two model directories are then compared on the inputs their config
+    gives, so ``data``, ``inputs``, ``input_shapes`` and ``weights`` are refused there, and ``plot`` (a
+    per-layer figure) with any ``blockwise``. ``plot``: write a PNG of the per-layer SQNR there (an
+    existing file only with ``overwrite``, refused before any model is read). ``on_step``
     hears the phase, ``on_progress`` (done, total, "comparing") the batches compared. Bad options and inputs raise
     :class:`~normswap.errors.BadInputError`; a failed comparison is returned (``ok`` False).
     """
     from normswap.verify.layerwise import DEFAULT_MIN_SQNR_DB, validate_models
 
-    if plot is not None:  # the output rule every command checks first, as the CLI does
-        reads = {"ORIGINAL": original, "CONVERTED": converted, "--data": data, "--inputs": inputs}
-        reads |= {"--weights": weights, "--converted-weights": converted_weights}
-        check_run_paths(reads, {"--plot": plot}, overwrite)
-    if blockwise and Path(original).is_dir() and Path(converted).is_dir():
-        return _blockwise(original, converted, centered, on_step)
-    if centered and not blockwise:
-        raise BadInputError("--centered applies to --blockwise")
-    if exact and min_sqnr is not None:
-        raise BadInputError("--exact and --min-sqnr are two different checks: give one")
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise BadInputError(f"--plot {plot}: the plot is a PNG file")
-    if plot is not None and importlib.util.find_spec("matplotlib") is None:
-        raise BadInputError("--plot needs matplotlib: pip install 'normswap[plot]'")
+    directories = blockwise and Path(original).is_dir() and Path(converted).is_dir()
+    # every option is checked before any model is read, on every route (block by block included)
+    _check_options(
+        {"ORIGINAL": original, "CONVERTED": converted, "--data": data, "--inputs": inputs}
+        | {"--weights": weights, "--converted-weights": converted_weights},
+        exact=exact,
+        min_sqnr=min_sqnr,
+        batches=batches,
+        batch_size=batch_size,
+        input_shapes=input_shapes,
+        blockwise=blockwise,
+        centered=centered,
+        directories=directories,
+        plot=plot,
+        overwrite=overwrite,
+    )
+    if directories:
+        return _blockwise(original, converted, centered, (exact, min_sqnr), on_step)
     reference = _load("ORIGINAL", original, weights, trust_pickle)
     candidate = _load("CONVERTED", converted, converted_weights, trust_pickle)
-    if blockwise:
-        pair = require_inputs(reference, inputs_file=inputs, input_shapes=input_shapes)
-        return _blockwise(original, converted, centered, on_step, (reference.model, candidate.model, pair))
     notes: list[str] = []
-    if data is not None:
-        resolved = resolve_inputs(reference, inputs_file=inputs, input_shapes=input_shapes)
-        args, kwargs = resolved if resolved is not None else (None, None)
-        from normswap.calibrate.feeding import fed
-
-        source, _ = read_data(data, None, args, kwargs, batch_size, None, model=reference.model)
-        # fed as every command feeds data: as both models take it, on ORIGINAL's device, in its dtype
-        pairs = [
-            (b.args, b.kwargs)
-            for b in (
-                fed(reference.model, b, notes, compared_with=(candidate.model,))
-                for b in itertools.islice(source, batches)
-            )
-        ]
-        if not pairs:
-            raise BadInputError(f"--data {data} yields no batch")
-        if batches is not None and len(pairs) < batches:
-            notes.append(
-                f"{batches} batches were asked for (--batches); --data {data} holds {len(pairs)}, and all "
-                "of them were compared"
-            )
-    else:
-        pairs = [require_inputs(reference, inputs_file=inputs, input_shapes=input_shapes)]
-    pairs = _as_both_take_them(reference.model, candidate.model, pairs, notes)
+    pairs = _compared_inputs(reference, candidate, data, batches, batch_size, inputs, input_shapes, notes)
+    if blockwise:
+        held = (reference.model, candidate.model, pairs, notes)
+        return _blockwise(original, converted, centered, (exact, min_sqnr), on_step, held)
     if on_step is not None:
         on_step("finding the norm sites of ORIGINAL")
     norm_paths = _norm_paths(reference.model, pairs[0])
@@ -184,11 +185,110 @@ def validate(
         notes.append(
             f"compared with {setting}: a written program returns no cache, so caches are not compared"
         )
-    result = Validation(original, converted, _verdict(report, exact, min_sqnr), layerwise=report, notes=notes)
+    judged = exact or min_sqnr is not None
+    nonfinite = any(o.comparison.nonfinite for o in report.outputs)
+    failure = report.failure if judged or nonfinite else None  # a NaN or Inf fails whatever was asked
+    result = Validation(original, converted, _verdict(failure, judged), layerwise=report, notes=notes)
+    result.exact, result.min_sqnr = exact, min_sqnr
     result.refusal = _refusal(report, exact, min_sqnr) if not result.ok else None
     if plot is not None:
         _plot(result, plot, overwrite)
     return result
+
+
+def _check_options(
+    reads: dict[str, Any],
+    *,
+    exact: bool,
+    min_sqnr: float | None,
+    batches: int | None,
+    batch_size: int | None,
+    input_shapes: list[str] | None,
+    blockwise: bool,
+    centered: bool,
+    directories: bool,
+    plot: Path | None,
+    overwrite: bool,
+) -> None:
+    """Every option of ``validate``, checked before any model is read, whatever the route
+    (``directories``: two model directories compared block by block, holding neither model); an option
+    a route cannot honour is refused with what to do instead, never ignored."""
+    if plot is not None:  # the output rule every command checks first, as the CLI does
+        check_run_paths(reads, {"--plot": plot}, overwrite)
+    if centered and not blockwise:
+        raise BadInputError("--centered applies to --blockwise")
+    if exact and min_sqnr is not None:
+        raise BadInputError("--exact and --min-sqnr are two different checks: give one")
+    if reads["--data"] is None:
+        given = [
+            name
+            for name, value in (("--batches", batches), ("--batch-size", batch_size))
+            if value is not None
+        ]
+        if given:
+            raise BadInputError(f"{given[0]} applies to --data: give the data to compare on, or drop it")
+    if blockwise and plot is not None:
+        raise BadInputError(
+            "--plot draws the per-layer SQNR of a whole-model comparison, and --blockwise compares block "
+            "by block: drop --plot (--report FILE holds every block's SQNR), or compare without --blockwise"
+        )
+    if directories:
+        for role, option in (("ORIGINAL", "--weights"), ("CONVERTED", "--converted-weights")):
+            if reads[option] is not None:
+                raise BadInputError(
+                    f"{option} only applies to a factory; {role} {reads[role]} is a model directory"
+                )
+        fixed = {"--data": reads["--data"], "--inputs": reads["--inputs"], "--input-shape": input_shapes}
+        for option, value in fixed.items():
+            if value:
+                raise BadInputError(
+                    f"{option}: two model directories are compared block by block on the inputs their "
+                    "config gives (those a streamed conversion is verified on), not on inputs of yours: "
+                    f"drop {option}, or compare without --blockwise (both models are loaded)"
+                )
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise BadInputError(f"--plot {plot}: the plot is a PNG file")
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        raise BadInputError("--plot needs matplotlib: pip install 'normswap[plot]'")
+
+
+def _compared_inputs(
+    reference: LoadedModel,
+    candidate: LoadedModel,
+    data: str | None,
+    batches: int | None,
+    batch_size: int | None,
+    inputs: str | Path | None,
+    input_shapes: list[str] | None,
+    notes: list[str],
+) -> list[tuple[tuple, dict]]:
+    """The inputs both models are compared on, whole or block by block: every batch of ``data`` (its
+    first ``batches``) or the example inputs, as both models take them (what is changed said in
+    ``notes``)."""
+    if data is None:
+        pairs = [require_inputs(reference, inputs_file=inputs, input_shapes=input_shapes)]
+        return _as_both_take_them(reference.model, candidate.model, pairs, notes)
+    resolved = resolve_inputs(reference, inputs_file=inputs, input_shapes=input_shapes)
+    args, kwargs = resolved if resolved is not None else (None, None)
+    from normswap.calibrate.feeding import fed
+
+    source, _ = read_data(data, None, args, kwargs, batch_size, None, model=reference.model)
+    # fed as every command feeds data: as both models take it, on ORIGINAL's device, in its dtype
+    pairs = [
+        (b.args, b.kwargs)
+        for b in (
+            fed(reference.model, b, notes, compared_with=(candidate.model,))
+            for b in itertools.islice(source, batches)
+        )
+    ]
+    if not pairs:
+        raise BadInputError(f"--data {data} yields no batch")
+    if batches is not None and len(pairs) < batches:
+        notes.append(
+            f"{batches} batches were asked for (--batches); --data {data} holds {len(pairs)}, and all "
+            "of them were compared"
+        )
+    return _as_both_take_them(reference.model, candidate.model, pairs, notes)
 
 
 def _as_both_take_them(reference: nn.Module, candidate: nn.Module, pairs: list, notes: list[str]) -> list:
@@ -215,12 +315,13 @@ def _load(role: str, spec: str, weights: str | Path | None, trust_pickle: bool) 
         ) from None
 
 
-def _verdict(report: ValidationReport, exact: bool, min_sqnr: float | None) -> ComparisonVerdict:
-    """A NaN or Inf in an output fails the comparison whatever was asked (nothing was compared there)."""
-    nonfinite = any(o.comparison.nonfinite for o in report.outputs)
-    if (exact or min_sqnr is not None or nonfinite) and not report.passed:
+def _verdict(failure: str | None, judged: bool) -> ComparisonVerdict:
+    """The verdict of every route, whole model or block by block: ``failure`` is what fails the
+    comparison (outside what was asked, or a NaN or Inf whatever was asked); ``judged``: a threshold
+    (``exact`` or ``min_sqnr``) was asked."""
+    if failure is not None:
         return ComparisonVerdict.FAILED
-    return ComparisonVerdict.PASSED if exact or min_sqnr is not None else ComparisonVerdict.NOT_JUDGED
+    return ComparisonVerdict.PASSED if judged else ComparisonVerdict.NOT_JUDGED
 
 
 def _refusal(report: ValidationReport, exact: bool, min_sqnr: float | None) -> str:
@@ -258,25 +359,31 @@ def _blockwise(
     original: str,
     converted: str,
     centered: bool,
+    asked: tuple[bool, float | None],
     on_step: Callable[[str], None] | None,
-    in_memory: tuple[Any, Any, tuple] | None = None,
+    in_memory: tuple[Any, Any, list, list[str]] | None = None,
 ) -> Validation:
-    """Two models compared block by block; failed when a stage is outside the exact tolerance. Two model
-    directories are compared holding neither model, on the inputs a streamed conversion is verified on;
-    other models (``in_memory``: both models and the example inputs) are held and compared on the
-    example inputs."""
+    """Two models compared block by block, judged by what was ``asked`` (exact, min_sqnr) as the whole
+    model is (:mod:`normswap.verify.block_verdict`). Two model directories are compared holding neither
+    model, on the inputs a streamed conversion is verified on; other models (``in_memory``: both models,
+    the inputs both are compared on and the notes on them) are held and compared on those inputs."""
     from normswap.api.checkpoint_checks import VERIFY_SHAPES
     from normswap.load.checkpoint_dir import build_on_meta, read_checkpoint_directory
     from normswap.load.config_inputs import example_inputs as config_inputs
     from normswap.verify import blockwise
+    from normswap.verify.block_verdict import blockwise_failure
 
+    exact, min_sqnr = asked
     relate = blockwise.centered if centered else blockwise.identity
     say = on_step if on_step is not None else (lambda _text: None)
     say("comparing block by block")
+    notes: list[str] = []
     if in_memory is not None:
-        reference, candidate, pair = in_memory
-        shapes = [_shape_of(pair)]
-        results = blockwise.verify_blockwise_models(reference, candidate, [pair], relate, on_block=say)
+        reference, candidate, pairs, notes = in_memory
+        shapes = [_shape_of(pair) for pair in pairs]
+        results = blockwise.verify_blockwise_models(
+            reference, candidate, pairs, relate, on_block=say, end_to_end=True
+        )
     else:
         checkpoints = {
             label: read_checkpoint_directory(path)
@@ -300,15 +407,19 @@ def _blockwise(
             relate,
             on_block=say,
             user_names=(f"ORIGINAL {original}", f"CONVERTED {converted}"),
+            end_to_end=True,
         )
-    failed = [r for r in results if not r.ok]
+    failure = blockwise_failure(results, exact=exact, min_sqnr_db=min_sqnr)
     return Validation(
         original,
         converted,
-        ComparisonVerdict.FAILED if failed else ComparisonVerdict.PASSED,
-        refusal=f"outside the exact tolerance: {failed[0].failure}" if failed else None,
+        _verdict(failure, exact or min_sqnr is not None),
+        refusal=failure,
         blockwise=results,
         blockwise_shapes=shapes,
+        notes=notes,
+        exact=exact,
+        min_sqnr=min_sqnr,
     )
 
 

@@ -14,7 +14,10 @@ for folds; centering over the hidden dim for a recentered residual stream):
 2. block ``i`` runs on the original's activation ``h`` in the original shell and on ``relate(h)`` in the
    converted one: ``relate(block(h))`` against ``block'(relate(h))``; the next block takes the
    original's output, so an error does not carry over and the first diverging block is named;
-3. the head (final norm, LM head) runs on the last activation in both: logits against logits.
+3. the head (final norm, LM head) runs on the last activation in both: logits against logits;
+4. asked ``end_to_end`` (``validate``, whose SQNR threshold is judged on outputs as for the whole
+   model), the converted model also runs through its own blocks from its own embeddings, and its
+   output is compared with the original's: the figure the whole-model comparison gives.
 
 Every comparison is held to the exact tolerance of the dtype (:mod:`normswap.util.tolerance`); a NaN or
 Inf in the converted model's activation fails its stage and says where, one in the original's refuses
@@ -37,7 +40,7 @@ from normswap.load.checkpoint_dir import CheckpointDirectory, build_on_meta, sto
 from normswap.util.shapes import format_shapes, input_shapes
 from normswap.verify.block_shell import BlockShell, shell_names
 from normswap.verify.finite import refuse_nonfinite_outputs
-from normswap.verify.metrics import TensorComparison, compare_tensors
+from normswap.verify.metrics import PooledSqnr, TensorComparison, compare_tensors
 
 Relate = Callable[[torch.Tensor], torch.Tensor]
 
@@ -59,6 +62,10 @@ class BlockwiseReport:
 
     stages: list[tuple[str, TensorComparison]] = field(default_factory=list)
     blocks_path: str = ""
+    # end to end (when asked): the converted model run through its own blocks, against the original's
+    # output, as the whole-model comparison measures it; its signal and noise pool over inputs
+    output: TensorComparison | None = None
+    output_sqnr: PooledSqnr | None = None
 
     @property
     def ok(self) -> bool:
@@ -102,6 +109,14 @@ class BlockwiseReport:
                 }
                 for s, c in self.stages
             ],
+            "output": None
+            if self.output is None
+            else {
+                "max_rel": self.output.max_rel,
+                "sqnr_db": self.output.sqnr_db,
+                "cosine": self.output.cosine,
+                "nonfinite": self.output.nonfinite,
+            },
         }
 
 
@@ -297,6 +312,7 @@ def verify_blockwise(
     on_block: Callable[[str], None] | None = None,
     changed: list[str] | None = None,
     user_names: tuple[str, str] | None = None,
+    end_to_end: bool = False,
 ) -> list[BlockwiseReport]:
     """Compare ``converted`` with ``original`` stage by stage on each of ``inputs`` (``(args, kwargs)``
     pairs), one report per input (see the module doc). ``user_names``: both are the user's (``validate``),
@@ -322,6 +338,7 @@ def verify_blockwise(
         relate,
         on_block,
         chain_last=any(name.startswith(last) for name in changed or ()),
+        end_to_end=end_to_end,
     )
 
 
@@ -356,10 +373,12 @@ def verify_blockwise_models(
     inputs: list[tuple[tuple, dict[str, Any]]],
     relate: Relate = identity,
     on_block: Callable[[str], None] | None = None,
+    end_to_end: bool = False,
 ) -> list[BlockwiseReport]:
     """:func:`verify_blockwise` for two models in memory (the same model class, or the same list of
     blocks): every block of ``converted`` runs on the original's activation of that block, so the first
-    block outside the exact tolerance is named, and an error does not carry over to later blocks."""
+    block outside the exact tolerance is named, and an error does not carry over to later blocks
+    (``end_to_end`` as there)."""
     blocks, count = _same_blocks(find_blocks(original), find_blocks(converted))
     return _compare(
         lambda: _Resident(original, blocks, count),
@@ -368,6 +387,7 @@ def verify_blockwise_models(
         inputs,
         relate,
         on_block,
+        end_to_end=end_to_end,
     )
 
 
@@ -387,6 +407,7 @@ def _compare(
     relate: Relate,
     on_block: Callable[[str], None] | None,
     chain_last: bool = False,
+    end_to_end: bool = False,
 ) -> list[BlockwiseReport]:
     say = on_block or (lambda _: None)
     shell = make_original()
@@ -401,6 +422,7 @@ def _compare(
         run["c_args"], run["c_kwargs"] = block_inputs(shell, args, kwargs)
         theirs = block_hidden(run["c_args"], run["c_kwargs"])
         report.stages.append(("embeddings", compare_tensors("embeddings", relate(run["hidden"][0]), theirs)))
+        run["own"] = theirs  # end to end: the converted model's own activation, block after block
         reports.append(report)
     for index in range(count):
         say(f"verifying: converted block {index + 1}/{count}")
@@ -409,6 +431,10 @@ def _compare(
             in_args, in_kwargs = with_hidden(run["c_args"], run["c_kwargs"], relate(run["hidden"][index]))
             with torch.no_grad():
                 out = first_output(block(*in_args, **in_kwargs))
+            if end_to_end:
+                own_args, own_kwargs = with_hidden(run["c_args"], run["c_kwargs"], run["own"])
+                with torch.no_grad():
+                    run["own"] = first_output(block(*own_args, **own_kwargs))
             want = relate(run["hidden"][index + 1])
             compared = compare_tensors(f"block {index}", want, out)
             if chain_last and index == count - 1 and not compared.within_tolerance:
@@ -416,6 +442,11 @@ def _compare(
                 continue
             report.stages.append((f"block {index}", compared))
     for report, run, (args, kwargs) in zip(reports, runs, inputs, strict=True):
+        if end_to_end:
+            own = head_output(shell, args, kwargs, run["own"])
+            report.output = compare_tensors("output", run["output"], own)
+            report.output_sqnr = PooledSqnr()
+            report.output_sqnr.add(run["output"], own)
         if "last" in run:
             out, alone = run["last"]
             stage = f"block {count - 1} + head"

@@ -374,12 +374,15 @@ def test_a_model_whose_tensors_transformers_renames_runs_block_by_block_as_in_me
     assert all(torch.equal(seq[k], source[k]) and torch.equal(memory[k], source[k]) for k in source)
     # block by block verification reads every block's own tensors: the output passes, and a copy with
     # block 1's layernorm_after changed in its file fails at block 1
-    shown = runner.invoke(app, ["validate", str(vit), str(tmp_path / "seq"), "--blockwise"])
+    shown = runner.invoke(app, ["validate", str(vit), str(tmp_path / "seq"), "--blockwise", "--exact"])
     assert shown.exit_code == 0, shown.output
-    assert "vit.layers (2 blocks): 4 stages, worst 0 x max|ref| PASS" in shown.output
+    assert (
+        "vit.layers (2 blocks): 4 stages, worst 0 x max|ref| (all within the exact tolerance)" in shown.output
+    )
+    assert "verdict (block by block, exact tolerance): PASS" in shown.output
     doubled = "vit.encoder.layer.1.layernorm_after.weight"
     save_file({**seq, doubled: 2 * seq[doubled]}, tmp_path / "seq" / "model.safetensors", {"format": "pt"})
-    shown = runner.invoke(app, ["validate", str(vit), str(tmp_path / "seq"), "--blockwise"])
+    shown = runner.invoke(app, ["validate", str(vit), str(tmp_path / "seq"), "--blockwise", "--exact"])
     assert shown.exit_code == 1, shown.output
     assert "outside the exact tolerance: block 1:" in " ".join(shown.output.split())
 

@@ -211,8 +211,8 @@ def test_validate_blockwise_compares_two_directories(dirs, tmp_path):
     stages = json.loads(report.read_text())["blockwise"]
     assert [len(s["stages"]) for s in stages] == [4, 4] and all(s["ok"] for s in stages)
     # compared as it is, the recentered stream differs from the original's from the embeddings on
-    raw = runner.invoke(app, argv)
-    assert raw.exit_code == 1 and "first: embeddings" in raw.output
+    raw = runner.invoke(app, [*argv, "--exact"])
+    assert raw.exit_code == 1 and "first outside the exact tolerance: embeddings" in raw.output
 
 
 def test_validate_blockwise_compares_a_directory_with_a_model_in_memory(dirs, tmp_path):
@@ -226,8 +226,8 @@ def test_validate_blockwise_compares_a_directory_with_a_model_in_memory(dirs, tm
     stages = json.loads(report.read_text())["blockwise"]
     assert [len(s["stages"]) for s in stages] == [4] and all(s["ok"] for s in stages)
     assert "model.decoder.layers (2 blocks)" in through.output
-    raw = runner.invoke(app, argv[:-1])  # without --centered the stream differs from the embeddings on
-    assert raw.exit_code == 1 and "first: embeddings" in raw.output
+    raw = runner.invoke(app, [*argv[:-1], "--exact"])  # without --centered: differs from the embeddings on
+    assert raw.exit_code == 1 and "first outside the exact tolerance: embeddings" in raw.output
 
 
 def test_a_killed_run_leaves_no_directory_that_looks_complete(dirs, tmp_path):

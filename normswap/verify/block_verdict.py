@@ -26,13 +26,7 @@ def output_sqnr_db(reports: Sequence[BlockwiseReport]) -> float | None:
     parts = [r.output_sqnr for r in reports if r.output_sqnr is not None]
     if not parts:
         return None
-    pooled = PooledSqnr(
-        signal_sq=sum(p.signal_sq for p in parts),
-        noise_sq=sum(p.noise_sq for p in parts),
-        nonfinite=any(p.nonfinite for p in parts),
-        pairs=sum(p.pairs for p in parts),
-    )
-    return pooled.db
+    return PooledSqnr.of(parts).db
 
 
 def first_below(reports: Sequence[BlockwiseReport], min_sqnr_db: float) -> tuple[str, float] | None:

@@ -12,7 +12,7 @@ compared there, and no figure (max abs, SQNR, cosine) measures it, so every figu
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,17 @@ class PooledSqnr:
         ref = reference.detach().double()
         self.signal_sq += float(ref.norm()) ** 2
         self.noise_sq += float((ref - output.detach().double()).norm()) ** 2
+
+    @classmethod
+    def of(cls, pools: Iterable[PooledSqnr]) -> PooledSqnr:
+        """Several pools taken together (each input's, block by block), as one pool of all their pairs."""
+        pools = list(pools)
+        return cls(
+            sum(p.signal_sq for p in pools),
+            sum(p.noise_sq for p in pools),
+            any(p.nonfinite for p in pools),
+            sum(p.pairs for p in pools),
+        )
 
     @property
     def db(self) -> float:

@@ -120,6 +120,7 @@ def validate(
             render.out.print(f"note: {note}", soft_wrap=True)
     else:
         _print_blockwise(result)
+    _print_verdict(result)
     if result.plot is not None:
         render.final(f"wrote {result.plot}")
     if report is not None:
@@ -146,8 +147,14 @@ def _print_blockwise(result: Any) -> None:
         )
     for note in result.notes:
         render.out.print(f"note: {note}", soft_wrap=True)
+
+
+def _print_verdict(result: Any) -> None:
+    """The comparison's verdict under the rule asked, the same line on both routes (the whole model's
+    said FAIL against its display threshold, 40 dB, when nothing was asked and the command exited 0)."""
     rule = "figures only: give --exact or --min-sqnr for a verdict"
     if result.exact or result.min_sqnr is not None:
         rule = "exact tolerance" if result.exact else f"min SQNR {result.min_sqnr:g} dB"
+    how = "block by block, " if result.layerwise is None else ""
     shown = {"passed": "[green]PASS[/]", "failed": "[bold red]FAIL[/]", "not_judged": "not judged"}
-    render.out.print(f"verdict (block by block, {rule}): {shown[result.verdict.value]}", soft_wrap=True)
+    render.out.print(f"verdict ({how}{rule}): {shown[result.verdict.value]}", soft_wrap=True)

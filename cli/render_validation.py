@@ -10,7 +10,8 @@ from rich.table import Table
 
 
 def print_validation(result: Any) -> None:
-    """A :class:`normswap.verify.layerwise` result: outputs, norm sites, first divergence, verdict."""
+    """A :class:`normswap.verify.layerwise` result: outputs, norm sites, first divergence (the command
+    prints the verdict, one line for every route)."""
     table = Table(title=f"Outputs ({result.batches} batch{'es' if result.batches != 1 else ''})")
     for column in ("output", "shape", "max abs", "max rel", "SQNR dB", "cosine", "top-1", "top-5"):
         table.add_column(column, overflow="fold")
@@ -56,9 +57,5 @@ def print_validation(result: Any) -> None:
         )
     for skipped in getattr(result, "skipped_layers", []):
         out.print(f"not compared: {skipped['path']}: {escape(skipped['reason'])}", soft_wrap=True)
-    verdict = "[green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
-    out.print(
-        f"verdict ({'exact tolerance' if result.exact else f'min SQNR {result.min_sqnr_db:g} dB'}): {verdict}"
-    )
     if result.failure and result.exact:
         out.print(f"  {escape(result.failure)}", soft_wrap=True)

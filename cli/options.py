@@ -112,7 +112,7 @@ StaticShapesOpt = Annotated[
         "--static-shapes",
         help="Write the program (.pt2, .onnx, a graph's .pt) for the example's shapes only. By default it "
         "takes any batch and sequence length the model leaves free, and an exact conversion whose file "
-        "would not take a shape it was verified on is refused. Refused for outputs that hold no program.",
+        "would not take a shape it was verified on is refused. Refused for a model directory (weights only).",
         panel=OUTPUT_PANEL,
     ),
 ]

@@ -200,17 +200,6 @@ class ConvertConfig:
         """The rewrites this configuration asks for, by their command-line spelling."""
         return self.given(*BY_OPTION)
 
-    def check_output_options_for(self, model: torch.nn.Module) -> None:
-        """The output-option rule (:mod:`normswap.load.output_options`) judged on the model converted,
-        before the work: ``static_shapes`` with a .pt output is used only when the .pt holds a program
-        (the model is an exported graph, or a graph rewrite makes it one)."""
-        from torch.fx import GraphModule
-
-        from normswap.load.output_options import check_output_options
-
-        program = None if isinstance(model, GraphModule) or self.makes_graph() else False
-        check_output_options(self.output_path, static_shapes=self.static_shapes, program=program)
-
     def makes_graph(self) -> bool:
         """Whether a rewrite asked for makes the model an exported GraphModule (then a .pt holds its
         program)."""
@@ -229,15 +218,11 @@ class ConvertConfig:
         from normswap.util.dtypes import onnx_check_problem
 
         output = self.output_path
-        # the one rule for output options the output does not use (a graph rewrite writes a program to
-        # a .pt; otherwise whether a .pt holds one is judged on the model, in convert_model and save)
-        program = True if self.makes_graph() else None
+        if output is not None and not is_directory_output(output):
+            check_output_format(output)  # an unknown suffix says so first
+        # the one rule for output options the output does not use
         check_output_options(
-            output,
-            opset=self.opset,
-            static_shapes=self.static_shapes,
-            portable=self.portable,
-            program=program,
+            output, opset=self.opset, static_shapes=self.static_shapes, portable=self.portable
         )
         if self.dtype is not None and output is None:
             raise BadInputError("--dtype is the dtype of the written output: give -o")
@@ -253,7 +238,6 @@ class ConvertConfig:
                     f"hold: save {output} as .pt2, .onnx or .pt (its program pickled)"
                 )
             return
-        check_output_format(output)
         if SAVE_FORMATS[output.suffix] == "onnx" and (problem := onnx_check_problem(dtype)) is not None:
             raise BadInputError(f"-o {output}: {problem}")
         if SAVE_FORMATS[output.suffix] != "pickle":

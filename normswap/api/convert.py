@@ -354,7 +354,6 @@ def _check_writable(
 
     output = config.output_path
     assert output is not None  # only called for a conversion with an output
-    config.check_output_options_for(model)  # the rule judged on the model (a .pt holds a program?)
     if is_directory_output(output):
         check_directory_output(model, output)
         return

@@ -115,16 +115,20 @@ def save(
         # the model's own file is never written over; its directory shapes a directory output
         refuse_path = refuse_path if refuse_path is not None else conversion.source_path
         source = source if source is not None else conversion.source_checkpoint
+        # the config's output options go with its output (or any, when it named none), not with another
+        # path the caller saves to
+        named = conversion.config.output_path
+        own_output = path is None or named is None or Path(path) == named
         path = path if path is not None else conversion.config.output_path
         if example_args is None and example_kwargs is None:
             example_args, example_kwargs = conversion.example_args, conversion.example_kwargs
         if overwrite is None:
             overwrite = conversion.config.overwrite
-        if portable is None:
+        if portable is None and own_output:
             portable = conversion.config.portable
-        if static_shapes is None:
+        if static_shapes is None and own_output:
             static_shapes = conversion.config.static_shapes
-        if opset is None:
+        if opset is None and own_output:
             opset = conversion.config.opset
         if dtype is None:
             dtype = conversion.config.output_dtype
@@ -134,17 +138,9 @@ def save(
     if path is None:
         raise BadInputError("save needs a path (or a ConvertConfig with output)")
     from normswap.load.output_options import check_output_options
-    from normswap.load.save import pickled_as_program
 
-    # the one rule for output options the output does not use, judged on the model written (a .pt
-    # holds a program only for an exported graph), before anything is cast or written
-    check_output_options(
-        path,
-        opset=opset,
-        static_shapes=bool(static_shapes),
-        portable=bool(portable),
-        program=pickled_as_program(model),
-    )
+    # the one rule for output options the output does not use, before anything is cast or written
+    check_output_options(path, opset=opset, static_shapes=bool(static_shapes), portable=bool(portable))
     if dtype is not None and floating_dtype(model) not in (None, dtype):
         from normswap.modules.copying import copy_model
 

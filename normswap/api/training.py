@@ -126,7 +126,7 @@ def recalibrate(
 
     output = Path(output)  # a str as ConvertConfig(output=...) takes one
     check_output_format(output)
-    # options the output does not use, before the work (a .pt's --static-shapes: judged as it is saved)
+    # options the output does not use, before the work
     check_output_options(output, opset=opset, static_shapes=static_shapes)
     # the output rule every command checks first (an existing output, one that is an input), as the CLI
     reads = {"MODEL": model, "--data": data, "--holdout": holdout, "--weights": weights, "--inputs": inputs}
@@ -231,7 +231,7 @@ def distill(
     sharded_output = output.suffix == SHARDED_SUFFIX
     if not sharded_output:
         check_output_format(output)
-    # options the output does not use, before the work (a .pt's --static-shapes: judged as it is saved)
+    # options the output does not use, before the work
     check_output_options(output, opset=opset, static_shapes=static_shapes)
     if temperature is not None and loss != "kl":
         raise BadInputError("--temperature applies to --loss kl")

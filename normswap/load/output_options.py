@@ -6,8 +6,11 @@ refused: the user believed they had an opset-18 file.
 
 - ``--portable``: a .pt2 program;
 - ``--opset``: an .onnx file;
-- ``--static-shapes``: a written program: a .pt2, an .onnx, or a .pt that holds an exported graph (a graph
-  rewrite's result, a .pt2 loaded as a module); never a model directory (weights only).
+- ``--static-shapes``: a written program: a .pt2, an .onnx, or a .pt (which holds one when the model is
+  an exported graph; a plain module's .pt has no shapes to fix, so the option changes nothing there);
+  never a model directory (weights only).
+
+Every one is judged from the output's path alone, so every route and command refuses it before any work.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 
 _APPLIES = {
-    "--portable": "a .pt2 output",
-    "--opset": "an .onnx output",
-    "--static-shapes": "a written program: a .pt2 or .onnx output, or a .pt of an exported graph",
+    "--portable": ("a .pt2 output", ("pt2",)),
+    "--opset": ("an .onnx output", ("onnx",)),
+    "--static-shapes": ("a written program: a .pt2, .onnx or .pt output", ("pt2", "onnx", "pickle")),
 }
 
 
@@ -37,36 +40,18 @@ def unused_output_option(
     opset: int | None = None,
     static_shapes: bool = False,
     portable: bool = False,
-    program: bool | None = None,
 ) -> str | None:
-    """Why an output option given is not used by ``output`` (its sentence), or None when each is.
-    ``program``: whether a .pt output will hold an exported graph (None: not known yet, so
-    ``static_shapes`` is not judged for a .pt; the writer judges it on the model). No output: only
-    ``portable`` is judged (its output is chosen with it); the others wait for the path to be given."""
-    given = [
-        name
-        for name, on in (
-            ("--portable", portable),
-            ("--opset", opset is not None),
-            ("--static-shapes", static_shapes),
-        )
-        if on
-    ]
-    if not given:
-        return None
-    kind = None if output is None else _kind(Path(output))
-    for name in given:
-        if kind is None and name != "--portable":
+    """Why an output option given is not used by ``output`` (its sentence), or None when each is. No
+    output: only ``portable`` is judged (its output is chosen with it); the others wait for the path."""
+    given = {"--portable": portable, "--opset": opset is not None, "--static-shapes": static_shapes}
+    for name, on in given.items():
+        if not on or (output is None and name != "--portable"):
             continue
-        if name == "--portable":
-            used = kind == "pt2"
-        elif name == "--opset":
-            used = kind == "onnx"
-        else:
-            used = kind in ("pt2", "onnx") or (kind == "pickle" and program is not False)
-        if not used:
-            what = "no output" if output is None else output
-            return f"{name} is for {_APPLIES[name]}, not {what}: drop it, or choose such an output"
+        applies, kinds = _APPLIES[name]
+        if output is None:
+            return f"{name} is for {applies}, and no output is given: give one, or drop it"
+        if _kind(Path(output)) not in kinds:
+            return f"{name} is for {applies}, not {output}: drop it, or choose such an output"
     return None
 
 
@@ -76,13 +61,10 @@ def check_output_options(
     opset: int | None = None,
     static_shapes: bool = False,
     portable: bool = False,
-    program: bool | None = None,
 ) -> None:
     """BadInputError with :func:`unused_output_option`'s sentence, when it has one."""
     from normswap.errors import BadInputError
 
-    problem = unused_output_option(
-        output, opset=opset, static_shapes=static_shapes, portable=portable, program=program
-    )
+    problem = unused_output_option(output, opset=opset, static_shapes=static_shapes, portable=portable)
     if problem is not None:
         raise BadInputError(problem)

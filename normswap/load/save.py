@@ -316,7 +316,7 @@ def pickle_problem(model: nn.Module) -> str | None:
     return None
 
 
-def pickled_as_program(model: nn.Module) -> bool:
+def _pickled_as_program(model: nn.Module) -> bool:
     """Whether a .pt of ``model`` holds its program rather than the module: an exported graph (a graph
     rewrite's result, a .pt2 loaded as a module) carries export's guard hooks, which do not pickle, so
     normswap.load.exported_module.ExportedModule pickles it as its program. Whether that program
@@ -366,7 +366,7 @@ def check_writable(
     if label == "onnx" and (problem := onnx_check_problem(dtype or floating_dtype(model))) is not None:
         raise BadInputError(f"-o {path}: {problem}")
     if label == "pickle":
-        problem = None if pickled_as_program(model) else pickle_problem(model)
+        problem = None if _pickled_as_program(model) else pickle_problem(model)
         if problem is not None:
             raise BadInputError(f"-o {path}: the model cannot be pickled ({problem}); save as .pt2 instead")
     elif (
@@ -392,7 +392,7 @@ def _write_pickle(
     fallbacks: list[str] | None = None,
     static_shapes: bool = False,
 ) -> None:
-    if pickled_as_program(model):
+    if _pickled_as_program(model):
         # an exported graph (a graph rewrite's result): its module holds export's guard hooks, which do
         # not pickle; the .pt holds the program instead (normswap.load.exported_module)
         from normswap.graph.capture import export_program

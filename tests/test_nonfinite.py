@@ -15,7 +15,7 @@ from normswap_cli.app import app
 from torch import nn
 from typer.testing import CliRunner
 
-from normswap.errors import CheckFailedError
+from normswap.errors import BadInputError, CheckFailedError
 from normswap.verify.metrics import compare_tensors, nonfinite_where, sqnr_db
 
 HERE = str(Path(__file__))
@@ -318,6 +318,37 @@ def test_a_nan_in_the_example_inputs_is_the_files_not_the_models(tmp_path, comma
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.pt"]
 
 
+def _convnet_with_an_infinite_example() -> tuple[nn.Module, tuple]:
+    images = torch.randn(1, 3, 8, 8)
+    images[0, 2, 1, 0] = float("inf")
+    return _tiny_convnet(), (images,)
+
+
+@pytest.mark.parametrize("command", ["convert", "validate", "inspect"])
+def test_an_infinite_example_a_factory_carries_is_the_inputs_fault(tmp_path, command):
+    """The rule held for an inputs file only: a factory's +Inf example made convert call the model
+    broken, and validate the ORIGINAL; every route that resolves example inputs applies it."""
+    model = f"{HERE}:_convnet_with_an_infinite_example"
+    argv = {
+        "convert": ["convert", model, "--fold-bn", "-o", str(tmp_path / "out.pt2")],
+        "validate": ["validate", model, model],
+        "inspect": ["inspect", model],
+    }[command]
+    result = _run(*argv)
+    assert result.exit_code == 2, result.output
+    said = f"the example inputs of {model}: args[0] holds 1 NaN/Inf value(s), the first (inf) at index [0, 2, 1, 0]"
+    assert said in " ".join(result.output.split())
+    assert "broken" not in result.output and list(tmp_path.iterdir()) == []
+
+
+def test_an_infinite_example_a_python_caller_passes_is_the_inputs_fault():
+    from normswap import ConvertConfig, convert
+
+    model, (images,) = _convnet_with_an_infinite_example()
+    with pytest.raises(BadInputError, match=r"^the example inputs of the model: args\[0\] holds 1 NaN/Inf"):
+        convert(model, ConvertConfig(fold_bn=True), (images,))
+
+
 def _transformer_encoder() -> nn.Module:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=True)
@@ -332,3 +363,9 @@ def test_example_inputs_may_hold_an_additive_mask_of_minus_infinity(tmp_path):
     result = _run("inspect", f"{HERE}:_transformer_encoder", "--inputs", str(inputs))
     assert result.exit_code == 0, result.output
     assert "4 norm sites: layer 4" in result.output
+    # an additive bias with -Inf (ALiBi's negative slopes, masked): no value above 0, a mask too
+    bias = -torch.arange(7.0).abs().expand(7, 7).clone()
+    bias[torch.ones(7, 7, dtype=torch.bool).triu(1)] = float("-inf")
+    torch.save((torch.randn(2, 7, 16), bias), inputs)
+    result = _run("inspect", f"{HERE}:_transformer_encoder", "--inputs", str(inputs))
+    assert result.exit_code == 0, result.output

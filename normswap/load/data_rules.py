@@ -2,16 +2,23 @@
 (``--inputs``, ``--data``, ``--calibrate``, ``--holdout``, a factory's batches): a plain dense tensor with
 values, each element in memory of its own, none of them NaN or infinite.
 :class:`normswap.calibrate.data.CalibrationData` applies it to every tensor of every batch;
-:func:`normswap.load.inputs.load_inputs_file` to every example input (which may also be an expanded view,
-``arange(T).expand(B, T)``). One exemption, on every route alike: an additive attention mask, a tensor of
-0 and -Inf only (``nn.Transformer.generate_square_subsequent_mask``), since a batch that is a valid example
-input is valid data; a -Inf among other values (an image's) is refused as the data's fault."""
+:func:`refuse_nonfinite_inputs` (NaN and Inf) to every example input, whether read from a file, carried by
+a factory or a .pt2, or passed from Python (which may also be an expanded view, ``arange(T).expand(B, T)``).
+One exemption, on every route alike: an additive attention mask, a tensor of
+no value above 0 (0 and -Inf: ``nn.Transformer.generate_square_subsequent_mask``; ALiBi's negative biases),
+since a batch that is a valid example input is valid data; a -Inf among positive values (an image's) is
+refused as the data's fault."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
+from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError
+from normswap.util.finite import all_finite
 
 
 def _self_overlapping(tensor: torch.Tensor) -> bool:
@@ -68,16 +75,18 @@ def check_data_tensor(tensor: torch.Tensor, where: str, *, rows_per_batch: int |
 def refuse_nonfinite_values(tensor: torch.Tensor, where: str, *, rows_per_batch: int | None = None) -> None:
     """BadInputError naming the first NaN or Inf of ``tensor`` (``where``, and its batch when
     ``rows_per_batch`` cuts it): the data's fault, said before the model runs on it (a +Inf used to pass
-    --inputs and the model was then called broken for the NaN it computed). An additive mask's -Inf (a
-    tensor of 0 and -Inf only) passes."""
+    --inputs and the model was then called broken for the NaN it computed). An additive mask's or
+    bias's -Inf passes: in a tensor no value of which is above 0 (0 and -Inf, ALiBi's negative slopes)."""
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return
+    if not tensor.is_complex() and all_finite(tensor):
+        return  # the common case, in one pass and without masks as large as the tensor
     bad = torch.isnan(tensor)
     for part in (tensor.real, tensor.imag) if tensor.is_complex() else (tensor,):
         bad |= part == float("inf")
         minus = part == float("-inf")
-        if bool(minus.any()) and not bool((part[~minus] == 0).all()):
-            bad |= minus  # not a mask: a -Inf among data values is as broken as a +Inf
+        if bool(minus.any()) and bool((part[~minus] > 0).any()):
+            bad |= minus  # not a mask: a -Inf among data values (an image's) is as broken as a +Inf
     if not bool(bad.any()):
         return
     first = int(bad.reshape(-1).nonzero()[0])
@@ -87,5 +96,17 @@ def refuse_nonfinite_values(tensor: torch.Tensor, where: str, *, rows_per_batch:
     raise BadInputError(
         f"{where} holds {int(bad.sum())} NaN/Inf value(s), the first ({value}) at index {list(index)}"
         f"{batch}: clean the data (e.g. torch.nan_to_num) or drop those rows (-Inf is accepted in an "
-        "additive attention mask, a tensor of 0 and -Inf only)"
+        "additive mask or bias, a tensor with no value above 0)"
     )
+
+
+def refuse_nonfinite_inputs(args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> None:
+    """:func:`refuse_nonfinite_values` for every tensor of a call's inputs (``where``: whose inputs), each
+    named by its place (``args[0]``, ``attention_mask=``): an inputs file, a factory's or a .pt2's own
+    example, the example a Python caller passes."""
+    named = [(f"args[{i}]", value) for i, value in enumerate(args)]
+    named += [(f"{key}=", value) for key, value in kwargs.items()]
+    for name, value in named:
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, torch.Tensor):
+                refuse_nonfinite_values(leaf, f"{where}: {name}")

@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from normswap.errors import BadInputError, describe, first_line
-from normswap.load.data_rules import refuse_nonfinite_values
+from normswap.load.data_rules import refuse_nonfinite_inputs
 from normswap.load.model_file import LoadedModel, read_tensor_file
 from normswap.load.program import is_args_kwargs_pair
 
@@ -192,6 +191,8 @@ def check_inputs_fit(
     traceback minutes later. The inputs are copied and the random state restored: the run leaves no trace.
     """
     args, kwargs = tuple(args or ()), dict(kwargs or {})
+    # a NaN or Inf given is the inputs' fault, not the model's (whoever made them: a factory, a caller)
+    refuse_nonfinite_inputs(args, kwargs, f"the example inputs of {what}")
     shown = describe_inputs(args, kwargs)
     # copies, in case the forward edits its inputs in place (a tensor inside autograd cannot be copied)
     with contextlib.suppress(Exception):
@@ -224,13 +225,7 @@ def load_inputs_file(path: str | Path) -> tuple[tuple, dict]:
     else:
         args = None
     if args is not None:
-        named = [(f"args[{i}]", value) for i, value in enumerate(args)] + [
-            (f"{k}=", v) for k, v in kwargs.items()
-        ]
-        for name, value in named:
-            for leaf in pytree.tree_leaves(value):
-                if isinstance(leaf, torch.Tensor):
-                    refuse_nonfinite_values(leaf, f"inputs file {path}: {name}")
+        refuse_nonfinite_inputs(args, kwargs, f"inputs file {path}")
         return args, kwargs
     raise BadInputError(
         f"inputs file {path} holds a {type(payload).__name__}: expected a tensor, a tuple/list of positional "
@@ -252,7 +247,9 @@ def resolve_inputs(
         specs = [parse_input_shape(text) for text in input_shapes]
         return make_inputs(specs, loaded.model), {}
     if loaded.example_args is not None or loaded.example_kwargs is not None:
-        return tuple(loaded.example_args or ()), dict(loaded.example_kwargs or {})
+        args, kwargs = tuple(loaded.example_args or ()), dict(loaded.example_kwargs or {})
+        refuse_nonfinite_inputs(args, kwargs, f"the example inputs of {loaded.source}")  # a factory's
+        return args, kwargs
     return None
 
 

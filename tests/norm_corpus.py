@@ -435,6 +435,18 @@ class UnbiasedVarianceLayerNorm(nn.Module):
         return (x - mu) / torch.sqrt(x.var(-1, keepdim=True) + self.eps) * self.weight
 
 
+class ClampedRMSNorm(nn.Module):
+    """``x / rms(x).clamp_min(eps) * w``: the RMS floored at 1e-6, not an eps under the root. Read as an
+    RMSNorm with eps = 1e-12 it was rewritten "exactly" and moved rows of RMS 1e-6 by 29%."""
+
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, _weight(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(self.eps) * self.weight
+
+
 class EpsOutsideRMSNorm(nn.Module):
     """The RMSNorm paper's reference code: ``x / (||x|| d^-1/2 + eps)``, eps added to the RMS."""
 
@@ -667,6 +679,7 @@ NEGATIVE = [
     Entry("annotated_transformer", lambda: AnnotatedTransformerLayerNorm(W), why="unbiased std, eps outside"),
     Entry("unbiased_variance", lambda: UnbiasedVarianceLayerNorm(W), why="unbiased variance under the root"),
     Entry("rms_eps_outside", lambda: EpsOutsideRMSNorm(W), why="eps added to the RMS, outside the root"),
+    Entry("clamped_rms_floor", lambda: ClampedRMSNorm(W), why="the RMS floored at 1e-6: no eps, not exact"),
     Entry(
         "global_response_norm",
         lambda: GlobalResponseNorm(W),

@@ -25,6 +25,9 @@ from normswap.graph.ops import (
 
 X, M, V = ("x",), ("m",), ("v",)  # x; mean_D(x); mean_D(x^2)
 _STATISTICS = ("m", "v", "root", "max")  # atoms constant along D
+# the largest floor of a clamped RMS read as an eps: F.normalize's default on the L2 norm (1e-12), which
+# on the RMS is 1e-12 / sqrt(d), below this for every d
+MAX_CLAMP_FLOOR = 1e-12
 Mono = frozenset  # of (atom, exponent) pairs, one per atom
 Poly = dict  # Mono -> coefficient
 
@@ -447,6 +450,7 @@ def _statistic_eps(atom: tuple, exponent: float, centered: bool) -> float | None
     if atom[0] == "max" and exponent == -1.0:
         _, inside, floor = atom
         wanted = Mono({(("root", second), 0.5)}) if centered else Mono({(V, 0.5)})
-        # F.normalize's clamp max(sqrt(V), c) read as sqrt(V + c^2): see the module docstring
-        return floor * floor if inside == wanted else None
+        # F.normalize's clamp max(sqrt(V), c) read as sqrt(V + c^2) for a floor no larger than its default
+        # (normswap.graph.patterns): a larger one changes rows of real activations, not an eps
+        return floor * floor if inside == wanted and floor <= MAX_CLAMP_FLOOR else None
     return None

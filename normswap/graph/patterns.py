@@ -31,7 +31,10 @@ the parameter-free part is the norm, the modulation is not its affine), ``F.norm
 instead of adding eps under the root. It is read as an RMSNorm with ``eps = c^2 / d``: the two are equal
 within fp32 rounding wherever ``||x|| > ~3e3 c`` (the relative difference is ``(c / ||x||)^2 / 2``), both
 give 0 for an all-zero row, and they differ (by up to ``sqrt(2)``) only for rows whose L2 norm lies in
-``(0, ~3e3 c)``, 3e-9 for the default: that is what "exact" means for this form.
+``(0, ~3e3 c)``, 3e-9 for the default: that is what "exact" means for this form. Only a floor that
+small is read so (at most 1e-12 on the RMS: ``norm_algebra.MAX_CLAMP_FLOOR``): a hand-written
+``x / rms(x).clamp_min(1e-6) * w`` differs from any RMSNorm by up to 29% on rows of RMS near 1e-6, which
+real activations reach, so it is not a norm normswap rewrites.
 
 *Numerical confirmation.* Reading every way of writing math is not enough to trust it (an op read
 wrongly, a reshape that broadcasts a weight over the wrong dim), so each candidate is also run: the

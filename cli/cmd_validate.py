@@ -145,6 +145,15 @@ def _print_blockwise(result: Any) -> None:
             f"{render.fmt_float(min(c.sqnr_db for _, c in block.stages))} dB{output}",
             soft_wrap=True,
         )
+    shown = result.to_dict()
+    if shown["output_sqnr_db"] is not None:  # run end to end: the figure --min-sqnr is judged on
+        on = shown["output_sqnr_inputs"]
+        inputs = f"inputs {on[0]}" if len(on) == 1 else f"the {len(on)} inputs pooled"
+        render.out.print(
+            f"output SQNR judged on {inputs} (as the whole-model comparison): "
+            f"{render.fmt_float(shown['output_sqnr_db'])} dB",
+            soft_wrap=True,
+        )
     for note in result.notes:
         render.out.print(f"note: {note}", soft_wrap=True)
 

@@ -26,9 +26,14 @@ from typer.testing import CliRunner
 import normswap
 from normswap.api import ComparisonVerdict
 from normswap.errors import BadInputError
+from normswap.verify import blockwise
 from normswap.verify.block_verdict import blockwise_failure
+from normswap.verify.metrics import PooledSqnr
 
 runner = CliRunner()
+
+# The lossy --to layernorm Llama's output SQNR on the whole model's example (1x16), whole or block by block
+EXAMPLE_SQNR = 16.214
 
 
 @pytest.fixture(scope="module")
@@ -72,37 +77,80 @@ def test_min_sqnr_gives_the_same_verdict_whole_and_block_by_block_on_two_directo
     assert block["verdict"] == ("passed" if code == 0 else "failed") and block["min_sqnr_db"] == float(
         threshold
     )
-    # the first input (1x16) is the whole model's example: the end-to-end output is the same number
+    # the first input (1x16) is the whole model's example: the end-to-end output is the same number,
+    # and the one judged (the second shape, 2x5, is reported, not judged)
     assert [s["stages"][0]["stage"] for s in block["blockwise"]] == ["embeddings", "embeddings"]
-    assert block["blockwise"][0]["output"]["sqnr_db"] == pytest.approx(
-        whole["outputs"][0]["sqnr_db"], rel=1e-9
-    )
-    assert 14 < whole["outputs"][0]["sqnr_db"] < 20 and 14 < block["output_sqnr_db"] < 20
+    sqnr = whole["outputs"][0]["sqnr_db"]
+    assert block["blockwise"][0]["output"]["sqnr_db"] == pytest.approx(sqnr, rel=1e-9)
+    assert block["output_sqnr_db"] == pytest.approx(sqnr, rel=1e-9) and 14 < sqnr < 20
+    assert block["output_sqnr_inputs"] == ["1x16"] and block["blockwise"][1]["output"] is not None
+    assert f"output SQNR judged on inputs 1x16 (as the whole-model comparison): {sqnr:.3g} dB" in block_text
     if code == 1:
         assert "outputs are not within the 30 dB: output.logits: SQNR" in whole_text
         assert "error: the output is not within 30 dB: SQNR" in block_text
-        assert "dB end to end, below 30 dB; first stage below it: block 0" in block_text
+        assert "dB end to end on inputs 1x16, below 30 dB; first stage below it: block 0" in block_text
         assert block["failure"].startswith("the output is not within 30 dB")
     else:
         assert block["failure"] is None and "error" not in block_text
 
 
-def test_no_threshold_reports_and_passes_and_exact_judges_every_block(llama):
+def test_no_threshold_reports_and_passes_and_exact_judges_every_block(llama, monkeypatch):
     """Without --exact/--min-sqnr both routes report and pass (block by block exited 1 on the exact
-    tolerance); the exact tolerance is applied when asked, naming the first block outside it."""
+    tolerance); the exact tolerance is applied when asked, naming the first block outside it. Only
+    --min-sqnr reads the output run end to end, so only it runs each converted block a second time."""
+    asked: list[bool] = []
+    real = blockwise.verify_blockwise
+
+    def verify(*args: object, **kwargs: object) -> list:
+        asked.append(bool(kwargs.get("end_to_end")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(blockwise, "verify_blockwise", verify)
     pair = (str(llama["source"]), str(llama["dir"]))
     whole = normswap.validate(*pair)
     block = normswap.validate(*pair, blockwise=True)
+    assert asked == [False]  # the converted model was not run end to end
     assert (
         whole.verdict is block.verdict is ComparisonVerdict.NOT_JUDGED and block.ok and block.refusal is None
     )
-    assert block.blockwise[0].output.sqnr_db == pytest.approx(whole.layerwise.outputs[0].comparison.sqnr_db)
+    assert [r.output for r in block.blockwise] == [None, None]  # not run: no figure, not a made-up one
+    shown = block.to_dict()
+    assert shown["output_sqnr_db"] is None and shown["output_sqnr_inputs"] is None
+    assert [r["output"] for r in shown["blockwise"]] == [None, None]
     assert block.blockwise_shapes == ["1x16", "2x5"] and [len(r.stages) for r in block.blockwise] == [4, 4]
     # the rule validate applies to these reports, for what else could be asked
     failed = blockwise_failure(block.blockwise, exact=True, min_sqnr_db=None)
     assert failed is not None and failed.startswith("outside the exact tolerance: block 0: ")
-    assert blockwise_failure(block.blockwise, exact=False, min_sqnr_db=5.0) is None
     assert blockwise_failure(block.blockwise, exact=False, min_sqnr_db=None) is None
+    with pytest.raises(ValueError, match=r"needs the reports of an end-to-end comparison"):
+        blockwise_failure(block.blockwise, exact=False, min_sqnr_db=5.0)
+
+
+def test_a_threshold_between_the_example_and_the_pooled_figure_gives_one_verdict_on_both_routes(llama):
+    """Block by block compares two directories on 1x16 (the whole model's example) and 2x5; it judged
+    the output SQNR pooled over both, so a threshold between that figure and the example's passed block
+    by block and failed whole (a Llama at --min-sqnr 13.3: 13.1 dB whole, 13.38 dB pooled). It is now
+    judged on the whole model's inputs, both shapes still reported."""
+    pair, threshold = (str(llama["source"]), str(llama["dir"])), 16.6
+    whole = normswap.validate(*pair, min_sqnr=threshold)
+    block = normswap.validate(*pair, blockwise=True, min_sqnr=threshold)
+    example = whole.layerwise.outputs[0].comparison.sqnr_db
+    pooled = PooledSqnr.of(r.output_sqnr for r in block.blockwise).db
+    assert example == pytest.approx(EXAMPLE_SQNR, abs=1e-3) and pooled == pytest.approx(17.029, abs=1e-3)
+    assert example < threshold < pooled  # pooled, block by block passed where the whole model failed
+    assert whole.verdict is block.verdict is ComparisonVerdict.FAILED, (whole.refusal, block.refusal)
+    shown = block.to_dict()
+    assert shown["output_sqnr_db"] == pytest.approx(example, rel=1e-9)
+    assert shown["output_sqnr_inputs"] == ["1x16"] and block.blockwise_shapes == ["1x16", "2x5"]
+    # both shapes still reported: 1x16 the whole model's figure, 2x5 above it (~18.7 dB)
+    assert [r["output"]["sqnr_db"] for r in shown["blockwise"]] == [
+        pytest.approx(example, rel=1e-9),
+        pytest.approx(18.730, abs=1e-3),
+    ]
+    assert block.refusal == (
+        f"the output is not within {threshold:g} dB: SQNR {example:.3g} dB end to end on inputs 1x16, "
+        f"below {threshold:g} dB"
+    )
 
 
 def test_blockwise_in_memory_compares_on_the_batches_of_data_with_the_whole_models_verdict(llama):
@@ -171,3 +219,15 @@ def test_plot_is_refused_block_by_block_in_memory_too(llama, tmp_path):
         shown.output.split()
     )
     assert not plot.exists()
+
+
+def test_the_whole_models_example_is_compared_first_if_the_fixed_shapes_lack_it(llama, monkeypatch):
+    """The SQNR verdict needs the whole model's inputs: were the first fixed shape not its example
+    (1x16), the example would be compared first and judged; the fixed shapes are still reported."""
+    from normswap.api import checkpoint_checks
+
+    monkeypatch.setattr(checkpoint_checks, "VERIFY_SHAPES", ((2, 5),))
+    block = normswap.validate(str(llama["source"]), str(llama["dir"]), blockwise=True, min_sqnr=16.6)
+    assert block.verdict is ComparisonVerdict.FAILED  # 2x5 alone (18.7 dB) would pass
+    assert block.blockwise_shapes == ["1x16", "2x5"] and block.to_dict()["output_sqnr_inputs"] == ["1x16"]
+    assert block.to_dict()["output_sqnr_db"] == pytest.approx(EXAMPLE_SQNR, abs=1e-3)

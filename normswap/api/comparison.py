@@ -60,6 +60,9 @@ class Validation:
     layerwise: ValidationReport | None = None
     blockwise: list[BlockwiseReport] = field(default_factory=list)
     blockwise_shapes: list[str] = field(default_factory=list)
+    # how many of the first ``blockwise`` reports are on the inputs the whole-model comparison would use:
+    # the output SQNR is judged (and reported as ``output_sqnr_db``) on those alone
+    blockwise_judged: int = 0
     # the PNG of the per-layer SQNR, when one was asked for and written
     plot: Path | None = None
     # how the inputs were fitted to the two models (a key one of them does not take, use_cache turned off)
@@ -77,13 +80,18 @@ class Validation:
         if self.layerwise is None:
             from normswap.verify.block_verdict import output_sqnr_db
 
+            # None (null) where the converted model was not run end to end: no --min-sqnr asked for it
+            judged_db = output_sqnr_db(self.blockwise[: self.blockwise_judged])
             return {
                 **head,
                 "exact": self.exact,
                 "min_sqnr_db": self.min_sqnr,
                 "verdict": self.verdict.value,
                 "failure": self.refusal,
-                "output_sqnr_db": output_sqnr_db(self.blockwise),
+                "output_sqnr_db": judged_db,
+                "output_sqnr_inputs": None
+                if judged_db is None
+                else self.blockwise_shapes[: self.blockwise_judged],
                 "blockwise": [r.to_dict() for r in self.blockwise],
                 "notes": self.notes,
             }
@@ -118,8 +126,8 @@ def validate(
     many dB (also the per-layer threshold of the first divergent layer); neither: figures only, failed
     only by a NaN or Inf in an output. ``blockwise`` (``centered``: CONVERTED carries the residual stream
     centred) compares block by block under the same verdict (``min_sqnr``: the converted model's output
-    run through its own blocks); two model directories are then compared on the inputs their config
-    gives, so ``data``, ``inputs``, ``input_shapes`` and ``weights`` are refused there, and ``plot`` (a
+    run through its own blocks, on the inputs the whole-model comparison uses; run only then); two model
+    directories are then compared on the inputs their config gives (1x16, judged, and 2x5), so ``data``, ``inputs``, ``input_shapes`` and ``weights`` are refused there, and ``plot`` (a
     per-layer figure) with any ``blockwise``. ``plot``: write a PNG of the per-layer SQNR there (an
     existing file only with ``overwrite``, refused before any model is read). ``on_step``
     hears the phase, ``on_progress`` (done, total, "comparing") the batches compared. Bad options and inputs raise
@@ -370,6 +378,7 @@ def _blockwise(
     from normswap.api.checkpoint_checks import VERIFY_SHAPES
     from normswap.load.checkpoint_dir import build_on_meta, read_checkpoint_directory
     from normswap.load.config_inputs import example_inputs as config_inputs
+    from normswap.load.config_inputs import same_inputs
     from normswap.verify import blockwise
     from normswap.verify.block_verdict import blockwise_failure
 
@@ -377,12 +386,17 @@ def _blockwise(
     relate = blockwise.centered if centered else blockwise.identity
     say = on_step if on_step is not None else (lambda _text: None)
     say("comparing block by block")
+    # The converted model runs end to end (every block a second time) only for the verdict that reads
+    # its output: --min-sqnr.
+    end_to_end = min_sqnr is not None
     notes: list[str] = []
+    named: list[str] = []
     if in_memory is not None:
         reference, candidate, pairs, notes = in_memory
         shapes = [_shape_of(pair) for pair in pairs]
+        judged = len(pairs)  # the whole-model comparison's own inputs
         results = blockwise.verify_blockwise_models(
-            reference, candidate, pairs, relate, on_block=say, end_to_end=True
+            reference, candidate, pairs, relate, on_block=say, end_to_end=end_to_end
         )
     else:
         checkpoints = {
@@ -395,11 +409,17 @@ def _blockwise(
             raise BadInputError(
                 f"--blockwise cannot compare {original}: {problem}; compare without --blockwise"
             )
-        inputs = [
-            config_inputs(meta, checkpoints["ORIGINAL"].config, batch=b, length=n, device="cpu")
-            for b, n in VERIFY_SHAPES
-        ]
+        config = checkpoints["ORIGINAL"].config
+        inputs = [config_inputs(meta, config, batch=b, length=n, device="cpu") for b, n in VERIFY_SHAPES]
         shapes = [f"{b}x{n}" for b, n in VERIFY_SHAPES]
+        # The SQNR verdict is judged on the whole-model route's inputs for a directory, its config's
+        # example (normswap.load.model_file), or a threshold between that figure and one pooled with the
+        # second shape passes one route and fails the other. The first fixed shape is that example; were
+        # it not, the example is compared first.
+        whole = config_inputs(meta, config, device="cpu")
+        if not same_inputs(whole, inputs[0]):
+            inputs, shapes = [whole, *inputs], [_shape_of(whole), *shapes]
+        judged, named = 1, shapes
         results = blockwise.verify_blockwise(
             checkpoints["ORIGINAL"],
             checkpoints["CONVERTED"],
@@ -407,9 +427,9 @@ def _blockwise(
             relate,
             on_block=say,
             user_names=(f"ORIGINAL {original}", f"CONVERTED {converted}"),
-            end_to_end=True,
+            end_to_end=end_to_end,
         )
-    failure = blockwise_failure(results, exact=exact, min_sqnr_db=min_sqnr)
+    failure = blockwise_failure(results, exact=exact, min_sqnr_db=min_sqnr, judged=judged, shapes=named)
     return Validation(
         original,
         converted,
@@ -417,6 +437,7 @@ def _blockwise(
         refusal=failure,
         blockwise=results,
         blockwise_shapes=shapes,
+        blockwise_judged=judged,
         notes=notes,
         exact=exact,
         min_sqnr=min_sqnr,

@@ -148,3 +148,27 @@ def _decoder_ids(
         return None
     limit = decoder.get("max_target_positions") or decoder.get("max_position_embeddings")
     return _token_ids(vocab, batch, min(length, int(limit or length)), seed=1)
+
+
+def same_inputs(a: tuple[tuple, dict[str, Any]], b: tuple[tuple, dict[str, Any]]) -> bool:
+    """Whether two ``(args, kwargs)`` pairs are the same inputs: the same keys, and tensors of the same
+    dtype, shape and values (on the CPU), other values equal."""
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            return (
+                isinstance(x, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(x.cpu(), y.cpu())
+            )
+        return type(x) is type(y) and x == y
+
+    (args_a, kwargs_a), (args_b, kwargs_b) = a, b
+    return (
+        len(args_a) == len(args_b)
+        and kwargs_a.keys() == kwargs_b.keys()
+        and all(same(x, y) for x, y in zip(args_a, args_b, strict=True))
+        and all(same(kwargs_a[k], kwargs_b[k]) for k in kwargs_a)
+    )

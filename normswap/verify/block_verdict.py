@@ -2,13 +2,17 @@
 rule (:attr:`normswap.verify.layerwise.ValidationReport.failure`), so that the same models and options
 get the same verdict on both routes:
 
-- a NaN or Inf in any stage, or in the output, fails whatever was asked: nothing was compared there;
+- a NaN or Inf in any stage, or in the output (when run end to end), fails whatever was asked: nothing
+  was compared there;
 - ``exact``: every stage within the exact tolerance of its dtype (each block runs on the original's
   activation, so the first block outside is named and its error does not carry over);
 - ``min_sqnr_db``: the converted model's output, run end to end through its own blocks
-  (``end_to_end``), at least that many dB from the original's, its signal and noise pooled over every
-  input as the whole-model comparison pools batches; outputs decide there, so they decide here, and the
-  first stage below the threshold is named as the first divergent layer is;
+  (``end_to_end``, run only for this verdict), at least that many dB from the original's, its signal and
+  noise pooled over the inputs the whole-model comparison would use (``judged``: the first reports; two
+  model directories are also compared on a second shape, reported but not judged, or a threshold
+  between the two figures would pass one route and fail the other), as it pools batches; outputs
+  decide there, so they decide here, and the first stage below the threshold on those inputs is named
+  as the first divergent layer is;
 - neither: figures only.
 """
 
@@ -43,10 +47,17 @@ def first_below(reports: Sequence[BlockwiseReport], min_sqnr_db: float) -> tuple
 
 
 def blockwise_failure(
-    reports: Sequence[BlockwiseReport], *, exact: bool, min_sqnr_db: float | None
+    reports: Sequence[BlockwiseReport],
+    *,
+    exact: bool,
+    min_sqnr_db: float | None,
+    judged: int | None = None,
+    shapes: Sequence[str] = (),
 ) -> str | None:
     """Why the comparison fails what was asked, in one sentence (see the module doc); None when it
-    passes, or when nothing was asked and every value is finite."""
+    passes, or when nothing was asked and every value is finite. ``judged``: how many of the first
+    ``reports`` are on the whole-model comparison's inputs, those the SQNR verdict is judged on (None:
+    all); ``shapes`` (one per report) names them in the sentence."""
     if not reports or not any(r.stages for r in reports):
         return "no stage was compared"
     for report in reports:
@@ -60,14 +71,17 @@ def blockwise_failure(
         return None if failed is None else f"outside the exact tolerance: {failed}"
     if min_sqnr_db is None:
         return None
-    db = output_sqnr_db(reports)
+    on = list(reports if judged is None else reports[:judged])
+    db = output_sqnr_db(on)
     if db is None:
         raise ValueError("an SQNR verdict needs the reports of an end-to-end comparison (end_to_end=True)")
     if db >= min_sqnr_db:
         return None
-    below = first_below(reports, min_sqnr_db)
+    below = first_below(on, min_sqnr_db)
     where = f"; first stage below it: {below[0]} (SQNR {below[1]:.3g} dB)" if below is not None else ""
+    named = list(shapes if judged is None else shapes[:judged])
+    inputs = f" on inputs {', '.join(named)}" if named else ""
     return (
-        f"the output is not within {min_sqnr_db:g} dB: SQNR {db:.3g} dB end to end, below "
+        f"the output is not within {min_sqnr_db:g} dB: SQNR {db:.3g} dB end to end{inputs}, below "
         f"{min_sqnr_db:g} dB{where}"
     )

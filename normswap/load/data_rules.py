@@ -77,8 +77,8 @@ def refuse_nonfinite_values(tensor: torch.Tensor, where: str, *, rows_per_batch:
     ``rows_per_batch`` cuts it): the data's fault, said before the model runs on it (a +Inf used to pass
     --inputs and the model was then called broken for the NaN it computed). An additive mask's or
     bias's -Inf passes: in a tensor no value of which is above 0 (0 and -Inf, ALiBi's negative slopes)."""
-    if not (tensor.is_floating_point() or tensor.is_complex()):
-        return
+    if tensor.is_meta or not (tensor.is_floating_point() or tensor.is_complex()):
+        return  # no values (a model built on the meta device carries such examples), or no NaN to hold
     if not tensor.is_complex() and all_finite(tensor):
         return  # the common case, in one pass and without masks as large as the tensor
     bad = torch.isnan(tensor)

@@ -253,6 +253,13 @@ class SwapNorm(Pass[NormSite, SwapPlan, RecordedInputs]):
                 return "its input has one position per feature: an instance norm would output its bias alone"
         if self.target_kind in ("batch", "instance") and dim == 1 and sample is None and site.kind != "batch":
             return f"the input rank is unknown (no example inputs), so the {self.to} class cannot be chosen"
+        if self.target_kind == "batch" and sample is not None and sample.numel() == sample.shape[dim]:
+            # the statistics come from the example's values per feature: from one, the variance is 0 and
+            # the new BatchNorm divides by sqrt(eps) (a 1x16 example blew outputs up 300x)
+            return (
+                f"the example inputs give it one value per feature (shape {tuple(sample.shape)}): a "
+                "BatchNorm's statistics need several; give example inputs with more rows or tokens"
+            )
         return SwapPlan(site, sample)
 
     def apply(self, plan: SwapPlan, ctx: PassContext, state: RecordedInputs) -> Change:

@@ -217,3 +217,21 @@ def test_timm_batchnorm_act_keeps_its_activation(to):
     assert converted[1].act is not model[1].act and isinstance(converted[1].act, nn.ReLU)
     with torch.no_grad():
         assert float(converted(x).min()) >= 0  # the ReLU still runs after the swapped norm
+
+
+def test_a_batchnorm_is_not_given_statistics_from_one_value_per_feature():
+    """GPT-2 fed one token: each LayerNorm sees one value per feature, so the new BatchNorm's variance
+    was 0 and it divided by sqrt(eps) (outputs 300x the original's, reported ok). Skipped with the reason."""
+    model, _, kwargs = model_zoo.gpt2()
+    one_token = torch.zeros(1, 1, dtype=torch.long)
+    converted, report = Pipeline([SwapNorm("batchnorm")])(model, (one_token,), kwargs)
+    swap = report.passes[0]
+    assert swap.changes == [] and len(swap.skips) == 5
+    assert {s.reason for s in swap.skips} == {
+        "the example inputs give it one value per feature (shape (1, 1, 64)): a BatchNorm's statistics "
+        "need several; give example inputs with more rows or tokens"
+    }
+    # two tokens are two values per feature: swapped, with a variance that is not 0
+    converted, report = Pipeline([SwapNorm("batchnorm")])(model, (torch.tensor([[3, 7]]),), kwargs)
+    assert len(report.passes[0].changes) == 5
+    assert float(converted.transformer.h[0].ln_1.running_var.min()) > 0

@@ -13,7 +13,6 @@ inference mode. A conversion whose check failed still returns its result (``resu
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -423,7 +422,7 @@ def calibration_batches(config: ConvertConfig, model: nn.Module, args: tuple, kw
             example_kwargs=kwargs,
         )
         data.vocabulary = token_vocabulary(model)
-    return list(itertools.islice(data, config.calibration_batches))
+    return data.take(config.calibration_batches)
 
 
 def _calibrate(

@@ -35,6 +35,7 @@ distill, the sequential route) reads it through :class:`CalibrationData`, so non
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -141,6 +142,14 @@ class CalibrationData:
         if self.num_batches is None:
             raise TypeError("this calibration data does not know its length in advance")
         return self.num_batches
+
+    def take(self, count: int | None) -> list[ModelInputs]:
+        """The first ``count`` batches (None: all), read and checked; none at all is refused, on every
+        route (an empty list fitted nothing and the conversion was reported ok)."""
+        batches = list(itertools.islice(self, count))
+        if not batches:
+            raise BadInputError(f"{self.name}: no batches to calibrate on")
+        return batches
 
     def __iter__(self) -> Iterator[ModelInputs]:
         reference: ModelInputs | None = None

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import model_zoo
+import pytest
 import torch
 from normswap_cli.app import app
 from typer.testing import CliRunner
@@ -162,3 +163,17 @@ def test_data_for_a_bf16_model_directory_is_fed_in_bf16(tmp_path):
     with torch.no_grad():
         logits = model(**batch.kwargs).logits
     assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
+
+
+def test_calibration_data_with_no_batch_is_refused_not_fitted_on_nothing():
+    """calibration_data=[] (or a generator that yields nothing) fitted nothing and the conversion was
+    reported ok; the data's one reader refuses it on every route (CalibrationData.take)."""
+    from normswap import ConvertConfig, convert
+    from normswap.errors import BadInputError
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+    args = (torch.randn(2, 3, 8, 8),)
+    for empty in ([], (b for b in ())):
+        config = ConvertConfig(to="groupnorm", groups=2, calibration_data=empty)
+        with pytest.raises(BadInputError, match=r"^calibration_data: no batches to calibrate on$"):
+            convert(model, config, args)

@@ -288,3 +288,19 @@ def test_the_api_says_what_it_takes_where_it_raised_type_errors(tmp_path):
     out = str(tmp_path / "out.pt2")
     run = normswap.recalibrate(spec, str(data), out, batch_size=4, input_shapes=["1,3,32,32"])
     assert run.ok and (tmp_path / "out.pt2").is_file()
+
+
+def test_python_spellings_of_a_dtype_and_a_path_are_taken(tmp_path):
+    """ConvertConfig(dtype=torch.bfloat16) raised AttributeError ('torch.dtype' has no 'lower'), and
+    export_onnx / validate(plot=) raised it for a str path that convert and recalibrate take."""
+    assert normswap.ConvertConfig(
+        fold_bn=True, output=tmp_path / "m.pt2", dtype=torch.bfloat16
+    ).output_dtype == (torch.bfloat16)
+    with pytest.raises(normswap.BadInputError, match=r"--dtype must be one of float32, float16, bfloat16"):
+        normswap.ConvertConfig(fold_bn=True, output=tmp_path / "m.pt2", dtype=torch.int8).validate()
+    (tmp_path / "taken.onnx").write_bytes(b"the user's")
+    with pytest.raises(normswap.OutputExistsError):  # a str path reaches the output rule, not .suffix
+        normswap.export_onnx("no/such/model.pt2", str(tmp_path / "taken.onnx"))
+    (tmp_path / "taken.png").write_bytes(b"the user's")
+    with pytest.raises(normswap.OutputExistsError):
+        normswap.validate("no/such/a.pt2", "no/such/b.pt2", plot=str(tmp_path / "taken.png"))

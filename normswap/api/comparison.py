@@ -114,7 +114,7 @@ def validate(
     input_shapes: list[str] | None = None,
     blockwise: bool = False,
     centered: bool = False,
-    plot: Path | None = None,
+    plot: str | Path | None = None,
     overwrite: bool = False,
     on_step: Callable[[str], None] | None = None,
     on_progress: Callable[[int, int | None, str], None] | None = None,
@@ -127,14 +127,16 @@ def validate(
     only by a NaN or Inf in an output. ``blockwise`` (``centered``: CONVERTED carries the residual stream
     centred) compares block by block under the same verdict (``min_sqnr``: the converted model's output
     run through its own blocks, on the inputs the whole-model comparison uses; run only then); two model
-    directories are then compared on the inputs their config gives (1x16, judged, and 2x5), so ``data``, ``inputs``, ``input_shapes`` and ``weights`` are refused there, and ``plot`` (a
-    per-layer figure) with any ``blockwise``. ``plot``: write a PNG of the per-layer SQNR there (an
+    directories are then compared on the inputs their config gives (1x16, judged, and 2x5), so ``data``,
+    ``inputs``, ``input_shapes`` and ``weights`` are refused there, and ``plot`` (a per-layer figure)
+    with any ``blockwise``. ``plot``: write a PNG of the per-layer SQNR there (an
     existing file only with ``overwrite``, refused before any model is read). ``on_step``
-    hears the phase, ``on_progress`` (done, total, "comparing") the batches compared. Bad options and inputs raise
-    :class:`~normswap.errors.BadInputError`; a failed comparison is returned (``ok`` False).
+    hears the phase, ``on_progress`` (done, total, "comparing") the batches compared. Bad options and
+    inputs raise :class:`~normswap.errors.BadInputError`; a failed comparison is returned (``ok`` False).
     """
     from normswap.verify.layerwise import DEFAULT_MIN_SQNR_DB, validate_models
 
+    plot = None if plot is None else Path(plot)  # a str, as every path parameter takes one
     directories = blockwise and Path(original).is_dir() and Path(converted).is_dir()
     # every option is checked before any model is read, on every route (block by block included)
     _check_options(

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def export_onnx(
     model: str,
-    output: Path,
+    output: str | Path,
     *,
     opset: int | None = None,
     static_shapes: bool = False,
@@ -54,6 +54,7 @@ def export_onnx(
     from normswap.load import check_writable
     from normswap.util.dtypes import cast_floating, output_dtype
 
+    output = Path(output)  # a str, as every path parameter takes one
     if output.suffix.lower() != ".onnx":
         raise BadInputError(f"-o {output}: an ONNX export is written to a .onnx file")
     check_target(target)  # before the model is loaded

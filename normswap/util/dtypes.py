@@ -21,9 +21,12 @@ OUTPUT_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def output_dtype(name: str) -> torch.dtype:
-    """The dtype ``--dtype NAME`` names; BadInputError for any other name."""
-    found = OUTPUT_DTYPES.get(name.lower())
+def output_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The dtype ``--dtype NAME`` names (from Python, also a torch.dtype among them); BadInputError for
+    any other."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    found = OUTPUT_DTYPES.get(name.lower()) if isinstance(name, str) else None
     if found is None:
         raise BadInputError(
             f"--dtype must be one of float32, float16, bfloat16 (fp32, fp16, bf16), got {name!r}"

@@ -304,3 +304,23 @@ def test_python_spellings_of_a_dtype_and_a_path_are_taken(tmp_path):
     (tmp_path / "taken.png").write_bytes(b"the user's")
     with pytest.raises(normswap.OutputExistsError):
         normswap.validate("no/such/a.pt2", "no/such/b.pt2", plot=str(tmp_path / "taken.png"))
+
+
+def test_a_compiled_or_data_parallel_model_is_converted_as_the_module_inside():
+    """Through torch.compile's wrapper every check recompiled per shape (minutes for a ResNet-18) and
+    every site carried "_orig_mod."; DataParallel's "module.". The module inside is converted, said."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4)
+    )
+    args = (torch.randn(2, 3, 8, 8),)
+    plain = normswap.convert(model.eval(), normswap.ConvertConfig(fold_bn=True), args)
+    assert len(plain.report.passes[0].changes) == 2
+    for wrapper, name in ((torch.compile, "torch.compile's wrapper"), (nn.DataParallel, "DataParallel")):
+        result = normswap.convert(wrapper(model), normswap.ConvertConfig(fold_bn=True), args)
+        assert result.ok and [c.site for c in result.report.passes[0].changes] == [
+            c.site for c in plain.report.passes[0].changes
+        ]
+        assert not any(c.site.startswith(("_orig_mod.", "module.")) for c in result.report.passes[0].changes)
+        assert any(name in note for note in result.notes), result.notes
+        assert result.model.state_dict().keys() == plain.model.state_dict().keys()

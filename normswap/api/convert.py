@@ -24,6 +24,7 @@ from torch import nn
 
 from normswap.api.config import ConvertConfig
 from normswap.errors import BadInputError
+from normswap.load.wrappers import unwrapped
 from normswap.passes.core.base import Needs
 from normswap.passes.core.pipeline import Pipeline, PipelineReport
 from normswap.verify.operators import OperatorCost, operator_cost
@@ -223,9 +224,10 @@ def convert_model(
     if not isinstance(example_args, tuple | list | None) or not isinstance(example_kwargs, dict | None):
         raise BadInputError("example inputs are a tuple (positional) and a dict (keyword): pass (x,), not x")
     args, kwargs = tuple(example_args or ()), dict(example_kwargs or {})
-    notes: list[str] = []
+    model, wrapped = unwrapped(model)  # torch.compile's, DataParallel's: what computes is inside
+    notes: list[str] = [wrapped] if wrapped else []
     if _written_as_a_program(config) and any(p.needs is Needs.EXPORTED_GRAPH for p in passes):
-        kwargs, notes = _as_a_program_runs(model, args, kwargs)
+        kwargs, notes[len(notes) :] = _as_a_program_runs(model, args, kwargs)  # appended to the notes
     # conversion is about inference (BatchNorm on its running statistics); the caller's flags come back
     with modes_restored(model, inference=True):
         check_inputs_fit(model, args, kwargs)

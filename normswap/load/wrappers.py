@@ -1,0 +1,33 @@
+"""The user's module inside the wrappers torch puts around a model for running it, not for what it
+computes: ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), ``nn.DataParallel`` and
+``DistributedDataParallel`` (``.module``). A conversion works on the module inside: through the
+wrapper every check recompiled for each shape it tried (a ResNet-18 took minutes and hit dynamo's
+recompile limit) and every site and saved key carried the wrapper's prefix (``_orig_mod.``,
+``module.``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def unwrapped(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """The module inside ``model``'s run-time wrappers, and a note saying which were set aside (None
+    when there were none)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    taken: list[str] = []
+    while True:
+        if isinstance(model, OptimizedModule):
+            taken.append("torch.compile's wrapper (converted: ._orig_mod)")
+            model = model._orig_mod
+        elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            taken.append(f"{type(model).__name__} (converted: .module)")
+            model = model.module
+        else:
+            break
+    if not taken:
+        return model, None
+    return model, (
+        f"the model given is wrapped by {' and '.join(taken)}: the module inside is converted, and the "
+        "result is that module (wrap it again to run it so)"
+    )

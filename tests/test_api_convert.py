@@ -324,3 +324,18 @@ def test_a_compiled_or_data_parallel_model_is_converted_as_the_module_inside():
         assert not any(c.site.startswith(("_orig_mod.", "module.")) for c in result.report.passes[0].changes)
         assert any(name in note for note in result.notes), result.notes
         assert result.model.state_dict().keys() == plain.model.state_dict().keys()
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"fold_bn": "False"}, "fold_bn is True or False, got 'False'"),  # a str switched it on
+        ({"opset": "17"}, "opset is a whole number (an ONNX opset), got '17'"),  # TypeError after the work
+        ({"from_kinds": 3}, "from_kinds is a name or a list of names, got 3"),
+        ({"layers": 3}, "layers is a name or a list of names, got 3"),
+    ],
+)
+def test_a_config_option_of_the_wrong_type_is_refused_by_name(options, said):
+    with pytest.raises(normswap.BadInputError) as refused:
+        normswap.ConvertConfig(**options)
+    assert str(refused.value) == said

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,9 +98,14 @@ class ConvertConfig:
     activation_memory: float | None = None
 
     def __post_init__(self) -> None:
+        for option in fields(self):  # a switch is True or False: "False" (a str) switched it on
+            if option.type == "bool" and not isinstance(getattr(self, option.name), bool):
+                raise BadInputError(f"{option.name} is True or False, got {getattr(self, option.name)!r}")
+        if self.opset is not None and (isinstance(self.opset, bool) or not isinstance(self.opset, int)):
+            raise BadInputError(f"opset is a whole number (an ONNX opset), got {self.opset!r}")
         if self.from_kinds is not None:
             # one kind as a str, or "layer,rms" as the command line takes it: not iterated letter by letter
-            given = [self.from_kinds] if isinstance(self.from_kinds, str) else list(self.from_kinds)
+            given = _names("from_kinds", self.from_kinds)
             kinds = tuple(k.strip() for text in given for k in str(text).split(",") if k.strip())
             object.__setattr__(self, "from_kinds", kinds or None)
         for option, value in (
@@ -115,7 +120,7 @@ class ConvertConfig:
         if self.output is not None and not isinstance(self.output, str | os.PathLike):
             raise BadInputError(f"-o must be a path (a str or a Path), got a {type(self.output).__name__}")
         if self.layers is not None:
-            given = [self.layers] if isinstance(self.layers, str) else list(self.layers)
+            given = _names("layers", self.layers)
             patterns = tuple(p.strip() for text in given for p in text.split(",") if p.strip())
             object.__setattr__(self, "layers", patterns or None)
         if self.output is not None:
@@ -371,3 +376,11 @@ class ConvertConfig:
         if field in plain:
             return [plain[field]()]
         return [SwapNorm(field, kinds, groups=self.groups)]  # an architectural --to KIND
+
+
+def _names(option: str, value: object) -> list[str]:
+    """A str, or strs in a list or tuple: what ``option`` takes (an int raised TypeError deep inside)."""
+    given = [value] if isinstance(value, str) else value
+    if not isinstance(given, list | tuple) or not all(isinstance(v, str) for v in given):
+        raise BadInputError(f"{option} is a name or a list of names, got {value!r}")
+    return list(given)

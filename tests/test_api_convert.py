@@ -339,3 +339,13 @@ def test_a_config_option_of_the_wrong_type_is_refused_by_name(options, said):
     with pytest.raises(normswap.BadInputError) as refused:
         normswap.ConvertConfig(**options)
     assert str(refused.value) == said
+
+
+def test_a_model_on_the_meta_device_is_refused_in_one_sentence():
+    """Weights on the meta device failed deep inside a check (Tensor.item() on meta, copy out of meta)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).eval()
+    with pytest.raises(
+        normswap.BadInputError, match=r"^the model's weights are on the meta device \(0\.weight"
+    ):
+        normswap.convert(model, normswap.ConvertConfig(fold_bn=True), (torch.randn(1, 3, 8, 8),))

@@ -3,16 +3,19 @@ computes: ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), ``nn.DataPar
 ``DistributedDataParallel`` (``.module``). A conversion works on the module inside: through the
 wrapper every check recompiled for each shape it tried (a ResNet-18 took minutes and hit dynamo's
 recompile limit) and every site and saved key carried the wrapper's prefix (``_orig_mod.``,
-``module.``)."""
+``module.``). A module whose weights are on the meta device (shapes without values) is refused here, in
+one sentence, where it failed deep inside a check ("Tensor.item() cannot be called on meta tensors")."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from normswap.errors import BadInputError
+
 
 def unwrapped(model: nn.Module) -> tuple[nn.Module, str | None]:
     """The module inside ``model``'s run-time wrappers, and a note saying which were set aside (None
-    when there were none)."""
+    when there were none); BadInputError for weights on the meta device."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     taken: list[str] = []
@@ -25,6 +28,12 @@ def unwrapped(model: nn.Module) -> tuple[nn.Module, str | None]:
             model = model.module
         else:
             break
+    meta = next((name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta), None)
+    if meta is not None:
+        raise BadInputError(
+            f"the model's weights are on the meta device ({meta}: a shape without values): load its "
+            "weights first (load_state_dict(..., assign=True), or to_empty() and load_state_dict)"
+        )
     if not taken:
         return model, None
     return model, (

@@ -98,9 +98,9 @@ class ConvertConfig:
     activation_memory: float | None = None
 
     def __post_init__(self) -> None:
-        for option in fields(self):  # a switch is True or False: "False" (a str) switched it on
-            if option.type == "bool" and not isinstance(getattr(self, option.name), bool):
-                raise BadInputError(f"{option.name} is True or False, got {getattr(self, option.name)!r}")
+        for switch in fields(self):  # a switch is True or False: "False" (a str) switched it on
+            if switch.type == "bool" and not isinstance(getattr(self, switch.name), bool):
+                raise BadInputError(f"{switch.name} is True or False, got {getattr(self, switch.name)!r}")
         if self.opset is not None and (isinstance(self.opset, bool) or not isinstance(self.opset, int)):
             raise BadInputError(f"opset is a whole number (an ONNX opset), got {self.opset!r}")
         if self.from_kinds is not None:

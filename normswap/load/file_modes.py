@@ -25,7 +25,7 @@ def _umask_from_proc() -> int | None:
                 if line.startswith("Umask:"):
                     return int(line.split()[1], 8)
     except (OSError, ValueError, IndexError):
-        pass
+        return None  # no /proc (macOS) or no Umask line (a kernel before 4.7): the probe's turn
     return None
 
 

@@ -8,6 +8,8 @@ one sentence, where it failed deep inside a check ("Tensor.item() cannot be call
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from normswap.errors import BadInputError
@@ -16,11 +18,13 @@ from normswap.errors import BadInputError
 def unwrapped(model: nn.Module) -> tuple[nn.Module, str | None]:
     """The module inside ``model``'s run-time wrappers, and a note saying which were set aside (None
     when there were none); BadInputError for weights on the meta device."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    # only torch.compile makes an OptimizedModule, and it imports dynamo first: importing it here would
+    # cost every conversion over a second
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = eval_frame.OptimizedModule if eval_frame is not None else ()
     taken: list[str] = []
     while True:
-        if isinstance(model, OptimizedModule):
+        if isinstance(model, compiled):
             taken.append("torch.compile's wrapper (converted: ._orig_mod)")
             model = model._orig_mod
         elif isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
